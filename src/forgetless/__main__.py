@@ -1,0 +1,3 @@
+from forgetless.cli import main
+
+main()

@@ -1,0 +1,84 @@
+"""Checkpoints: one safetensors file (tensors + JSON metadata), written atomically. Never pickles."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from forgetless.errors import ForgetlessError
+
+FORMAT = "forgetless-1"
+
+
+def save_checkpoint(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict):
+    """Write tensors and a JSON-able `meta` to `path` atomically (tmp file + rename).
+
+    Tensors sharing storage (tied weights) are written once; `meta["aliases"]` names the rest.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    unique, aliases, seen = {}, {}, {}
+    for name, t in tensors.items():
+        key = (t.data_ptr(), t.shape, t.dtype) if t.numel() else None
+        if key is not None and key in seen:
+            aliases[name] = seen[key]
+            continue
+        if key is not None:
+            seen[key] = name
+        unique[name] = t.detach().contiguous().cpu()
+    meta = {**meta, "format": FORMAT, "aliases": aliases}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file(unique, str(tmp), metadata={"forgetless": json.dumps(meta)})
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """Read a checkpoint written by `save_checkpoint`: (tensors with aliases restored, meta)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ForgetlessError(f"checkpoint {path} does not exist")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {})["forgetless"])
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except (SafetensorError, OSError, KeyError, ValueError, RuntimeError) as e:
+        raise ForgetlessError(
+            f"checkpoint {path} is corrupt or truncated ({str(e).splitlines()[0][:80]}); "
+            "delete it and re-run, or point to another checkpoint") from None
+    if meta.get("format") != FORMAT:
+        raise ForgetlessError(f"checkpoint {path} has format {meta.get('format')!r}, expected {FORMAT!r}")
+    for alias, target in meta.get("aliases", {}).items():
+        tensors[alias] = tensors[target]
+    return tensors, meta
+
+
+def write_json(path: str | Path, obj):
+    """Write JSON atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list]:
+    """Split an optimizer state_dict into flat tensors and JSON-able param groups."""
+    sd = opt.state_dict()
+    flat = {f"optim.{idx}.{key}": (v if torch.is_tensor(v) else torch.tensor(v))
+            for idx, state in sd["state"].items() for key, v in state.items()}
+    return flat, sd["param_groups"]
+
+
+def load_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], groups: list):
+    state: dict[int, dict] = {}
+    for name, t in tensors.items():
+        if name.startswith("optim."):
+            _, idx, key = name.split(".", 2)
+            state.setdefault(int(idx), {})[key] = t
+    opt.load_state_dict({"state": state, "param_groups": groups})

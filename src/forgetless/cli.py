@@ -1,0 +1,295 @@
+"""`forgetless ...`: pretrain, adapt, eval, bench, report, corpora, methods.
+
+Config flags (`--model-n-layer`, `--adapt-lr`, ...) are generated from the config dataclasses;
+a YAML/JSON `--config` file takes the same sections. Precedence: preset < file < flags.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from forgetless.config import coerce, field_types, help_of, load_file
+from forgetless.errors import ForgetlessError
+from forgetless.progress import console
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Continual learning of Transformer LMs: methods against forgetting, benchmarked side by side.")
+out_console = console.__class__()  # stdout, for tables
+
+HIDDEN_FIELDS = {"vocab_size", "ffn_options"}
+
+
+def config_sections():
+    from forgetless.presets import SECTIONS
+    return SECTIONS
+
+
+def with_config_flags(fn):
+    """Add one `--<section>-<field>` option per config field; pass them on as `overrides`."""
+    sig = inspect.signature(fn)
+    extra = []
+    for section, cls in config_sections().items():
+        types = field_types(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in HIDDEN_FIELDS:
+                continue
+            flag = f"--{section}-{f.name.replace('_', '-')}"
+            metavar = getattr(types[f.name], "__name__", "VALUE").upper()
+            option = typer.Option(None, flag, help=help_of(f), metavar=metavar, show_default=False,
+                                  rich_help_panel=f"{section} config (default: the preset's)")
+            extra.append(inspect.Parameter(f"{section}__{f.name}", inspect.Parameter.KEYWORD_ONLY,
+                                           default=option, annotation=Optional[str]))
+
+    @functools.wraps(fn)
+    def wrapper(**kwargs):
+        flags: dict = {}
+        for name in [k for k in kwargs if "__" in k]:
+            value = kwargs.pop(name)
+            if value is not None:
+                section, key = name.split("__", 1)
+                flags.setdefault(section, {})[key] = value
+        return fn(flags=flags, **kwargs)
+
+    params = [p for p in sig.parameters.values() if p.name != "flags"] + extra
+    wrapper.__signature__ = sig.replace(parameters=params)
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
+    return wrapper
+
+
+def friendly(fn):
+    """One-line errors (exit 2) instead of tracebacks for bad input."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ForgetlessError as e:
+            console.print(f"[bold red]error:[/bold red] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2)
+        except KeyboardInterrupt:
+            console.print("interrupted: run the same command again to resume from the last checkpoint")
+            raise typer.Exit(130)
+    return wrapper
+
+
+def merge_overrides(config_file: Optional[Path], flags: dict, sets: list[str]) -> dict:
+    overrides = load_file(config_file) if config_file else {}
+    for section, values in flags.items():
+        overrides.setdefault(section, {}).update(values)
+    for item in sets or []:
+        key, eq, value = item.partition("=")
+        method, dot, option = key.partition(".")
+        if not (eq and dot):
+            raise ForgetlessError(f"--set {item!r}: write METHOD.OPTION=VALUE, e.g. --set lora.r=16")
+        overrides.setdefault("methods", {}).setdefault(method, {})[option] = value
+    return overrides
+
+
+def run_config(preset: str, config_file, flags, sets):
+    from forgetless.presets import build_config
+    return build_config(preset, merge_overrides(config_file, flags, sets))
+
+
+PRESET = typer.Option("quick", help="smoke (seconds), quick (minutes on a laptop CPU), paper (GPU)")
+CONFIG = typer.Option(None, "--config", help="YAML/JSON file with sections model, pretrain, adapt, data, methods")
+SET = typer.Option(None, "--set", help="a method option, METHOD.OPTION=VALUE (repeatable), e.g. lora.r=16")
+
+
+@app.command()
+@friendly
+@with_config_flags
+def bench(preset: str = PRESET,
+          protocol: str = typer.Option("two-domain", help="two-domain (more protocols come with their methods)"),
+          methods: str = typer.Option("all", help="comma-separated method names, or 'all' registered ones"),
+          seeds: int = typer.Option(3, help="number of seeds (0..N-1); tables show mean ± std"),
+          out: Optional[Path] = typer.Option(None, help="output folder (default runs/<protocol>-<preset>)"),
+          domain_a: Optional[str] = typer.Option(None, "--domain-a", help="corpus spec or path for domain A"),
+          domain_b: Optional[str] = typer.Option(None, "--domain-b", help="corpus spec or path for domain B"),
+          config_file: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET, flags: dict = None):
+    """Pretrain (cached), adapt every method on B, write results.json/csv/md and figures."""
+    from forgetless.continual.two_domain import run_two_domain
+    from forgetless.methods import method_names
+    from forgetless.report import write_report
+    from forgetless.report.tables import terminal_rows
+
+    if protocol != "two-domain":
+        raise ForgetlessError(f"unknown protocol {protocol!r}; valid: two-domain")
+    if seeds <= 0:
+        raise ForgetlessError(f"--seeds must be positive, got {seeds}")
+    for key, value in (("domain_a", domain_a), ("domain_b", domain_b)):
+        if value:
+            flags.setdefault("data", {})[key] = value
+    cfg = run_config(preset, config_file, flags, set_)
+    names = method_names() if methods == "all" else [m.strip() for m in methods.split(",") if m.strip()]
+    out = out or Path("runs") / f"{protocol}-{preset}"
+    results = run_two_domain(cfg, names, list(range(seeds)), out, preset)
+    files = write_report(results, out)
+    table = Table(title=f"{protocol} · {preset} · A={cfg.data.domain_a} → B={cfg.data.domain_b}",
+                  caption=f"mean ± std over {seeds} seed(s); all columns in {out / 'results.md'}")
+    heads, body = terminal_rows(results)
+    for h in heads:
+        table.add_column(h, justify="left" if h == "method" else "right")
+    for r in body:
+        table.add_row(*r)
+    out_console.print(table)
+    out_console.print("wrote " + ", ".join(str(f) for f in files))
+
+
+@app.command()
+@friendly
+@with_config_flags
+def pretrain(out: Path = typer.Option(..., help="base checkpoint to write (.safetensors)"),
+             preset: str = PRESET,
+             domain_a: Optional[str] = typer.Option(None, "--domain-a", help="corpus to pretrain on"),
+             resume: bool = typer.Option(False, help="continue an interrupted run from its checkpoint"),
+             config_file: Optional[Path] = CONFIG, flags: dict = None):
+    """Pretrain a base GPT on one corpus (checkpointed; --resume continues exactly)."""
+    from forgetless.continual.base_model import pretrain as run_pretrain
+    from forgetless.data.domains import load_domains
+
+    if domain_a:
+        flags.setdefault("data", {})["domain_a"] = domain_a
+    cfg = run_config(preset, config_file, flags, None)
+    if out.exists():
+        raise ForgetlessError(f"{out} exists; choose another --out or delete it")
+    ckpt = out.with_name(out.name + ".training.safetensors")
+    if ckpt.exists() and not resume:
+        raise ForgetlessError(f"an interrupted run left {ckpt}; pass --resume to continue it, or delete it")
+    (a,), tok = load_domains([cfg.data.domain_a], cfg.data.tokenizer, cfg.model.block_size,
+                             cfg.data.val_fraction, cfg.data.eval_windows)
+    cfg.model.vocab_size = tok.vocab_size
+    meta = run_pretrain(cfg.model, cfg.pretrain, a, tok, out, ckpt_path=ckpt)
+    ckpt.unlink(missing_ok=True)
+    last = meta["history"]["evals"][-1]
+    out_console.print(f"wrote {out} · val PPL on {a.spec}: {last['ppl_a']:.3f} · {meta['wall_s']:.1f} s")
+
+
+@app.command()
+@friendly
+@with_config_flags
+def adapt(base: Path = typer.Option(..., help="base checkpoint from `forgetless pretrain`"),
+          method: str = typer.Option(..., help="method name (see `forgetless methods`)"),
+          domain_b: str = typer.Option(..., "--domain-b", help="corpus to adapt to"),
+          domain_a: Optional[str] = typer.Option(None, "--domain-a", help="corpus to measure retention on (default: the base's)"),
+          out: Path = typer.Option(..., help="folder for metrics.json and the method's tensors"),
+          seed: int = 0, preset: str = PRESET,
+          config_file: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET, flags: dict = None):
+    """Adapt a base on B with one method; report retention on A and adaptation on B."""
+    from forgetless.checkpoint import write_json
+    from forgetless.continual.arm import run_arm
+    from forgetless.continual.base_model import load_base
+    from forgetless.data.domains import load_domains
+    from forgetless.methods import build_method
+
+    cfg = run_config(preset, config_file, flags, set_)
+    model, tok, meta = load_base(base)
+    if (out / "metrics.json").exists():
+        raise ForgetlessError(f"{out / 'metrics.json'} exists; choose another --out or delete it")
+    (a, b), _ = load_domains([domain_a or meta["domain"], domain_b], tok.to_dict(), model.config.block_size,
+                             cfg.data.val_fraction, cfg.data.eval_windows)
+    m = build_method(method, cfg.methods.get(method))
+    result = run_arm(model, m, a, b, cfg.adapt, seed, out_dir=out,
+                     run_config={"base": str(base), "adapt": cfg.adapt.__dict__, "options": m.options()})
+    write_json(out / "metrics.json", result)
+    out_console.print(
+        f"{method}: PPL_A {result['ppl_a_before']:.3f} → {result['ppl_a_after']:.3f} "
+        f"(F {result['forgetting']:+.2%}), PPL_B {result['ppl_b_before']:.3f} → {result['ppl_b_after']:.3f}; "
+        f"wrote {out}")
+
+
+@app.command("eval")
+@friendly
+def evaluate_cmd(checkpoint: Path = typer.Option(..., help="base checkpoint"),
+                 corpus: list[str] = typer.Option(..., help="corpus spec or path (repeatable)"),
+                 method: Optional[str] = typer.Option(None, help="method whose tensors to load on top"),
+                 method_state: Optional[Path] = typer.Option(None, help="the method's .safetensors from `adapt`"),
+                 windows: int = typer.Option(128, help="held-out windows per corpus"),
+                 val_fraction: float = 0.1):
+    """Perplexity and next-token accuracy on the held-out split of one or more corpora."""
+    from forgetless.checkpoint import load_checkpoint
+    from forgetless.continual.base_model import load_base
+    from forgetless.continual.evaluate import evaluate
+    from forgetless.data.domains import load_domains
+    from forgetless.methods import build_method
+
+    model, tok, _ = load_base(checkpoint)
+    if (method is None) != (method_state is None):
+        raise ForgetlessError("--method and --method-state go together")
+    if method:
+        tensors, meta = load_checkpoint(method_state)
+        m = build_method(method, meta.get("options"))
+        model = m.attach(model)
+        m.load_state_dict(model, tensors)
+    table = Table("corpus", "PPL", "acc", "loss (nats)")
+    for spec in corpus:
+        (d,), _ = load_domains([spec], tok.to_dict(), model.config.block_size, val_fraction, windows)
+        r = evaluate(model, d.windows)
+        table.add_row(spec, f"{r['ppl']:.4f}", f"{r['acc']:.4f}", f"{r['loss']:.4f}")
+    out_console.print(table)
+
+
+@app.command()
+@friendly
+def report(run: Path = typer.Argument(..., help="a bench output folder (holds results.json)")):
+    """Rewrite results.csv/md and the figures of a bench run from its results.json."""
+    from forgetless.report import write_report
+    from forgetless.report.tables import markdown
+
+    path = run / "results.json"
+    if not path.is_file():
+        raise ForgetlessError(f"{path} does not exist; give the --out folder of a `forgetless bench` run")
+    try:
+        results = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ForgetlessError(f"{path} is not valid JSON ({e}); re-run the bench") from None
+    files = write_report(results, run)
+    typer.echo(markdown(results))
+    out_console.print("wrote " + ", ".join(str(f) for f in files))
+
+
+@app.command()
+@friendly
+def corpora(spec: Optional[list[str]] = typer.Argument(None, help="corpus specs to inspect (default: all registered)"),
+            val_fraction: float = 0.1):
+    """List corpora with their sizes and train/val split."""
+    from forgetless.data.corpora import CORPORA, load_corpus
+    from forgetless.data.splits import split_corpus
+
+    table = Table("corpus", "docs", "bytes", "train", "val", "held-out works", "about")
+    for name in spec or list(CORPORA):
+        about = CORPORA[name][1] if name in CORPORA else ""
+        try:
+            c = load_corpus(name)
+            s = split_corpus(c, val_fraction)
+        except ForgetlessError as e:
+            table.add_row(name, "-", "-", "-", "-", "-", f"[yellow]unavailable: {e}[/yellow]")
+            continue
+        held = ", ".join(s.val_keys[:3]) + (" ..." if len(s.val_keys) > 3 else "") or "tail"
+        table.add_row(name, str(len(c.docs)), f"{c.nbytes:,}", f"{len(s.train):,}", f"{len(s.val):,}", held, about)
+    out_console.print(table)
+    out_console.print("Also: renamed:<corpus>, hf:<dataset>?split=..&column=.., or any path/glob of text files.")
+
+
+@app.command()
+@friendly
+def methods():
+    """List the registered methods and their options."""
+    from forgetless.methods import METHODS, method_names
+
+    table = Table("method", "base", "options (default)", "about")
+    for name in method_names():
+        cls = METHODS[name]
+        opts = ", ".join(f"{f.name}={f.default if f.default is not dataclasses.MISSING else f.default_factory()}"
+                         for f in dataclasses.fields(cls.Config))
+        table.add_row(name, cls.base_ffn, opts, (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else "")
+    out_console.print(table)
+
+
+def main():
+    app()

@@ -1,0 +1,94 @@
+"""Config helpers: dataclasses with help metadata -> dicts, files, hashes and CLI options."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import typing
+from pathlib import Path
+
+from forgetless.errors import ForgetlessError
+
+
+def help_of(f: dataclasses.Field) -> str:
+    return f.metadata.get("help", "")
+
+
+def field_types(cls) -> dict[str, type]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def coerce(value, typ, where: str):
+    """Turn a value from a file or the command line into the field's type."""
+    origin = typing.get_origin(typ)
+    if origin is typing.Union or str(origin) == "types.UnionType":
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        return coerce(value, args[0], where)
+    try:
+        if typ is bool and isinstance(value, str):
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ValueError(value)
+            return value.lower() in ("true", "1", "yes")
+        if typ in (int, float, str, bool):
+            out = typ(value)
+            if typ is int and isinstance(value, float) and value != out:
+                raise ValueError(value)
+            return out
+        if origin in (list, tuple) or typ in (list, tuple):
+            if isinstance(value, str):
+                value = [v for v in value.split(",") if v]
+            (inner,) = typing.get_args(typ)[:1] or (str,)
+            return [coerce(v, inner, where) for v in value]
+        if typ is dict or origin is dict:
+            return json.loads(value) if isinstance(value, str) else dict(value)
+    except (TypeError, ValueError, json.JSONDecodeError):
+        raise ForgetlessError(f"{where}: cannot read {value!r} as {getattr(typ, '__name__', typ)}") from None
+    return value
+
+
+def from_dict(cls, data: dict, section: str):
+    """Build dataclass `cls` from `data`; an unknown key is an error naming the valid ones."""
+    types = field_types(cls)
+    unknown = sorted(set(data) - set(types))
+    if unknown:
+        raise ForgetlessError(
+            f"unknown config key {section}.{unknown[0]}; valid keys in {section}: {', '.join(types)}")
+    return cls(**{k: coerce(v, types[k], f"{section}.{k}") for k, v in data.items()})
+
+
+def replace(obj, overrides: dict, section: str):
+    """A copy of dataclass `obj` with `overrides` applied (validated like `from_dict`)."""
+    merged = {**dataclasses.asdict(obj), **overrides}
+    return from_dict(type(obj), merged, section)
+
+
+def load_file(path: str | Path) -> dict:
+    """Read a YAML or JSON config file into a dict of sections."""
+    path = Path(path)
+    if not path.is_file():
+        raise ForgetlessError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+    except Exception as e:  # yaml and json raise many kinds
+        raise ForgetlessError(f"config file {path} is not valid {path.suffix[1:] or 'JSON'}: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ForgetlessError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def stable_hash(obj, n: int = 12) -> str:
+    """Short hash of a JSON-able object (dataclasses allowed), stable across runs."""
+    def default(o):
+        if dataclasses.is_dataclass(o):
+            return dataclasses.asdict(o)
+        raise TypeError(type(o))
+    blob = json.dumps(obj, sort_keys=True, default=default)
+    return hashlib.sha256(blob.encode()).hexdigest()[:n]

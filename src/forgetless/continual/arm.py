@@ -1,0 +1,84 @@
+"""One adaptation arm: a method on a pretrained base, trained on domain B, scored on A and B."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from forgetless.checkpoint import save_checkpoint
+from forgetless.continual.evaluate import evaluate, lm_loss
+from forgetless.data.domains import Domain
+from forgetless.data.splits import Sampler
+from forgetless.methods import Method
+from forgetless.monitor import PeakRSS
+from forgetless.presets import AdaptConfig
+from forgetless.train import train
+
+
+def freeze_all_but(model: nn.Module, method: Method) -> list[tuple[str, nn.Parameter]]:
+    for p in model.parameters():
+        p.requires_grad_(False)
+    params = method.trainable_parameters(model)
+    for _, p in params:
+        p.requires_grad_(True)
+    return params
+
+
+def score(model: nn.Module, a: Domain, b: Domain) -> dict:
+    ea, eb = evaluate(model, a.windows), evaluate(model, b.windows)
+    return {"ppl_a": ea["ppl"], "acc_a": ea["acc"], "ppl_b": eb["ppl"], "acc_b": eb["acc"]}
+
+
+def run_arm(model: nn.Module, method: Method, a: Domain, b: Domain, cfg: AdaptConfig, seed: int,
+            out_dir: Path | None = None, run_config: dict | None = None) -> dict:
+    """Attach `method` to `model` (a pretrained base), adapt on B, return the arm's metrics.
+
+    With `out_dir`, training checkpoints there (resumable) and the method's own tensors are saved.
+    """
+    before = score(model, a, b)
+    torch.manual_seed(seed)
+    model = method.attach(model)
+    params = freeze_all_but(model, method)
+    cfg = dataclasses.replace(cfg, lr=method.cfg.lr or cfg.lr, seed=seed)
+    sampler = Sampler(b.train, cfg.batch_size, b.windows.shape[1] - 1, seed,
+                      other=a.train if cfg.replay > 0 else None, p=cfg.replay)
+
+    def loss_fn(m, batch):
+        lm = lm_loss(m, batch)
+        extra = method.extra_loss(m, batch)
+        return (lm if extra is None else lm + extra), lm
+
+    eval_s = 0.0
+
+    def curve_point():
+        nonlocal eval_s
+        t = time.perf_counter()
+        point = score(model, a, b)
+        eval_s += time.perf_counter() - t
+        return point
+
+    ckpt = out_dir / f"seed{seed}.training.safetensors" if out_dir else None
+    method.on_task_start(model, 1)
+    with PeakRSS() as memory:
+        t0 = time.perf_counter()
+        history = train(model, params, sampler, cfg, loss_fn, evaluate=curve_point, ckpt_path=ckpt,
+                        run_config={**(run_config or {}), "arm": [method.name, seed]}, desc=f"{method.name} seed {seed}")
+        wall = time.perf_counter() - t0 - eval_s
+    method.on_task_end(model, 1)
+    after = score(model, a, b)
+    if out_dir:
+        save_checkpoint(out_dir / f"seed{seed}.safetensors", method.state_dict(model),
+                        {"kind": "method", "method": method.name, "options": method.options(), "seed": seed})
+        ckpt.unlink(missing_ok=True)
+    return {
+        "method": method.name, "seed": seed,
+        **{f"{k}_before": v for k, v in before.items()}, **{f"{k}_after": v for k, v in after.items()},
+        "forgetting": after["ppl_a"] / before["ppl_a"] - 1,
+        "trainable_params": sum(p.numel() for _, p in params),
+        "total_params": sum(p.numel() for p in model.parameters()),
+        "wall_s": wall, "peak_rss_mb": memory.peak_mb,
+        "curve": history.evals, "loss": history.loss,
+    }

@@ -1,0 +1,61 @@
+"""Pretrained bases: train a GPT on domain A once per config and cache it by config hash."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from forgetless.checkpoint import load_checkpoint, save_checkpoint
+from forgetless.config import stable_hash
+from forgetless.continual.evaluate import evaluate, lm_loss
+from forgetless.data.corpora import cache_dir
+from forgetless.data.domains import Domain
+from forgetless.data.splits import Sampler
+from forgetless.data.tokenizers import tokenizer_from_dict
+from forgetless.errors import ForgetlessError
+from forgetless.models.gpt import GPT, GPTConfig
+from forgetless.train import TrainConfig, train
+
+
+def pretrain(model_cfg: GPTConfig, cfg: TrainConfig, domain: Domain, tokenizer, out: Path,
+             ckpt_path: Path | None = None, desc: str = "pretrain") -> dict:
+    """Train a fresh GPT on `domain`; write `out` (safetensors) and return its meta."""
+    torch.manual_seed(cfg.seed)
+    model = GPT(model_cfg)
+    sampler = Sampler(domain.train, cfg.batch_size, model_cfg.block_size, cfg.seed)
+    run_config = {"model": model_cfg.to_dict(), "train": cfg.__dict__, "data": domain.fingerprint,
+                  "tokenizer": tokenizer.to_dict()}
+    t0 = time.perf_counter()
+    history = train(model, list(model.named_parameters()), sampler, cfg, lambda m, b: (lm_loss(m, b),) * 2,
+                    evaluate=lambda: {"ppl_a": evaluate(model, domain.windows)["ppl"]},
+                    ckpt_path=ckpt_path, run_config=run_config, desc=desc)
+    meta = {"kind": "base", "model_config": model_cfg.to_dict(), "tokenizer": tokenizer.to_dict(),
+            "domain": domain.spec, "train_config": cfg.__dict__, "history": history.__dict__,
+            "wall_s": time.perf_counter() - t0}
+    save_checkpoint(out, {f"model.{k}": v for k, v in model.state_dict().items()}, meta)
+    return meta
+
+
+def load_base(path: Path) -> tuple[GPT, object, dict]:
+    """(model, tokenizer, meta) from a base checkpoint written by `pretrain`."""
+    tensors, meta = load_checkpoint(path)
+    if meta.get("kind") != "base":
+        raise ForgetlessError(f"{path} is a {meta.get('kind')!r} checkpoint, not a pretrained base; "
+                              "give the file written by `forgetless pretrain`")
+    model = GPT(GPTConfig(**meta["model_config"]))
+    model.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
+    return model, tokenizer_from_dict(meta["tokenizer"]), meta
+
+
+def cached_base(model_cfg: GPTConfig, cfg: TrainConfig, domain: Domain, tokenizer) -> Path:
+    """Path of the cached base for this config, pretraining it first (resumably) if needed."""
+    key = stable_hash({"model": model_cfg, "train": cfg, "data": domain.fingerprint,
+                       "tokenizer": tokenizer.to_dict(), "windows": domain.windows.shape[0]})
+    folder = cache_dir() / "bases" / f"{model_cfg.ffn}-{key}"
+    path = folder / "base.safetensors"
+    if not path.exists():
+        ckpt = folder / "training.safetensors"
+        pretrain(model_cfg, cfg, domain, tokenizer, path, ckpt_path=ckpt, desc=f"pretrain {model_cfg.ffn} base")
+        ckpt.unlink(missing_ok=True)
+    return path

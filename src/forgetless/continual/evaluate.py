@@ -1,0 +1,34 @@
+"""Perplexity and next-token accuracy on fixed held-out windows, and the LM training loss."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from forgetless.data.splits import Batch
+from forgetless.models.gpt import logits_of
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, windows: torch.Tensor, batch_size: int = 64) -> dict:
+    """PPL = exp(mean token cross-entropy) over all tokens of `windows` (W, T+1); acc = top-1."""
+    was_training = model.training
+    model.eval()
+    total_loss, total_correct, n = 0.0, 0, 0
+    for i in range(0, len(windows), batch_size):
+        chunk = windows[i:i + batch_size]
+        x, y = chunk[:, :-1], chunk[:, 1:]  # (b, T)
+        logits = logits_of(model, x)        # (b, T, V)
+        total_loss += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
+        total_correct += (logits.argmax(-1) == y).sum().item()
+        n += y.numel()
+    model.train(was_training)
+    loss = total_loss / n
+    return {"loss": loss, "ppl": math.exp(loss), "acc": total_correct / n}
+
+
+def lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    logits = logits_of(model, batch.x)  # (B, T, V)
+    return F.cross_entropy(logits.flatten(0, 1), batch.y.flatten())

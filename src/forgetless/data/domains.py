@@ -1,0 +1,52 @@
+"""From corpus specs to token streams: tokenizer, disjoint works, splits, fixed eval windows."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from forgetless.data.corpora import Corpus, load_corpus
+from forgetless.data.splits import check_length, disjoint, eval_windows, split_corpus
+from forgetless.data.tokenizers import ByteTokenizer, CharTokenizer, tokenizer_from_dict
+
+
+@dataclass
+class Domain:
+    spec: str
+    train: torch.Tensor    # (N,) token ids
+    val: torch.Tensor      # (M,) token ids
+    windows: torch.Tensor  # (W, T+1) fixed held-out windows
+    val_keys: list[str]    # held-out works (plays), if any
+    fingerprint: str       # content hash of the corpus as used
+
+
+def load_domains(specs: list[str], tokenizer: str | dict, block_size: int, val_fraction: float,
+                 max_windows: int) -> tuple[list[Domain], object]:
+    """Load corpora, make the first two share no work, tokenize, split and window them.
+
+    `tokenizer` is "bytes", "chars" (vocabulary built from these corpora) or a saved tokenizer dict.
+    """
+    corpora = [load_corpus(s) for s in specs]
+    if len(corpora) >= 2:
+        corpora[0], corpora[1] = disjoint(corpora[0], corpora[1])
+    splits = [split_corpus(c, val_fraction) for c in corpora]
+    tok = make_tokenizer(tokenizer, corpora, splits)
+    domains = []
+    for spec, corpus, split in zip(specs, corpora, splits):
+        train = tok.encode(split.train, f"corpus {spec!r} (train split)")
+        val = tok.encode(split.val, f"corpus {spec!r} (val split)")
+        check_length(train, block_size, f"corpus {spec!r} train split")
+        check_length(val, block_size, f"corpus {spec!r} val split")
+        domains.append(Domain(spec, train, val, eval_windows(val, block_size, max_windows), split.val_keys,
+                              corpus.fingerprint()))
+    return domains, tok
+
+
+def make_tokenizer(tokenizer, corpora: list[Corpus], splits):
+    if isinstance(tokenizer, dict):
+        return tokenizer_from_dict(tokenizer)
+    if tokenizer == "chars":
+        texts = [(f"corpus {c.name!r}", s.train + s.val) for c, s in zip(corpora, splits)]
+        return CharTokenizer.from_texts(texts)
+    return ByteTokenizer()
+

@@ -1,0 +1,115 @@
+"""Deterministic train/val splits, fixed evaluation windows, batch samplers and mixing."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from forgetless.data.corpora import Corpus, Document
+from forgetless.errors import ForgetlessError
+
+SEPARATOR = b"\n\n"
+
+
+@dataclass
+class Split:
+    train: bytes
+    val: bytes
+    val_keys: list[str]
+
+
+def split_corpus(corpus: Corpus, val_fraction: float = 0.1) -> Split:
+    """Hold out whole documents (plays) when there are >= 4, else the tail of the text."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ForgetlessError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
+    docs = sorted(corpus.docs, key=lambda d: d.key)
+    if len(docs) >= 4:
+        n_val = max(1, round(len(docs) * val_fraction))
+        picks = {int((j + 0.5) * len(docs) / n_val) for j in range(n_val)}
+        val = [d for i, d in enumerate(docs) if i in picks]
+        train = [d for i, d in enumerate(docs) if i not in picks]
+        return Split(join(train), join(val), [d.key for d in val])
+    data = join(docs)
+    cut = int(len(data) * (1 - val_fraction))
+    return Split(data[:cut], data[cut:], [])
+
+
+def join(docs: list[Document]) -> bytes:
+    return SEPARATOR.join(d.data for d in docs)
+
+
+def disjoint(a: Corpus, b: Corpus) -> tuple[Corpus, Corpus]:
+    """Give works present in both corpora (same key) alternately to A and B, so they share none.
+
+    Single-work corpora (e.g. tinyshakespeare -> renamed:tinyshakespeare) are left as they are:
+    their shift is the whole text, as in the APN source.
+    """
+    shared = sorted({d.key for d in a.docs} & {d.key for d in b.docs})
+    if len(shared) < 2:
+        return a, b
+    to_b = set(shared[1::2])
+    to_a = set(shared) - to_b
+    return (Corpus(a.name, [d for d in a.docs if d.key not in to_b]),
+            Corpus(b.name, [d for d in b.docs if d.key not in to_a]))
+
+
+def check_length(tokens: torch.Tensor, block_size: int, where: str):
+    if len(tokens) < block_size + 1:
+        raise ForgetlessError(
+            f"{where} has {len(tokens)} tokens, fewer than context + 1 = {block_size + 1}; "
+            "give more text or a smaller --model-block-size")
+
+
+def eval_windows(tokens: torch.Tensor, block_size: int, max_windows: int) -> torch.Tensor:
+    """Fixed, evenly spaced, non-overlapping windows of block_size + 1 tokens: (W, T+1)."""
+    n_all = (len(tokens) - 1) // block_size
+    n = min(n_all, max_windows)
+    starts = [int(i * n_all / n) * block_size for i in range(n)]
+    return torch.stack([tokens[s:s + block_size + 1] for s in starts])
+
+
+@dataclass
+class Batch:
+    x: torch.Tensor         # (B, T) inputs
+    y: torch.Tensor         # (B, T) next-token targets
+    from_other: torch.Tensor  # (B,) bool: row drawn from the mixed-in (original) corpus
+
+
+class Sampler:
+    """Random windows from one token stream, or a fraction `p` of every batch from another.
+
+    The other corpus supplies exactly round(p * batch_size) rows of each batch; all randomness
+    comes from one torch.Generator, whose state is saved in checkpoints (exact resume).
+    """
+
+    def __init__(self, tokens: torch.Tensor, batch_size: int, block_size: int, seed: int,
+                 other: torch.Tensor | None = None, p: float = 0.0):
+        if batch_size <= 0:
+            raise ForgetlessError(f"batch_size must be positive, got {batch_size}")
+        if not 0.0 <= p <= 1.0:
+            raise ForgetlessError(f"mixing fraction p must be in [0, 1], got {p}")
+        if p > 0 and other is None:
+            raise ForgetlessError("mixing fraction p > 0 needs another corpus to draw from")
+        self.tokens, self.other = tokens, other
+        self.batch_size, self.block_size = batch_size, block_size
+        self.n_other = round(p * batch_size) if other is not None else 0
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def _rows(self, tokens: torch.Tensor, n: int) -> torch.Tensor:  # (n, T+1)
+        starts = torch.randint(len(tokens) - self.block_size, (n,), generator=self.generator)
+        return torch.stack([tokens[s:s + self.block_size + 1] for s in starts.tolist()])
+
+    def next(self) -> Batch:
+        n_main = self.batch_size - self.n_other
+        rows = [self._rows(self.tokens, n_main)]
+        if self.n_other:
+            rows.append(self._rows(self.other, self.n_other))
+        data = torch.cat(rows)  # (B, T+1)
+        from_other = torch.arange(self.batch_size) >= n_main
+        return Batch(data[:, :-1], data[:, 1:], from_other)
+
+    def get_state(self) -> torch.Tensor:
+        return self.generator.get_state()
+
+    def set_state(self, state: torch.Tensor):
+        self.generator.set_state(state)

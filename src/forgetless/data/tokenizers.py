@@ -1,0 +1,72 @@
+"""Tokenizers: UTF-8 bytes (default, vocabulary 256) or a char vocabulary."""
+from __future__ import annotations
+
+import torch
+
+from forgetless.errors import ForgetlessError
+
+
+class ByteTokenizer:
+    kind = "bytes"
+    vocab_size = 256
+
+    def encode(self, data: bytes, source: str = "text") -> torch.Tensor:  # (N,) int64
+        if not data:
+            return torch.zeros(0, dtype=torch.long)
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind}
+
+
+class CharTokenizer:
+    """One id per Unicode character seen in the texts it was built from."""
+    kind = "chars"
+
+    def __init__(self, chars: str):
+        self.chars = "".join(sorted(set(chars)))
+        self.index = {c: i for i, c in enumerate(self.chars)}
+        self.vocab_size = len(self.chars)
+
+    @classmethod
+    def from_texts(cls, texts: list[tuple[str, bytes]]) -> "CharTokenizer":
+        return cls("".join("".join(set(decode_utf8(data, source))) for source, data in texts))
+
+    def encode(self, data: bytes, source: str = "text") -> torch.Tensor:  # (N,) int64
+        text = decode_utf8(data, source)
+        unseen = sorted(set(text) - self.index.keys())
+        if unseen:
+            shown = ", ".join(repr(c) for c in unseen[:5])
+            raise ForgetlessError(
+                f"{source} has {len(unseen)} character(s) not in the char vocabulary ({shown}); "
+                "use --tokenizer bytes, or build the vocabulary from this text too")
+        return torch.tensor([self.index[c] for c in text], dtype=torch.long)
+
+    def decode(self, ids) -> str:
+        return "".join(self.chars[int(i)] for i in ids)
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "chars": self.chars}
+
+
+def decode_utf8(data: bytes, source: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ForgetlessError(
+            f"{source} is not valid UTF-8 (byte {e.start}); char mode needs UTF-8 text: "
+            "convert it, or use --tokenizer bytes") from None
+
+
+def tokenizer_from_dict(d: dict):
+    if d.get("kind") == "bytes":
+        return ByteTokenizer()
+    if d.get("kind") == "chars":
+        return CharTokenizer(d["chars"])
+    raise ForgetlessError(f"unknown tokenizer {d.get('kind')!r}; valid: bytes, chars")
+
+
+TOKENIZERS = ("bytes", "chars")

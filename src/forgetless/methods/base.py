@@ -1,0 +1,126 @@
+"""The Method interface, its registry, and PEFT-style target-module matching.
+
+A Method attaches to any nn.Module (our GPT or a Hugging Face model), says which parameters
+train, may add a loss, and saves only its own tensors. Methods that replace the FFN (APN,
+CMS) say so with `base_ffn`: the protocol then pretrains (and caches) a base of that kind.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn as nn
+
+from forgetless.config import from_dict
+from forgetless.data.splits import Batch
+from forgetless.errors import ForgetlessError
+
+
+@dataclass
+class MethodConfig:
+    target_modules: list[str] = field(default_factory=list, metadata={
+        "help": "modules to act on: name suffixes (e.g. mlp,c_fc) or one regex on the full name"})
+    exclude_modules: list[str] = field(default_factory=list, metadata={
+        "help": "modules to leave alone (same syntax as target_modules)"})
+    lr: float | None = field(default=None, metadata={"help": "learning rate for this method (default: the protocol's)"})
+
+
+METHODS: dict[str, type["Method"]] = {}
+
+
+def register_method(name: str):
+    """Class decorator: make a Method available by `name` on the CLI and in `build_method`."""
+    def wrap(cls):
+        cls.name = name
+        METHODS[name] = cls
+        return cls
+    return wrap
+
+
+# Table order: the names of DESIGN.md section 6 first, any other registered method after them.
+CANONICAL_ORDER = ["full", "ffn", "lora", "adapter", "apn", "apn-local", "apn-param-matched", "apn-retrofit",
+                   "moram", "moe-lora", "seq-lora", "neutral", "ewc", "cms"]
+
+
+def method_names() -> list[str]:
+    rank = {n: i for i, n in enumerate(CANONICAL_ORDER)}
+    return sorted(METHODS, key=lambda n: (rank.get(n, len(rank)), n))
+
+
+def build_method(name: str, options: dict | None = None) -> "Method":
+    if name not in METHODS:
+        raise ForgetlessError(f"unknown method {name!r}; valid: {', '.join(method_names())}")
+    cls = METHODS[name]
+    return cls(from_dict(cls.Config, options or {}, f"methods.{name}"))
+
+
+class Method:
+    """Base class; subclasses override what they need."""
+    name = "base"
+    Config = MethodConfig
+    base_ffn = "dense"  # FFN kind of the pretrained base this method starts from
+
+    def __init__(self, cfg: MethodConfig):
+        self.cfg = cfg
+
+    def attach(self, model: nn.Module) -> nn.Module:
+        """Insert this method's modules into `model` (in place) and return it."""
+        return model
+
+    def trainable_parameters(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        """(name, parameter) pairs to train; everything else is frozen."""
+        raise NotImplementedError
+
+    def extra_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor | None:
+        """A loss added to the LM loss (after the forward pass of `batch`)."""
+        return None
+
+    def on_task_start(self, model: nn.Module, task: int):
+        pass
+
+    def on_task_end(self, model: nn.Module, task: int):
+        pass
+
+    def online_update(self, model: nn.Module, batch: Batch):
+        pass
+
+    def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """This method's own tensors (what `adapt --out` saves): its trainable parameters."""
+        return {name: p.detach() for name, p in self.trainable_parameters(model)}
+
+    def load_state_dict(self, model: nn.Module, tensors: dict[str, torch.Tensor]):
+        own = dict(model.named_parameters())
+        unknown = sorted(set(tensors) - set(own))
+        if unknown:
+            raise ForgetlessError(f"method state has tensors the model lacks ({unknown[0]}, ...); attach the method first")
+        with torch.no_grad():
+            for name, t in tensors.items():
+                own[name].copy_(t)
+
+    def options(self) -> dict:
+        return {f.name: getattr(self.cfg, f.name) for f in fields(self.cfg)}
+
+
+def matches(name: str, rules: list[str]) -> bool:
+    """PEFT-style rule: one pattern with regex characters is a full match on the full name;
+    otherwise each entry is a suffix (the full name equals it or ends with '.' + it)."""
+    if not rules:
+        return False
+    if len(rules) == 1 and re.search(r"[\\^$*+?()\[\]|]", rules[0]):
+        return re.fullmatch(rules[0], name) is not None
+    return any(name == r or name.endswith("." + r) for r in rules)
+
+
+def find_modules(model: nn.Module, target: list[str], exclude: list[str]) -> list[tuple[str, nn.Module]]:
+    found = [(n, m) for n, m in model.named_modules() if n and matches(n, target) and not matches(n, exclude)]
+    if not found:
+        raise ForgetlessError(
+            f"target_modules {target} match no module of {type(model).__name__}; "
+            "pass names that exist (see model.named_modules()), e.g. mlp or c_fc")
+    return found
+
+
+def replace_module(model: nn.Module, name: str, new: nn.Module):
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)

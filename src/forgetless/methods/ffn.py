@@ -1,0 +1,24 @@
+"""FFN-only fine-tuning: the FFN weights train; attention, embeddings and norms stay frozen."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from forgetless.methods.base import Method, MethodConfig, find_modules, register_method
+
+
+@dataclass
+class FFNConfig(MethodConfig):
+    target_modules: list[str] = field(default_factory=lambda: ["mlp"], metadata={
+        "help": "FFN modules whose weights train (GPT-2 naming: mlp)"})
+
+
+@register_method("ffn")
+class FFNOnly(Method):
+    """Fine-tune only the FFN weights; attention, embeddings and norms stay frozen."""
+    Config = FFNConfig
+
+    def trainable_parameters(self, model):
+        out = []
+        for name, module in find_modules(model, self.cfg.target_modules, self.cfg.exclude_modules):
+            out += [(f"{name}.{n}", p) for n, p in module.named_parameters()]
+        return out

@@ -1,0 +1,47 @@
+"""LoRA through the real `peft` package, injected into any nn.Module (our GPT or HF models)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model, set_peft_model_state_dict
+
+from forgetless.errors import ForgetlessError
+from forgetless.methods.base import Method, MethodConfig, find_modules, register_method
+
+
+@dataclass
+class LoRAMethodConfig(MethodConfig):
+    target_modules: list[str] = field(default_factory=lambda: ["c_attn", "c_proj", "c_fc"], metadata={
+        "help": "layers that get LoRA (GPT-2 naming: c_attn, c_proj, c_fc)"})
+    r: int = field(default=8, metadata={"help": "LoRA rank"})
+    alpha: float = field(default=16.0, metadata={"help": "LoRA scaling numerator (scale = alpha / r)"})
+    dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input"})
+    lr: float | None = field(default=1e-3, metadata={"help": "learning rate (new zero-initialised weights)"})
+
+    def __post_init__(self):
+        if self.r <= 0:
+            raise ForgetlessError(f"methods.lora.r must be positive, got {self.r}")
+
+
+@register_method("lora")
+class LoRA(Method):
+    Config = LoRAMethodConfig
+
+    def attach(self, model):
+        find_modules(model, self.cfg.target_modules, self.cfg.exclude_modules)  # clear error if none match
+        target = self.cfg.target_modules[0] if len(self.cfg.target_modules) == 1 else self.cfg.target_modules
+        config = LoraConfig(r=self.cfg.r, lora_alpha=self.cfg.alpha, lora_dropout=self.cfg.dropout,
+                            target_modules=target, exclude_modules=self.cfg.exclude_modules or None,
+                            fan_in_fan_out=any(type(m).__name__ == "Conv1D" for m in model.modules()))
+        return inject_adapter_in_model(config, model)
+
+    def trainable_parameters(self, model):
+        return [(n, p) for n, p in model.named_parameters() if "lora_" in n]
+
+    def state_dict(self, model):
+        return get_peft_model_state_dict(model)
+
+    def load_state_dict(self, model, tensors):
+        result = set_peft_model_state_dict(model, tensors)
+        if result.unexpected_keys:
+            raise ForgetlessError(f"LoRA state does not fit this model ({result.unexpected_keys[0]}, ...)")

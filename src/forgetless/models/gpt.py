@@ -1,0 +1,153 @@
+"""A small GPT (nanoGPT-style) over bytes or chars, with a pluggable FFN slot.
+
+Module names follow GPT-2 (`transformer.h.0.attn.c_attn`, `transformer.h.0.mlp.c_fc`, ...)
+so the same `target_modules` rules work on this model and on Hugging Face GPT-2.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from forgetless.errors import ForgetlessError
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = field(default=256, metadata={"help": "vocabulary size (256 for bytes; set from the tokenizer)"})
+    block_size: int = field(default=128, metadata={"help": "context length in tokens"})
+    n_layer: int = field(default=4, metadata={"help": "number of Transformer blocks"})
+    n_head: int = field(default=4, metadata={"help": "attention heads per block"})
+    d_model: int = field(default=128, metadata={"help": "width of the residual stream"})
+    dropout: float = field(default=0.0, metadata={"help": "dropout on attention, residual and embeddings"})
+    bias: bool = field(default=True, metadata={"help": "biases in Linear and LayerNorm layers"})
+    ffn: str = field(default="dense", metadata={"help": "FFN kind in every block (registered in models.gpt.FFN_KINDS)"})
+    ffn_mult: int = field(default=4, metadata={"help": "hidden width of the dense FFN = ffn_mult * d_model"})
+    ffn_options: dict = field(default_factory=dict, metadata={"help": "options passed to a non-dense FFN kind"})
+
+    def __post_init__(self):
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "d_model", "ffn_mult"):
+            if getattr(self, name) <= 0:
+                raise ForgetlessError(f"model.{name} must be positive, got {getattr(self, name)}")
+        if self.d_model % self.n_head:
+            raise ForgetlessError(f"model.d_model ({self.d_model}) must be divisible by model.n_head ({self.n_head})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ForgetlessError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# FFN kinds: name -> constructor(cfg) -> nn.Module mapping (B, T, d) -> (B, T, d).
+FFN_KINDS: dict[str, Callable[[GPTConfig], nn.Module]] = {}
+
+
+def register_ffn(name: str):
+    """Decorator: make an FFN class available as `GPTConfig.ffn = name`."""
+    def wrap(cls):
+        FFN_KINDS[name] = cls
+        return cls
+    return wrap
+
+
+def build_ffn(cfg: GPTConfig) -> nn.Module:
+    if cfg.ffn not in FFN_KINDS:
+        raise ForgetlessError(f"unknown FFN kind {cfg.ffn!r}; valid: {', '.join(sorted(FFN_KINDS))}")
+    return FFN_KINDS[cfg.ffn](cfg)
+
+
+@register_ffn("dense")
+class DenseFFN(nn.Module):
+    """The standard Transformer FFN: d -> ffn_mult*d -> d with GELU."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        hidden = cfg.ffn_mult * cfg.d_model
+        self.c_fc = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
+        self.c_proj = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):  # (B, T, d)
+        return self.dropout(self.c_proj(F.gelu(self.c_fc(x))))
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.dropout = cfg.dropout
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):  # (B, T, d)
+        B, T, d = x.shape
+        q, k, v = self.c_attn(x).split(d, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, d // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, h, T, d/h)
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, d)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.mlp = build_ffn(cfg)
+
+    def forward(self, x):  # (B, T, d)
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.config = cfg
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(cfg.vocab_size, cfg.d_model),
+            wpe=nn.Embedding(cfg.block_size, cfg.d_model),
+            drop=nn.Dropout(cfg.dropout),
+            h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
+            ln_f=nn.LayerNorm(cfg.d_model, bias=cfg.bias),
+        ))
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # weight tying
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):  # scaled residual projections (GPT-2)
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx):  # (B, T) -> logits (B, T, vocab)
+        T = idx.shape[1]
+        if T > self.config.block_size:
+            raise ForgetlessError(f"sequence of {T} tokens exceeds the context length {self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, d)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def logits_of(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    """Logits (B, T, V) from our GPT or from a Hugging Face causal LM."""
+    out = model(idx)
+    return out.logits if hasattr(out, "logits") else out

@@ -1,0 +1,42 @@
+"""Bottleneck adapter placed beside a sub-layer: out = sublayer(x) + up(act(down(x)))."""
+from __future__ import annotations
+
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class BottleneckAdapter(nn.Module):
+    """d -> bottleneck -> d with GELU; `up` starts at zero so attaching changes nothing."""
+
+    def __init__(self, d: int, bottleneck: int):
+        super().__init__()
+        self.down = nn.Linear(d, bottleneck)
+        self.up = nn.Linear(bottleneck, d)
+        nn.init.zeros_(self.up.weight)
+        nn.init.zeros_(self.up.bias)
+
+    def forward(self, x):  # (B, T, d)
+        return self.up(F.gelu(self.down(x)))
+
+
+class Beside(nn.Module):
+    """Run `adapter` in parallel with the wrapped `base` module and add the outputs."""
+
+    def __init__(self, base: nn.Module, adapter: nn.Module):
+        super().__init__()
+        self.base = base
+        self.adapter = adapter
+
+    def forward(self, x, *args, **kwargs):  # (B, T, d)
+        out = self.base(x, *args, **kwargs)
+        return out + self.adapter(x)
+
+
+def input_width(module: nn.Module) -> int:
+    """Width d of the input of an FFN-like module (first Linear or HF Conv1D inside it)."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            return m.in_features
+        if type(m).__name__ == "Conv1D":  # transformers' GPT-2 layer: weight is (in, out)
+            return m.weight.shape[0]
+    raise ValueError(f"cannot tell the input width of {type(module).__name__}")

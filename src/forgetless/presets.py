@@ -1,0 +1,87 @@
+"""Run configuration (all sections) and the named presets: smoke, quick, paper."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from forgetless.config import from_dict, replace
+from forgetless.data.tokenizers import TOKENIZERS
+from forgetless.errors import ForgetlessError
+from forgetless.models.gpt import GPTConfig
+from forgetless.train import TrainConfig
+
+
+@dataclass
+class DataConfig:
+    domain_a: str = field(default="shakespeare-modern", metadata={"help": "corpus the base is pretrained on (domain A)"})
+    domain_b: str = field(default="shakespeare-folio", metadata={"help": "corpus adapted to (domain B)"})
+    tokenizer: str = field(default="bytes", metadata={"help": "bytes (vocabulary 256) or chars (built from A and B)"})
+    val_fraction: float = field(default=0.1, metadata={"help": "held-out share of each corpus (whole plays where it has them)"})
+    eval_windows: int = field(default=128, metadata={"help": "fixed held-out windows per domain for PPL and accuracy"})
+
+    def __post_init__(self):
+        if self.tokenizer not in TOKENIZERS:
+            raise ForgetlessError(f"unknown tokenizer {self.tokenizer!r}; valid: {', '.join(TOKENIZERS)}")
+        if self.eval_windows <= 0:
+            raise ForgetlessError(f"data.eval_windows must be positive, got {self.eval_windows}")
+
+
+@dataclass
+class AdaptConfig(TrainConfig):
+    replay: float = field(default=0.0, metadata={"help": "fraction of every adaptation batch drawn from domain A (replay / data mixing)"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0.0 <= self.replay <= 1.0:
+            raise ForgetlessError(f"adapt.replay must be in [0, 1], got {self.replay}")
+
+
+@dataclass
+class RunConfig:
+    model: GPTConfig
+    pretrain: TrainConfig
+    adapt: AdaptConfig
+    data: DataConfig
+    methods: dict = field(default_factory=dict)  # method name -> its options
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+SECTIONS = {"model": GPTConfig, "pretrain": TrainConfig, "adapt": AdaptConfig, "data": DataConfig}
+
+PRESETS: dict[str, dict] = {
+    "smoke": dict(
+        model=dict(n_layer=2, n_head=2, d_model=32, block_size=32),
+        pretrain=dict(steps=30, batch_size=8, lr=3e-3, warmup=5, eval_every=15, ckpt_every=10),
+        adapt=dict(steps=10, batch_size=8, lr=1e-3, warmup=2, eval_every=5, ckpt_every=5),
+        data=dict(eval_windows=8)),
+    "quick": dict(
+        model=dict(n_layer=4, n_head=4, d_model=128, block_size=128),
+        pretrain=dict(steps=1200, batch_size=32, lr=2e-3, warmup=100, eval_every=200, ckpt_every=100),
+        adapt=dict(steps=200, batch_size=16, lr=3e-4, warmup=10, eval_every=20, ckpt_every=50),
+        data=dict(eval_windows=128)),
+    "paper": dict(  # the APN source's setting (6L/6H/384d); for GPUs
+        model=dict(n_layer=6, n_head=6, d_model=384, block_size=256, dropout=0.2),
+        pretrain=dict(steps=5000, batch_size=64, lr=1e-3, warmup=200, eval_every=250, ckpt_every=250),
+        adapt=dict(steps=500, batch_size=32, lr=1e-4, warmup=20, eval_every=25, ckpt_every=100),
+        data=dict(eval_windows=256)),
+}
+
+
+def build_config(preset: str, overrides: dict | None = None) -> RunConfig:
+    """The preset's config with `overrides` ({section: {key: value}}) applied and validated."""
+    if preset not in PRESETS:
+        raise ForgetlessError(f"unknown preset {preset!r}; valid: {', '.join(PRESETS)}")
+    overrides = overrides or {}
+    unknown = sorted(set(overrides) - set(SECTIONS) - {"methods"})
+    if unknown:
+        raise ForgetlessError(f"unknown config section {unknown[0]!r}; valid: {', '.join(SECTIONS)}, methods")
+    parts = {}
+    for name, cls in SECTIONS.items():
+        base = from_dict(cls, PRESETS[preset].get(name, {}), name)
+        parts[name] = replace(base, overrides.get(name) or {}, name)
+    methods = overrides.get("methods") or {}
+    if not isinstance(methods, dict):
+        raise ForgetlessError("config section 'methods' must map method names to their options")
+    return RunConfig(methods=methods, **parts)

@@ -1,0 +1,61 @@
+"""results.json -> results.csv and results.md (one row per method)."""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+COLUMNS = [  # (results key, header, format)
+    ("ppl_a_before", "PPL_A before", "{:.3f}"), ("ppl_a_after", "PPL_A after", "{:.3f}"),
+    ("ppl_b_before", "PPL_B before", "{:.3f}"), ("ppl_b_after", "PPL_B after", "{:.3f}"),
+    ("forgetting", "forgetting F", "{:+.4f}"), ("adaptation_gain", "gain G", "{:.3f}"),
+    ("acc_a_after", "acc_A after", "{:.4f}"), ("acc_b_after", "acc_B after", "{:.4f}"),
+    ("wall_s", "wall s", "{:.1f}"),
+]
+
+
+def cell(stat: dict, fmt: str, with_std: bool) -> str:
+    text = fmt.format(stat["mean"])
+    return f"{text} ± {fmt.format(stat['std']).lstrip('+')}" if with_std else text
+
+
+def rows(results: dict) -> list[list[str]]:
+    with_std = len(results["seeds"]) > 1
+    out = []
+    for name, m in results["methods"].items():
+        share = m["trainable_params"] / m["total_params"]
+        out.append([name] + [cell(m[k], fmt, with_std) for k, _, fmt in COLUMNS]
+                   + [f"{m['trainable_params']:,} ({share:.1%})", f"{m['peak_rss_mb']:.0f}"])
+    return out
+
+
+def headers() -> list[str]:
+    return ["method"] + [h for _, h, _ in COLUMNS] + ["trainable params", "peak RSS MB"]
+
+
+TERMINAL = ["method", "PPL_A after", "PPL_B after", "forgetting F", "gain G", "trainable params", "wall s"]
+
+
+def terminal_rows(results: dict) -> tuple[list[str], list[list[str]]]:
+    """The columns that fit a terminal; results.md has them all."""
+    keep = [headers().index(h) for h in TERMINAL]
+    return TERMINAL, [[r[i] for i in keep] for r in rows(results)]
+
+
+def markdown(results: dict) -> str:
+    lines = [f"Protocol {results['protocol']}, preset {results['preset']}, domains "
+             f"A = `{results['domains']['a']}`, B = `{results['domains']['b']}`, seeds {results['seeds']} "
+             f"(mean ± std), {results['date']}.", "",
+             "| " + " | ".join(headers()) + " |", "|" + "---|" * len(headers())]
+    lines += ["| " + " | ".join(r) + " |" for r in rows(results)]
+    return "\n".join(lines) + "\n"
+
+
+def write_csv(results: dict, path: Path):
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        keys = [k for k, _, _ in COLUMNS]
+        writer.writerow(["method"] + [f"{k}_{s}" for k in keys for s in ("mean", "std")]
+                        + ["trainable_params", "total_params", "peak_rss_mb"])
+        for name, m in results["methods"].items():
+            writer.writerow([name] + [m[k][s] for k in keys for s in ("mean", "std")]
+                            + [m["trainable_params"], m["total_params"], m["peak_rss_mb"]])

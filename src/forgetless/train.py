@@ -1,0 +1,154 @@
+"""The training loop shared by pretraining and adaptation.
+
+AdamW, linear warmup + cosine decay, gradient clipping, periodic evaluation, atomic
+safetensors checkpoints with exact resume (model, optimizer, RNG and sampler state), and a
+stop on a non-finite loss that keeps the last good checkpoint.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from forgetless.checkpoint import load_checkpoint, load_optimizer, optimizer_tensors, save_checkpoint
+from forgetless.config import stable_hash
+from forgetless.data.splits import Batch, Sampler
+from forgetless.errors import ForgetlessError
+from forgetless.progress import progress_task
+
+
+@dataclass
+class TrainConfig:
+    steps: int = field(default=1000, metadata={"help": "optimizer steps"})
+    batch_size: int = field(default=32, metadata={"help": "sequences per batch"})
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate"})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "final lr as a fraction of the peak (cosine)"})
+    warmup: int = field(default=50, metadata={"help": "linear warmup steps"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay on matrices"})
+    grad_clip: float = field(default=1.0, metadata={"help": "clip the gradient norm to this (0 = off)"})
+    eval_every: int = field(default=100, metadata={"help": "evaluate every N steps"})
+    ckpt_every: int = field(default=100, metadata={"help": "checkpoint every N steps"})
+    seed: int = field(default=0, metadata={"help": "random seed (bench --seeds sets it for adaptation)"})
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "eval_every", "ckpt_every"):
+            if getattr(self, name) <= 0:
+                raise ForgetlessError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ForgetlessError(f"lr must be positive, got {self.lr}")
+        if self.warmup < 0 or self.grad_clip < 0 or self.weight_decay < 0:
+            raise ForgetlessError("warmup, grad_clip and weight_decay must not be negative")
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    return min_lr + 0.5 * (cfg.lr - min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+class TrainingDiverged(ForgetlessError):
+    pass
+
+
+@dataclass
+class History:
+    loss: list = field(default_factory=list)   # [step, training LM loss]
+    evals: list = field(default_factory=list)  # {"step": s, ...metrics}
+
+
+LossFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, torch.Tensor]]  # -> (total loss, LM loss)
+
+
+def make_optimizer(params: list[tuple[str, nn.Parameter]], cfg: TrainConfig) -> torch.optim.AdamW:
+    decay = [p for _, p in params if p.dim() >= 2]
+    no_decay = [p for _, p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+
+
+def train(model: nn.Module, params: list[tuple[str, nn.Parameter]], sampler: Sampler, cfg: TrainConfig,
+          loss_fn: LossFn, *, evaluate: Callable[[], dict] | None = None, ckpt_path: Path | None = None,
+          run_config: dict | None = None, desc: str = "train") -> History:
+    """Train `params` of `model`; resume from `ckpt_path` when it exists and `run_config` matches."""
+    if not params:
+        raise ForgetlessError("nothing to train: the method selected no parameters (check target_modules)")
+    run_config = run_config or {}
+    opt = make_optimizer(params, cfg)
+    history, start = History(), 0
+    if ckpt_path is not None and Path(ckpt_path).exists():
+        start, history = resume(model, opt, sampler, ckpt_path, run_config)
+    elif evaluate is not None:
+        history.evals.append({"step": 0, **evaluate()})
+
+    def checkpoint(step: int):
+        if ckpt_path is None:
+            return
+        optim, groups = optimizer_tensors(opt)
+        tensors = {**{f"model.{k}": v for k, v in model.state_dict().items()}, **optim,
+                   "rng.torch": torch.get_rng_state(), "rng.sampler": sampler.get_state()}
+        meta = {"kind": "training", "step": step, "config_hash": stable_hash(run_config),
+                "config": run_config, "optim_groups": groups, "history": asdict(history)}
+        save_checkpoint(ckpt_path, tensors, meta)
+
+    with progress_task(desc, total=cfg.steps, completed=start) as advance:
+        for step in range(start, cfg.steps):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, cfg)
+            model.train()
+            loss, lm_loss = loss_fn(model, sampler.next())
+            if not torch.isfinite(loss):
+                where = f"the last good checkpoint (step {last_ckpt_step(step, cfg)}) is kept at {ckpt_path}" \
+                    if ckpt_path is not None and Path(ckpt_path).exists() else "no checkpoint was written"
+                raise TrainingDiverged(
+                    f"{desc}: loss is {loss.item()} at step {step + 1}; stopped, {where}; lower the learning rate")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_([p for _, p in params], cfg.grad_clip)
+            opt.step()
+            done = step + 1
+            history.loss.append([done, round(lm_loss.item(), 5)])
+            if evaluate is not None and (done % cfg.eval_every == 0 or done == cfg.steps):
+                history.evals.append({"step": done, **evaluate()})
+            if done % cfg.ckpt_every == 0 or done == cfg.steps:
+                checkpoint(done)
+            advance(1, loss=lm_loss.item())
+    return history
+
+
+def last_ckpt_step(step: int, cfg: TrainConfig) -> int:
+    return (step // cfg.ckpt_every) * cfg.ckpt_every
+
+
+def resume(model, opt, sampler, ckpt_path, run_config) -> tuple[int, History]:
+    tensors, meta = load_checkpoint(ckpt_path)
+    if meta.get("config_hash") != stable_hash(run_config):
+        diff = config_diff(meta.get("config", {}), run_config)
+        raise ForgetlessError(
+            f"checkpoint {ckpt_path} was written with a different config ({diff}); "
+            "use a new output directory, or run again with the same config")
+    model.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
+    load_optimizer(opt, tensors, meta["optim_groups"])
+    torch.set_rng_state(tensors["rng.torch"])
+    sampler.set_state(tensors["rng.sampler"])
+    return meta["step"], History(**meta["history"])
+
+
+def config_diff(old: dict, new: dict, prefix: str = "") -> str:
+    """First few differing keys, e.g. 'train.lr: 0.001 -> 0.0003'."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            sub = config_diff(a, b, f"{prefix}{key}.")
+            if sub:
+                out.append(sub)
+        elif a != b:
+            out.append(f"{prefix}{key}: {a} -> {b}")
+    return "; ".join(out[:3])

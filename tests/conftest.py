@@ -1,0 +1,34 @@
+"""Tests run offline: Tiny Shakespeare comes from ../shared (or $FORGETLESS_TINYSHAKESPEARE),
+and every cache write goes to a temporary folder."""
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED_TINY = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def pytest_configure(config):
+    if not os.environ.get("FORGETLESS_TINYSHAKESPEARE") and SHARED_TINY.is_file():
+        os.environ["FORGETLESS_TINYSHAKESPEARE"] = str(SHARED_TINY)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    torch.set_num_threads(2)
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("FORGETLESS_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    """A small UTF-8 play-like text file (about 40 kB)."""
+    lines = []
+    for i in range(400):
+        speaker = ["ROMEO", "JULIET", "MERCUTIO"][i % 3]
+        lines.append(f"{speaker}:\nO speak again, bright angel, line {i}; Mercutio and Romeo go.\n")
+    path = tmp_path / "play.txt"
+    path.write_text("\n".join(lines))
+    return path

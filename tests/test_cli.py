@@ -1,0 +1,151 @@
+"""End to end through the CLI: smoke-preset bench, resume of arms, report, pretrain/adapt/eval, errors."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from forgetless.cli import app
+
+runner = CliRunner()
+CONTRACT_KEYS = {"ppl_a_before", "ppl_b_before", "ppl_a_after", "ppl_b_after", "acc_a_after", "acc_b_after",
+                 "forgetting", "adaptation_gain", "trainable_params", "total_params", "wall_s", "peak_rss_mb"}
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    os.environ["FORGETLESS_CACHE"] = str(tmp_path_factory.getbasetemp() / "cache")
+    result = invoke("bench", "--preset", "smoke", "--seeds", 2, "--out", out)
+    assert result.exit_code == 0, result.output
+    return out, result
+
+
+def test_bench_smoke_writes_the_contract(smoke_run):
+    out, result = smoke_run
+    results = json.loads((out / "results.json").read_text())
+    assert results["protocol"] == "two-domain" and results["preset"] == "smoke" and results["seeds"] == [0, 1]
+    assert results["domains"] == {"a": "shakespeare-modern", "b": "shakespeare-folio"}
+    assert list(results["methods"])[:4] == ["full", "ffn", "lora", "adapter"]
+    for name, m in results["methods"].items():
+        assert CONTRACT_KEYS <= set(m), name
+        assert m["ppl_a_after"]["mean"] > 1 and m["ppl_a_after"]["std"] >= 0
+        assert 0 < m["trainable_params"] <= m["total_params"]
+    full = results["methods"]["full"]
+    assert full["adaptation_gain"]["mean"] == pytest.approx(1.0)
+    assert full["trainable_params"] == full["total_params"]
+    assert full["ppl_b_after"]["mean"] < full["ppl_b_before"]["mean"]  # it adapted
+    for f in ["results.csv", "results.md", "retention_vs_adaptation.png", "forgetting_curves.png", "loss_curves.png"]:
+        assert (out / f).stat().st_size > 100, f
+    assert "| full |" in (out / "results.md").read_text()
+    assert "PPL_A" in result.output
+
+
+def test_bench_rerun_reuses_finished_arms(smoke_run):
+    out, _ = smoke_run
+    before = json.loads((out / "results.json").read_text())["methods"]
+    again = invoke("bench", "--preset", "smoke", "--seeds", 2, "--out", out)
+    assert again.exit_code == 0, again.output
+    after = json.loads((out / "results.json").read_text())["methods"]
+    assert after["lora"]["ppl_b_after"] == before["lora"]["ppl_b_after"]
+    assert after["full"]["wall_s"] == before["full"]["wall_s"]  # not re-run
+
+
+def test_report_regenerates(smoke_run):
+    out, _ = smoke_run
+    (out / "results.md").unlink()
+    result = invoke("report", out)
+    assert result.exit_code == 0 and (out / "results.md").exists()
+
+
+def test_pretrain_adapt_eval_chain(tmp_path, text_file):
+    base = tmp_path / "base.safetensors"
+    r = invoke("pretrain", "--preset", "smoke", "--domain-a", text_file, "--out", base)
+    assert r.exit_code == 0, r.output
+    r = invoke("pretrain", "--preset", "smoke", "--domain-a", text_file, "--out", base)
+    assert r.exit_code == 2 and "exists" in r.output  # never overwritten
+    other = tmp_path / "other.txt"
+    other.write_text("A completely different register of text, with numbers 12345. " * 300)
+    r = invoke("adapt", "--base", base, "--method", "lora", "--domain-b", other, "--out", tmp_path / "arm",
+               "--set", "lora.r=2")
+    assert r.exit_code == 0, r.output
+    metrics = json.loads((tmp_path / "arm" / "metrics.json").read_text())
+    assert metrics["method"] == "lora" and metrics["ppl_b_after"] < metrics["ppl_b_before"]
+    r = invoke("eval", "--checkpoint", base, "--corpus", other, "--method", "lora",
+               "--method-state", tmp_path / "arm" / "seed0.safetensors")
+    assert r.exit_code == 0, r.output
+    assert f"{metrics['ppl_b_after']:.4f}" in r.output  # the saved LoRA tensors reproduce the arm's PPL
+
+
+@pytest.mark.parametrize("args,message", [
+    (["bench", "--methods", "full,nope"], "unknown method 'nope'; valid: full, ffn, lora, adapter"),
+    (["bench", "--domain-a", "no-such-corpus"], "unknown corpus 'no-such-corpus'"),
+    (["bench", "--preset", "huge"], "unknown preset 'huge'; valid: smoke, quick, paper"),
+    (["bench", "--seeds", "0"], "--seeds must be positive"),
+    (["bench", "--protocol", "three"], "unknown protocol 'three'"),
+    (["bench", "--model-n-layer", "0"], "model.n_layer must be positive"),
+    (["bench", "--adapt-lr", "fast"], "adapt.lr: cannot read 'fast' as float"),
+    (["bench", "--set", "lora.rank=4", "--preset", "smoke"], "unknown config key methods.lora.rank"),
+    (["bench", "--set", "lora"], "write METHOD.OPTION=VALUE"),
+    (["bench", "--data-tokenizer", "words"], "unknown tokenizer 'words'; valid: bytes, chars"),
+    (["report", "/nonexistent"], "results.json does not exist"),
+    (["bench", "--adapt-steps", "0"], "steps must be positive, got 0"),
+    (["bench", "--pretrain-batch-size", "-4"], "batch_size must be positive, got -4"),
+    (["bench", "--data-eval-windows", "0"], "data.eval_windows must be positive"),
+])
+def test_bad_input_is_one_line(args, message):
+    result = invoke(*args)
+    assert result.exit_code == 2
+    lines = [l for l in result.output.splitlines() if l.strip()]
+    assert len(lines) == 1 and message in lines[0].replace("\n", " "), result.output
+
+
+def test_unknown_config_file_key(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("pretrain:\n  stepz: 3\n")
+    result = invoke("bench", "--config", cfg)
+    assert result.exit_code == 2 and "unknown config key pretrain.stepz; valid keys in pretrain: steps" in result.output
+
+
+def test_char_mode_non_utf8_is_refused(tmp_path, text_file):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9 ".encode("latin-1") * 3000)
+    result = invoke("bench", "--preset", "smoke", "--data-tokenizer", "chars", "--domain-a", text_file,
+                    "--domain-b", bad, "--out", tmp_path / "run")
+    assert result.exit_code == 2 and "is not valid UTF-8" in result.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_module_entry_point():
+    out = subprocess.run([sys.executable, "-m", "forgetless", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "bench" in out.stdout
+
+
+def test_config_file_applies(tmp_path, text_file):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"data:\n  domain_a: {text_file}\n  domain_b: renamed:{text_file}\n"
+                   "adapt:\n  steps: 4\nmethods:\n  lora:\n    r: 2\n")
+    result = invoke("bench", "--preset", "smoke", "--config", cfg, "--methods", "lora", "--seeds", 1,
+                    "--out", tmp_path / "run", "--adapt-eval-every", 2)
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["config"]["adapt"]["steps"] == 4 and results["config"]["adapt"]["eval_every"] == 2
+    assert results["methods"]["lora"]["options"]["r"] == 2
+    assert results["methods"]["lora"]["curves"]["step"] == [0, 2, 4]
+    assert list(results["methods"]) == ["full", "lora"]  # full joins as the reference for G
+
+
+def test_char_base_refuses_unseen_characters(tmp_path, text_file):
+    base = tmp_path / "base.safetensors"
+    assert invoke("pretrain", "--preset", "smoke", "--data-tokenizer", "chars", "--domain-a", text_file,
+                  "--out", base, "--pretrain-steps", 2).exit_code == 0
+    other = tmp_path / "other.txt"
+    other.write_text("Zebras quizzically jump! " * 300)
+    result = invoke("eval", "--checkpoint", base, "--corpus", other)
+    assert result.exit_code == 2 and "character(s) not in the char vocabulary" in result.output

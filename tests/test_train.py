@@ -1,0 +1,144 @@
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from forgetless.checkpoint import load_checkpoint, save_checkpoint
+from forgetless.continual.evaluate import lm_loss
+from forgetless.data.splits import Sampler
+from forgetless.errors import ForgetlessError
+from forgetless.models.gpt import GPT, GPTConfig
+from forgetless.train import TrainConfig, TrainingDiverged, lr_at, train
+
+
+def setup(steps=20, **kw):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, block_size=8))
+    sampler = Sampler(torch.arange(2000) % 7, 4, 8, seed=0)  # a learnable pattern
+    cfg = TrainConfig(**{**dict(steps=steps, batch_size=4, lr=1e-2, warmup=2, eval_every=5, ckpt_every=5), **kw})
+    return model, sampler, cfg
+
+
+def loss_fn(model, batch):
+    loss = lm_loss(model, batch)
+    return loss, loss
+
+
+def test_lr_schedule():
+    cfg = TrainConfig(steps=100, lr=1.0, warmup=10, min_lr_ratio=0.1)
+    assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)
+    assert lr_at(99, cfg) == pytest.approx(0.1, abs=1e-3)
+    assert lr_at(10, cfg) > lr_at(50, cfg) > lr_at(90, cfg)
+
+
+def test_loss_goes_down():
+    model, sampler, cfg = setup(steps=60)
+    history = train(model, list(model.named_parameters()), sampler, cfg, loss_fn)
+    first, last = history.loss[0][1], sum(l for _, l in history.loss[-10:]) / 10
+    assert last < first - 1.0
+
+
+def test_checkpoint_resume_in_process_is_exact(tmp_path):
+    model, sampler, cfg = setup(steps=20)
+    full = train(model, list(model.named_parameters()), sampler, cfg, loss_fn)
+    model3, sampler3, _ = setup(steps=20)
+    model4, sampler4, cfg4 = setup(steps=20)
+    ckpt2 = tmp_path / "ckpt2.safetensors"
+    with pytest.raises(KeyboardInterrupt):
+        def interrupting(m, b, calls=[0]):
+            calls[0] += 1
+            if calls[0] == 13:
+                raise KeyboardInterrupt
+            return loss_fn(m, b)
+        train(model4, list(model4.named_parameters()), sampler4, cfg4, interrupting, ckpt_path=ckpt2,
+              run_config={"x": 1})
+    assert load_checkpoint(ckpt2)[1]["step"] == 10
+    history = train(model3, list(model3.named_parameters()), sampler3, cfg4, loss_fn, ckpt_path=ckpt2,
+                    run_config={"x": 1})
+    assert history.loss == full.loss
+    for (n, p), (_, q) in zip(model.named_parameters(), model3.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_resume_with_different_config_is_refused(tmp_path):
+    model, sampler, cfg = setup(steps=5)
+    ckpt = tmp_path / "c.safetensors"
+    train(model, list(model.named_parameters()), sampler, cfg, loss_fn, ckpt_path=ckpt, run_config={"lr": 1})
+    before = ckpt.read_bytes()
+    with pytest.raises(ForgetlessError, match=r"different config \(lr: 1 -> 2\)"):
+        train(model, list(model.named_parameters()), sampler, cfg, loss_fn, ckpt_path=ckpt, run_config={"lr": 2})
+    assert ckpt.read_bytes() == before
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+    model, sampler, cfg = setup(steps=20)
+    ckpt = tmp_path / "c.safetensors"
+
+    def poisoned(m, b, calls=[0]):
+        calls[0] += 1
+        loss, lm = loss_fn(m, b)
+        return (loss * float("nan"), lm) if calls[0] == 8 else (loss, lm)
+    with pytest.raises(TrainingDiverged, match=r"loss is nan at step 8; stopped, the last good checkpoint \(step 5\) is kept"):
+        train(model, list(model.named_parameters()), sampler, cfg, poisoned, ckpt_path=ckpt, run_config={})
+    tensors, meta = load_checkpoint(ckpt)
+    assert meta["step"] == 5 and all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point())
+
+
+def test_corrupt_and_truncated_checkpoints(tmp_path):
+    path = tmp_path / "c.safetensors"
+    save_checkpoint(path, {"w": torch.ones(1000)}, {"kind": "x"})
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ForgetlessError, match="is corrupt or truncated"):
+        load_checkpoint(path)
+    path.write_bytes(b"garbage" * 10)
+    with pytest.raises(ForgetlessError, match="is corrupt or truncated"):
+        load_checkpoint(path)
+    with pytest.raises(ForgetlessError, match="does not exist"):
+        load_checkpoint(tmp_path / "missing.safetensors")
+
+
+def test_no_trainable_parameters():
+    model, sampler, cfg = setup()
+    with pytest.raises(ForgetlessError, match="nothing to train"):
+        train(model, [], sampler, cfg, loss_fn)
+
+
+PRETRAIN = [sys.executable, "-m", "forgetless", "pretrain", "--preset", "smoke", "--domain-a", "tinyshakespeare",
+            "--model-d-model", "64", "--pretrain-batch-size", "16", "--pretrain-steps", "300",
+            "--pretrain-ckpt-every", "10", "--pretrain-eval-every", "50"]
+
+
+def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
+    """Kill a pretraining subprocess with SIGKILL, resume it, compare with an uninterrupted run."""
+    env = {**os.environ}
+    killed = tmp_path / "killed.safetensors"
+    ckpt = Path(str(killed) + ".training.safetensors")
+    proc = subprocess.Popen(PRETRAIN + ["--out", str(killed)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if ckpt.exists() and load_checkpoint(ckpt)[1]["step"] >= 30:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not killed.exists()
+    step_at_kill = load_checkpoint(ckpt)[1]["step"]
+    assert 0 < step_at_kill < 300
+    refused = subprocess.run(PRETRAIN + ["--out", str(killed)], env=env, capture_output=True, text=True)
+    assert refused.returncode == 2 and "pass --resume" in refused.stderr
+    subprocess.run(PRETRAIN + ["--out", str(killed), "--resume"], env=env, check=True, capture_output=True)
+    clean = tmp_path / "clean.safetensors"
+    subprocess.run(PRETRAIN + ["--out", str(clean)], env=env, check=True, capture_output=True)
+    (t1, m1), (t2, m2) = load_checkpoint(killed), load_checkpoint(clean)
+    assert m1["history"]["evals"] == m2["history"]["evals"]  # same final metrics, same curve
+    assert m1["history"]["loss"] == m2["history"]["loss"]
+    assert all(torch.equal(t1[k], t2[k]) for k in t2)
+    assert not ckpt.exists()
