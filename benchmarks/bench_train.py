@@ -58,7 +58,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     cfg = build_config("quick")
-    tokens = ByteTokenizer().encode(join(load_corpus("tinyshakespeare").docs))
+    tokens = ByteTokenizer().encode(join(load_corpus("shakespeare-modern").docs))
     bare_loop(cfg, 3)  # warm up
     base, cand = [], []
     for _ in range(args.repeats):

@@ -25,10 +25,11 @@ def scatter(results: dict, path: Path):
                     capsize=3, label=f"{name} ({m['trainable_params']:,} trainable)")
         ax.annotate(name, (100 * x["mean"], y["mean"]), textcoords="offset points", xytext=(5, 5), fontsize=8)
     first = next(iter(methods.values()))
-    ax.axhline(first["ppl_b_before"]["mean"], color="grey", ls=":", lw=1, label="PPL_B of the base")
     ax.set_xlabel("forgetting F on A (% rise of PPL_A)  ← better")
     ax.set_ylabel("PPL on B after adaptation  ↓ better")
-    ax.set_title(f"Retention vs adaptation ({results['preset']}, {len(results['seeds'])} seed(s))")
+    ax.set_title(f"Retention vs adaptation ({results['preset']}, {len(results['seeds'])} seed(s))\n"
+                 f"base: PPL_A {first['ppl_a_before']['mean']:.3f}, PPL_B {first['ppl_b_before']['mean']:.3f}",
+                 fontsize=10)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
