@@ -7,11 +7,14 @@ import pytest
 import torch
 
 SHARED_TINY = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def pytest_configure(config):
     if not os.environ.get("FORGETLESS_TINYSHAKESPEARE") and SHARED_TINY.is_file():
         os.environ["FORGETLESS_TINYSHAKESPEARE"] = str(SHARED_TINY)
+    # subprocesses (`python -m forgetless`) test this checkout, whatever is installed
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     torch.set_num_threads(2)

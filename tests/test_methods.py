@@ -29,6 +29,12 @@ def test_registry_has_the_baselines_in_design_order():
         build_method("lora", {"rank": 4})
     with pytest.raises(ForgetlessError, match="methods.lora.r must be positive"):
         build_method("lora", {"r": 0})
+    with pytest.raises(ForgetlessError, match="methods.lora.r: cannot read 'x' as int"):
+        build_method("lora", {"r": "x"})
+    # values from the command line arrive as strings and are read as the field's type
+    assert build_method("lora", {"lr": "0.01", "r": "4"}).cfg.lr == 0.01
+    assert build_method("lora", {"lr": "none"}).cfg.lr is None
+    assert build_method("adapter", {"target_modules": "mlp,c_fc"}).cfg.target_modules == ["mlp", "c_fc"]
 
 
 def test_target_rules_suffix_regex_exclude():

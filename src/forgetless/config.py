@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import types
 import typing
 from pathlib import Path
 
@@ -22,7 +23,7 @@ def field_types(cls) -> dict[str, type]:
 def coerce(value, typ, where: str):
     """Turn a value from a file or the command line into the field's type."""
     origin = typing.get_origin(typ)
-    if origin is typing.Union or str(origin) == "types.UnionType":
+    if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(typ) if a is not type(None)]
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             return None

@@ -5,6 +5,7 @@ saved under `out/arms/` as it finishes, so an interrupted bench resumes where it
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import itertools
 import json
@@ -35,11 +36,9 @@ def run_two_domain(cfg: RunConfig, methods: list[str], seeds: list[int], out: Pa
         built = {"full": build_method("full", cfg.methods.get("full")), **built}
     (a, b), tokenizer = load_domains([cfg.data.domain_a, cfg.data.domain_b], cfg.data.tokenizer,
                                      cfg.model.block_size, cfg.data.val_fraction, cfg.data.eval_windows)
-    cfg.model.vocab_size = tokenizer.vocab_size
-    bases = {}
-    for kind in sorted({m.base_ffn for m in built.values()}):
-        model_cfg = type(cfg.model)(**{**cfg.model.to_dict(), "ffn": kind})
-        bases[kind] = cached_base(model_cfg, cfg.pretrain, a, tokenizer)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size))
+    bases = {kind: cached_base(dataclasses.replace(cfg.model, ffn=kind), cfg.pretrain, a, tokenizer)
+             for kind in sorted({m.base_ffn for m in built.values()})}
 
     arms: dict[str, list[dict]] = {name: [] for name in built}
     with progress_task("bench arms", total=len(seeds) * len(built)) as advance:
