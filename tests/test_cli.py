@@ -149,3 +149,12 @@ def test_char_base_refuses_unseen_characters(tmp_path, text_file):
     other.write_text("Zebras quizzically jump! " * 300)
     result = invoke("eval", "--checkpoint", base, "--corpus", other)
     assert result.exit_code == 2 and "character(s) not in the char vocabulary" in result.output
+
+
+def test_replay_draws_from_domain_a(tmp_path):
+    """With replay 1.0 every adaptation row comes from A, so A must not be forgotten."""
+    result = invoke("bench", "--preset", "smoke", "--methods", "full", "--seeds", 1, "--adapt-replay", 1.0,
+                    "--domain-a", "tinyshakespeare", "--domain-b", "renamed:tinyshakespeare", "--out", tmp_path)
+    assert result.exit_code == 0, result.output
+    full = json.loads((tmp_path / "results.json").read_text())["methods"]["full"]
+    assert full["forgetting"]["mean"] < 0  # more training on A only helps A

@@ -101,7 +101,7 @@ class Sampler:
 
     def next(self) -> Batch:
         n_main = self.batch_size - self.n_other
-        rows = [self._rows(self.tokens, n_main)]
+        rows = [self._rows(self.tokens, n_main)] if n_main else []
         if self.n_other:
             rows.append(self._rows(self.other, self.n_other))
         data = torch.cat(rows)  # (B, T+1)
