@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from forgetless.continual.evaluate import lm_loss
+from forgetless.continual.evaluate import training_loss
 from forgetless.data.corpora import load_corpus
 from forgetless.data.splits import Sampler, join
 from forgetless.data.tokenizers import ByteTokenizer
@@ -47,7 +47,7 @@ def forgetless_loop(cfg, tokens, steps: int) -> float:
     sampler = Sampler(tokens, cfg.pretrain.batch_size, cfg.model.block_size, seed=0)
     train_cfg = type(cfg.pretrain)(**{**cfg.pretrain.__dict__, "steps": steps, "warmup": 2})
     t0 = time.perf_counter()
-    train(model, list(model.named_parameters()), sampler, train_cfg, lambda m, b: (lm_loss(m, b),) * 2,
+    train(model, list(model.named_parameters()), sampler, train_cfg, training_loss,
           desc="bench")
     return (time.perf_counter() - t0) / steps
 

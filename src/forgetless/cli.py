@@ -280,14 +280,16 @@ def corpora(spec: Optional[list[str]] = typer.Argument(None, help="corpus specs 
 @friendly
 def methods():
     """List the registered methods and their options."""
-    from forgetless.methods import METHODS, method_names
+    from forgetless.continual.base_model import base_label
+    from forgetless.methods import METHODS, build_method, method_names
+    from forgetless.models.gpt import GPTConfig
 
     table = Table("method", "base", "options (default)", "about")
     for name in method_names():
         cls = METHODS[name]
         opts = ", ".join(f"{f.name}={f.default if f.default is not dataclasses.MISSING else f.default_factory()}"
                          for f in dataclasses.fields(cls.Config))
-        table.add_row(name, cls.base_ffn, opts, (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else "")
+        table.add_row(name, base_label(build_method(name).base_config(GPTConfig())), opts, (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else "")
     out_console.print(table)
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from forgetless.checkpoint import save_checkpoint
-from forgetless.continual.evaluate import evaluate, lm_loss
+from forgetless.continual.evaluate import evaluate, training_loss
 from forgetless.data.domains import Domain
 from forgetless.data.splits import Sampler
 from forgetless.methods import Method
@@ -46,11 +46,6 @@ def run_arm(model: nn.Module, method: Method, a: Domain, b: Domain, cfg: AdaptCo
     sampler = Sampler(b.train, cfg.batch_size, b.windows.shape[1] - 1, seed,
                       other=a.train if cfg.replay > 0 else None, p=cfg.replay)
 
-    def loss_fn(m, batch):
-        lm = lm_loss(m, batch)
-        extra = method.extra_loss(m, batch)
-        return (lm if extra is None else lm + extra), lm
-
     eval_s = 0.0
 
     def curve_point():
@@ -64,7 +59,8 @@ def run_arm(model: nn.Module, method: Method, a: Domain, b: Domain, cfg: AdaptCo
     method.on_task_start(model, 1)
     with PeakRSS() as memory:
         t0 = time.perf_counter()
-        history = train(model, params, sampler, cfg, loss_fn, evaluate=curve_point, ckpt_path=ckpt,
+        history = train(model, params, sampler, cfg, lambda m, b: training_loss(m, b, method.extra_loss),
+                        evaluate=curve_point, ckpt_path=ckpt,
                         run_config={**(run_config or {}), "arm": [method.name, seed]}, desc=f"{method.name} seed {seed}")
         wall = time.perf_counter() - t0 - eval_s
     method.on_task_end(model, 1)

@@ -8,7 +8,7 @@ import torch
 
 from forgetless.checkpoint import load_checkpoint, save_checkpoint
 from forgetless.config import stable_hash
-from forgetless.continual.evaluate import evaluate, lm_loss
+from forgetless.continual.evaluate import evaluate, training_loss
 from forgetless.data.corpora import cache_dir
 from forgetless.data.domains import Domain
 from forgetless.data.splits import Sampler
@@ -27,7 +27,7 @@ def pretrain(model_cfg: GPTConfig, cfg: TrainConfig, domain: Domain, tokenizer, 
     run_config = {"model": model_cfg.to_dict(), "train": cfg.__dict__, "data": domain.fingerprint,
                   "tokenizer": tokenizer.to_dict()}
     t0 = time.perf_counter()
-    history = train(model, list(model.named_parameters()), sampler, cfg, lambda m, b: (lm_loss(m, b),) * 2,
+    history = train(model, list(model.named_parameters()), sampler, cfg, training_loss,
                     evaluate=lambda: {"ppl_a": evaluate(model, domain.windows)["ppl"]},
                     ckpt_path=ckpt_path, run_config=run_config, desc=desc)
     meta = {"kind": "base", "model_config": model_cfg.to_dict(), "tokenizer": tokenizer.to_dict(),
@@ -48,14 +48,19 @@ def load_base(path: Path) -> tuple[GPT, object, dict]:
     return model, tokenizer_from_dict(meta["tokenizer"]), meta
 
 
+def base_label(model_cfg: GPTConfig) -> str:
+    """Short name of a base: its FFN kind, plus a hash of the FFN options when it has any."""
+    return model_cfg.ffn + (f"-{stable_hash(model_cfg.ffn_options, 6)}" if model_cfg.ffn_options else "")
+
+
 def cached_base(model_cfg: GPTConfig, cfg: TrainConfig, domain: Domain, tokenizer) -> Path:
     """Path of the cached base for this config, pretraining it first (resumably) if needed."""
     key = stable_hash({"model": model_cfg, "train": cfg, "data": domain.fingerprint,
                        "tokenizer": tokenizer.to_dict(), "windows": domain.windows.shape[0]})
-    folder = cache_dir() / "bases" / f"{model_cfg.ffn}-{key}"
+    folder = cache_dir() / "bases" / f"{base_label(model_cfg)}-{key}"
     path = folder / "base.safetensors"
     if not path.exists():
         ckpt = folder / "training.safetensors"
-        pretrain(model_cfg, cfg, domain, tokenizer, path, ckpt_path=ckpt, desc=f"pretrain {model_cfg.ffn} base")
+        pretrain(model_cfg, cfg, domain, tokenizer, path, ckpt_path=ckpt, desc=f"pretrain {base_label(model_cfg)} base")
         ckpt.unlink(missing_ok=True)
     return path

@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from forgetless.data.splits import Batch
-from forgetless.models.gpt import logits_of
+from forgetless.models.gpt import aux_loss, logits_of
 
 
 @torch.no_grad()
@@ -32,3 +32,11 @@ def evaluate(model: nn.Module, windows: torch.Tensor, batch_size: int = 64) -> d
 def lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     logits = logits_of(model, batch.x)  # (B, T, V)
     return F.cross_entropy(logits.flatten(0, 1), batch.y.flatten())
+
+
+def training_loss(model: nn.Module, batch: Batch, extra=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(LM loss + modules' auxiliary losses + `extra(model, batch)`, LM loss alone)."""
+    lm = lm_loss(model, batch)
+    parts = [aux_loss(model), extra(model, batch) if extra else None]
+    parts = [p for p in parts if p is not None]
+    return (lm + sum(parts) if parts else lm), lm

@@ -16,7 +16,7 @@ from pathlib import Path
 from forgetless.checkpoint import write_json
 from forgetless.config import stable_hash
 from forgetless.continual.arm import run_arm
-from forgetless.continual.base_model import cached_base, load_base
+from forgetless.continual.base_model import base_label, cached_base, load_base
 from forgetless.data.domains import load_domains
 from forgetless.methods import build_method
 from forgetless.presets import RunConfig
@@ -37,31 +37,34 @@ def run_two_domain(cfg: RunConfig, methods: list[str], seeds: list[int], out: Pa
     (a, b), tokenizer = load_domains([cfg.data.domain_a, cfg.data.domain_b], cfg.data.tokenizer,
                                      cfg.model.block_size, cfg.data.val_fraction, cfg.data.eval_windows)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size))
-    bases = {kind: cached_base(dataclasses.replace(cfg.model, ffn=kind), cfg.pretrain, a, tokenizer)
-             for kind in sorted({m.base_ffn for m in built.values()})}
+    base_of = {name: base_label(m.base_config(cfg.model)) for name, m in built.items()}
+    bases = {}
+    for name, method in built.items():
+        if base_of[name] not in bases:
+            bases[base_of[name]] = cached_base(method.base_config(cfg.model), cfg.pretrain, a, tokenizer)
 
     arms: dict[str, list[dict]] = {name: [] for name in built}
     with progress_task("bench arms", total=len(seeds) * len(built)) as advance:
         for seed, (name, method) in itertools.product(seeds, built.items()):
             run_config = {"config": cfg.to_dict(), "method": name, "options": method.options(),
-                          "base": str(bases[method.base_ffn].name), "domains": [a.fingerprint, b.fingerprint]}
-            arms[name].append(run_or_reuse_arm(cfg, name, method.base_ffn, bases, a, b, seed, out, run_config))
+                          "base": bases[base_of[name]].parent.name, "domains": [a.fingerprint, b.fingerprint]}
+            arms[name].append(run_or_reuse_arm(cfg, name, bases[base_of[name]], a, b, seed, out, run_config))
             advance(1)
 
-    base_meta = {kind: load_base(path)[2] for kind, path in bases.items()}
+    base_meta = {label: load_base(path)[2] for label, path in bases.items()}
     return {
         "protocol": "two-domain", "preset": preset, "seeds": list(seeds),
         "domains": {"a": cfg.data.domain_a, "b": cfg.data.domain_b},
         "held_out": {"a": a.val_keys, "b": b.val_keys},
         "date": datetime.date.today().isoformat(),
         "config": cfg.to_dict(),
-        "bases": {kind: {"path": str(bases[kind]), "pretrain_wall_s": m["wall_s"],
-                         "pretrain_steps": m["train_config"]["steps"]} for kind, m in base_meta.items()},
+        "bases": {label: {"path": str(bases[label]), "pretrain_wall_s": m["wall_s"], "ffn": m["model_config"]["ffn"],
+                          "pretrain_steps": m["train_config"]["steps"]} for label, m in base_meta.items()},
         "methods": {name: summarize(runs, arms["full"], built[name]) for name, runs in arms.items()},
     }
 
 
-def run_or_reuse_arm(cfg, name, base_ffn, bases, a, b, seed, out, run_config) -> dict:
+def run_or_reuse_arm(cfg, name, base: Path, a, b, seed, out, run_config) -> dict:
     """The arm's saved result if its config matches, else run it (a fresh method) and save it."""
     arm_path = out / "arms" / name / f"seed{seed}.json"
     key = stable_hash(run_config)
@@ -69,7 +72,7 @@ def run_or_reuse_arm(cfg, name, base_ffn, bases, a, b, seed, out, run_config) ->
         saved = json.loads(arm_path.read_text())
         if saved.get("config_hash") == key:
             return saved
-    model, _, _ = load_base(bases[base_ffn])
+    model, _, _ = load_base(base)
     method = build_method(name, cfg.methods.get(name))
     result = run_arm(model, method, a, b, cfg.adapt, seed, out_dir=arm_path.parent, run_config=run_config)
     result["config_hash"] = key

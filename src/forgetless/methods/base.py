@@ -2,7 +2,7 @@
 
 A Method attaches to any nn.Module (our GPT or a Hugging Face model), says which parameters
 train, may add a loss, and saves only its own tensors. Methods that replace the FFN (APN,
-CMS) say so with `base_ffn`: the protocol then pretrains (and caches) a base of that kind.
+CMS) say so in `base_config`: the protocol then pretrains (and caches) a base of that kind.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch.nn as nn
 from forgetless.config import from_dict
 from forgetless.data.splits import Batch
 from forgetless.errors import ForgetlessError
+from forgetless.models.gpt import GPTConfig
 
 
 @dataclass
@@ -59,10 +60,13 @@ class Method:
     """Base class; subclasses override what they need."""
     name = "base"
     Config = MethodConfig
-    base_ffn = "dense"  # FFN kind of the pretrained base this method starts from
 
     def __init__(self, cfg: MethodConfig):
         self.cfg = cfg
+
+    def base_config(self, model_cfg: GPTConfig) -> GPTConfig:
+        """Model config of the pretrained base this method starts from (default: the dense base)."""
+        return model_cfg
 
     def attach(self, model: nn.Module) -> nn.Module:
         """Insert this method's modules into `model` (in place) and return it."""

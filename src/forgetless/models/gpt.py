@@ -55,6 +55,7 @@ def register_ffn(name: str):
 
 
 def build_ffn(cfg: GPTConfig) -> nn.Module:
+    import forgetless.nn  # noqa: F401  (registers the FFN kinds defined there)
     if cfg.ffn not in FFN_KINDS:
         raise ForgetlessError(f"unknown FFN kind {cfg.ffn!r}; valid: {', '.join(sorted(FFN_KINDS))}")
     return FFN_KINDS[cfg.ffn](cfg)
@@ -145,6 +146,12 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """Sum of the auxiliary losses (e.g. APN load balancing) left on modules by the last forward."""
+    losses = [m.aux_loss for m in model.modules() if getattr(m, "aux_loss", None) is not None]
+    return torch.stack(losses).sum() if losses else None
 
 
 def logits_of(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:

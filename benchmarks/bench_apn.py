@@ -1,0 +1,73 @@
+"""One APN layer vs a dense FFN (4x expansion, GELU): forward + backward time in the same run.
+
+Sizes: the APN source's (d=384, K=256, k=4, r=32, 2048 tokens) and the quick preset's
+(d=128, 32 x 128 = 4096 tokens, APN defaults). Baseline and candidate alternate within each
+repeat, and the median of the repeats is reported, so the ratio (APN / dense time) holds up on
+a noisy shared machine. Also prints multiply-adds per token of each layer.
+
+    python benchmarks/bench_apn.py [--repeats 7] [--iters 5]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from forgetless.nn.apn import APN, APNConfig
+
+SIZES = {"seed": dict(d=384, tokens=2048), "quick": dict(d=128, tokens=4096)}
+
+
+def dense_ffn(d: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+
+def step_ms(layer: nn.Module, x: torch.Tensor, iters: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        layer.zero_grad(set_to_none=True)
+        layer(x).square().mean().backward()
+    return 1000 * (time.perf_counter() - t0) / iters
+
+
+def measure(d: int, tokens: int, cfg: APNConfig, repeats: int, iters: int) -> dict:
+    torch.manual_seed(0)
+    x = F.layer_norm(torch.randn(tokens, d), (d,)).requires_grad_()
+    dense, apn = dense_ffn(d), APN(d, cfg)
+    step_ms(dense, x, 2), step_ms(apn, x, 2)  # warm up
+    base, cand = [], []
+    for _ in range(repeats):
+        base.append(step_ms(dense, x, iters))
+        cand.append(step_ms(apn, x, iters))
+    b, c = statistics.median(base), statistics.median(cand)
+    K, k, r = cfg.n_patches, cfg.top_k, cfg.rank
+    return {"ratio": round(c / b, 3), "baseline_ms": round(b, 2), "candidate_ms": round(c, 2),
+            "dense_macs_per_token": 8 * d * d, "apn_macs_per_token": K * d + d * r + k * d * r,
+            "dense_params": sum(p.numel() for p in dense.parameters()),
+            "apn_params": sum(p.numel() for p in apn.parameters())}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--iters", type=int, default=5)
+    args = parser.parse_args()
+    results = {}
+    for name, size in SIZES.items():
+        r = results[name] = measure(size["d"], size["tokens"], APNConfig(), args.repeats, args.iters)
+        print(f"{name:5s} d={size['d']} tokens={size['tokens']}: dense {r['baseline_ms']:.1f} ms, "
+              f"APN {r['candidate_ms']:.1f} ms, ratio {r['ratio']:.2f} (fwd+bwd; "
+              f"{r['apn_macs_per_token']:,} vs {r['dense_macs_per_token']:,} MACs/token)")
+    print(json.dumps({"bench": "apn", "ratio": results["seed"]["ratio"], "baseline_ms": results["seed"]["baseline_ms"],
+                      "candidate_ms": results["seed"]["candidate_ms"],
+                      "config": {"sizes": SIZES, "threads": torch.get_num_threads(), "repeats": args.repeats,
+                                 "iters": args.iters, "apn": APNConfig().__dict__, "quick": results["quick"]}}))
+
+
+if __name__ == "__main__":
+    main()

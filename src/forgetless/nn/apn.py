@@ -1,0 +1,157 @@
+"""Attractor Patch Network (APN): a drop-in FFN of routed low-rank patch experts (DESIGN.md §2.1).
+
+    z   = x / ||x||                          routing input (optionally R x: contextual prototypes)
+    s_i = <z, p_i / ||p_i||> / tau           cosine routing score of patch i
+    S   = TopK(s, k),  w = softmax_S(s)
+    u   = V^T x                              shared code, r dims
+    phi_i = u * sigmoid(a_i * u + b_i)       patch gate (vector or scalar a_i, b_i)
+    APN(x) = gamma * sum_{i in S} w_i U_i phi_i
+
+Tokens are dispatched sparsely: (token, patch) pairs are sorted by patch and packed into a
+(K, capacity, r) buffer, so every decoder runs as one batched matmul and no per-token copy of
+U is ever made.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from forgetless.config import from_dict
+from forgetless.errors import ForgetlessError
+from forgetless.models.gpt import GPTConfig, register_ffn
+
+
+@dataclass
+class APNConfig:
+    n_patches: int = field(default=256, metadata={"help": "K, number of patches (prototypes)"})
+    top_k: int = field(default=4, metadata={"help": "k, active patches per token"})
+    rank: int = field(default=32, metadata={"help": "r, width of the shared code and of each decoder"})
+    tau: float = field(default=0.07, metadata={"help": "routing temperature"})
+    gamma: float = field(default=1.0, metadata={"help": "residual scale"})
+    balance: float = field(default=0.01, metadata={"help": "weight of the load-balancing loss sum_i (usage_i - 1/K)^2"})
+    entropy: float = field(default=0.0, metadata={"help": "weight of the mean routing entropy (>0 sharpens, <0 spreads)"})
+    patch_dropout: float = field(default=0.0, metadata={"help": "probability of dropping an active patch in training"})
+    gate: str = field(default="vector", metadata={"help": "vector (a_i, b_i in R^r) or scalar (diagonal gate)"})
+    decoder: str = field(default="full", metadata={"help": "full (U_i per patch) or shared (U_0 + per-patch low-rank offsets)"})
+    offset_rank: int = field(default=4, metadata={"help": "rank of the per-patch offsets with decoder=shared"})
+    route_dim: int = field(default=0, metadata={"help": "route in a learned subspace of this size (0 = on x itself)"})
+
+    def __post_init__(self):
+        for name in ("n_patches", "top_k", "rank", "offset_rank"):
+            if getattr(self, name) <= 0:
+                raise ForgetlessError(f"apn.{name} must be positive, got {getattr(self, name)}")
+        if self.top_k > self.n_patches:
+            raise ForgetlessError(f"apn.top_k ({self.top_k}) cannot exceed apn.n_patches ({self.n_patches})")
+        if self.tau <= 0 or self.route_dim < 0 or not 0 <= self.patch_dropout < 1:
+            raise ForgetlessError("apn.tau must be > 0, apn.route_dim >= 0, apn.patch_dropout in [0, 1)")
+        if self.gate not in ("vector", "scalar") or self.decoder not in ("full", "shared"):
+            raise ForgetlessError("apn.gate is vector or scalar; apn.decoder is full or shared")
+
+
+@dataclass
+class Routing:
+    """What one forward pass routed (detached), for monitors and continual knobs."""
+    index: torch.Tensor       # (N, k) active patches per token
+    weight: torch.Tensor      # (N, k) their softmax weights
+    confidence: torch.Tensor  # (N,) max_i s_i * tau: best cosine similarity
+    z: torch.Tensor           # (N, d_route) normalised routing input
+    residual_ratio: float     # mean ||APN(x)|| / ||x||
+
+
+class APN(nn.Module):
+    def __init__(self, d: int, cfg: APNConfig, out_std: float = 0.02):
+        super().__init__()
+        self.cfg, self.d = cfg, d
+        K, r = cfg.n_patches, cfg.rank
+        d_route = cfg.route_dim or d
+        self.route_proj = nn.Linear(d, cfg.route_dim, bias=False) if cfg.route_dim else None
+        self.prototypes = nn.Parameter(torch.randn(K, d_route))                 # (K, d_route)
+        self.code = nn.Parameter(torch.randn(d, r) / math.sqrt(d))              # V: (d, r)
+        gate_width = r if cfg.gate == "vector" else 1
+        self.gate_a = nn.Parameter(torch.zeros(K, gate_width))                   # a_i
+        self.gate_b = nn.Parameter(torch.zeros(K, gate_width))                   # b_i
+        if cfg.decoder == "full":
+            self.decoders = nn.Parameter(torch.randn(K, r, d) * out_std)        # U_i^T: (K, r, d)
+        else:
+            q = cfg.offset_rank
+            self.base_decoder = nn.Parameter(torch.randn(r, d) * out_std)        # U_0^T: (r, d)
+            self.offset_in = nn.Parameter(torch.randn(K, r, q) / math.sqrt(r))   # B_i: (K, r, q)
+            self.offset_out = nn.Parameter(torch.zeros(K, q, d))                 # A_i^T: (K, q, d)
+        self.aux_loss: torch.Tensor | None = None
+        self.last_routing: Routing | None = None
+        self.record = False  # keep `last_routing` after each forward (monitors, continual knobs)
+
+    def route(self, x: torch.Tensor):  # x: (N, d)
+        h = self.route_proj(x) if self.route_proj is not None else x
+        z = F.normalize(h, dim=-1)                                              # (N, d_route)
+        scores = z @ F.normalize(self.prototypes, dim=-1).T / self.cfg.tau       # (N, K)
+        top, index = scores.topk(self.cfg.top_k, dim=-1)                         # (N, k)
+        weight = top.softmax(dim=-1)                                             # (N, k)
+        return z, scores, index, weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, d)
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])                                             # (N, d)
+        z, scores, index, weight = self.route(x)
+        self.aux_loss = self.regularizer(index, weight) if self.training else None
+        if self.training and self.cfg.patch_dropout > 0:
+            keep = torch.rand_like(weight) >= self.cfg.patch_dropout
+            weight = weight * keep / (1 - self.cfg.patch_dropout)
+        u = x @ self.code                                                        # (N, r)
+        out = self.cfg.gamma * self.dispatch(u, index, weight)                   # (N, d)
+        if self.record:
+            self.last_routing = Routing(index.detach(), weight.detach(), scores.detach().max(-1).values * self.cfg.tau,
+                                        z.detach(), (out.norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-6)).mean().item())
+        return out.reshape(shape)
+
+    def dispatch(self, u: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """sum_{i in S} w_i U_i phi_i for every token: pairs grouped by patch, one batched matmul."""
+        N, k = index.shape
+        K, r = self.cfg.n_patches, u.shape[1]
+        flat = index.reshape(-1)                                                 # (P,) P = N*k pairs
+        order = flat.argsort(stable=True)
+        patch = flat[order]                                                      # (P,) sorted patch ids
+        token = order // k                                                       # (P,) token of each pair
+        counts = torch.bincount(flat, minlength=K)                               # (K,)
+        cap = int(counts.max())
+        slot = torch.arange(len(order)) - (counts.cumsum(0) - counts)[patch]     # place inside its group
+        row = patch * cap + slot                                                 # (P,) row in the packed buffer
+        u_pairs = u.index_select(0, token)                                       # (P, r)
+        a, b = self.gate_a.index_select(0, patch), self.gate_b.index_select(0, patch)
+        phi = u_pairs * torch.sigmoid(a * u_pairs + b)                           # (P, r)
+        phi = phi * weight.reshape(-1)[order].unsqueeze(1)                       # fold in w_i
+        packed = phi.new_zeros(K * cap, r).index_copy(0, row, phi).view(K, cap, r)
+        if self.cfg.decoder == "full":
+            y = torch.bmm(packed, self.decoders)                                 # (K, cap, d)
+        else:
+            y = torch.bmm(torch.bmm(packed, self.offset_in), self.offset_out)    # (K, cap, d)
+        y = y.view(K * cap, self.d).index_select(0, row)                         # (P, d)
+        out = u.new_zeros(N, self.d).index_add(0, token, y)                      # (N, d)
+        if self.cfg.decoder == "shared":  # U_0 is shared: apply it once per token
+            mixed = u.new_zeros(N, r).index_add(0, token, phi)                   # (N, r) sum_i w_i phi_i
+            out = out + mixed @ self.base_decoder
+        return out
+
+    def regularizer(self, index, weight) -> torch.Tensor:
+        """Load balancing on the routing mass per patch, plus the optional entropy term."""
+        K = self.cfg.n_patches
+        mass = torch.zeros(K, dtype=weight.dtype).index_add(0, index.reshape(-1), weight.reshape(-1))
+        usage = mass / index.shape[0]                                            # (K,) sums to 1
+        loss = self.cfg.balance * ((usage - 1.0 / K) ** 2).sum()
+        if self.cfg.entropy:
+            entropy = -(weight.clamp_min(1e-9).log() * weight).sum(-1).mean()
+            loss = loss + self.cfg.entropy * entropy
+        return loss
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in asdict(self.cfg).items())
+
+
+@register_ffn("apn")
+def apn_ffn(cfg: GPTConfig) -> APN:
+    """APN as the FFN of every block; `GPTConfig.ffn_options` holds its APNConfig fields."""
+    return APN(cfg.d_model, from_dict(APNConfig, cfg.ffn_options, "apn"), out_std=0.02 / math.sqrt(2 * cfg.n_layer))
