@@ -76,10 +76,12 @@ def test_regularizers_and_patch_dropout():
     assert torch.equal(apn(x), apn(x)) and apn.aux_loss is None
 
 
-def test_apn_as_the_gpt_ffn_trains():
+@pytest.mark.parametrize("variant", VARIANTS + [{"patch_dropout": 0.2}, {"entropy": 0.01}],
+                         ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()) or "default")
+def test_apn_as_the_gpt_ffn_trains(variant):
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, d_model=32, block_size=16, ffn="apn",
-                          ffn_options={"n_patches": 16, "rank": 8, "top_k": 2}))
+                          ffn_options={"n_patches": 16, "rank": 8, "top_k": 2, **variant}))
     assert isinstance(model.transformer.h[0].mlp, APN)
     data = (torch.arange(17 * 8) % 5).reshape(8, 17)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)

@@ -158,3 +158,13 @@ def test_replay_draws_from_domain_a(tmp_path):
     assert result.exit_code == 0, result.output
     full = json.loads((tmp_path / "results.json").read_text())["methods"]["full"]
     assert full["forgetting"]["mean"] < 0  # more training on A only helps A
+
+
+def test_bracketed_method_options_add_an_arm(tmp_path):
+    result = invoke("bench", "--preset", "smoke", "--methods", "lora,lora[r=2]", "--seeds", 1, "--out", tmp_path,
+                    "--domain-a", "tinyshakespeare", "--domain-b", "renamed:tinyshakespeare")
+    assert result.exit_code == 0, result.output
+    methods = json.loads((tmp_path / "results.json").read_text())["methods"]
+    assert list(methods) == ["full", "lora", "lora[r=2]"]
+    assert methods["lora[r=2]"]["trainable_params"] * 4 == methods["lora"]["trainable_params"]
+    assert (tmp_path / "arms" / "lora[r=2]" / "seed0.json").exists()

@@ -98,3 +98,12 @@ def test_lora_uses_peft_layers_and_rank():
     assert all("lora_A" in n or "lora_B" in n for n in names)
     a = dict(method.trainable_parameters(model))["transformer.h.0.mlp.c_fc.lora_A.default.weight"]
     assert a.shape == (4, 32)
+
+
+def test_method_specs_make_labelled_arms():
+    from forgetless.methods.base import parse_method_specs
+    assert parse_method_specs("full, lora[r=16;alpha=32],apn[local=true]") == [
+        ("full", "full", {}), ("lora[r=16;alpha=32]", "lora", {"r": "16", "alpha": "32"}),
+        ("apn[local=true]", "apn", {"local": "true"})]
+    with pytest.raises(ForgetlessError, match="write NAME\\[OPTION=VALUE;...\\]"):
+        parse_method_specs("lora[r]")

@@ -106,7 +106,8 @@ SET = typer.Option(None, "--set", help="a method option, METHOD.OPTION=VALUE (re
 @with_config_flags
 def bench(preset: str = PRESET,
           protocol: str = typer.Option("two-domain", help="two-domain (more protocols come with their methods)"),
-          methods: str = typer.Option("all", help="comma-separated method names, or 'all' registered ones"),
+          methods: str = typer.Option("all", help="comma-separated method names, or 'all' registered ones; "
+                                      "NAME[OPTION=VALUE;...] adds an arm with other options, e.g. 'lora,lora[r=16]'"),
           seeds: int = typer.Option(3, help="number of seeds (0..N-1); tables show mean ± std"),
           out: Optional[Path] = typer.Option(None, help="output folder (default runs/<protocol>-<preset>)"),
           domain_a: Optional[str] = typer.Option(None, "--domain-a", help="corpus spec or path for domain A"),
@@ -126,7 +127,7 @@ def bench(preset: str = PRESET,
         if value:
             flags.setdefault("data", {})[key] = value
     cfg = run_config(preset, config_file, flags, set_)
-    names = method_names() if methods == "all" else [m.strip() for m in methods.split(",") if m.strip()]
+    names = method_names() if methods == "all" else [methods]
     out = out or Path("runs") / f"{protocol}-{preset}"
     results = run_two_domain(cfg, names, list(range(seeds)), out, preset)
     files = write_report(results, out)

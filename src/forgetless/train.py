@@ -65,6 +65,26 @@ class History:
 LossFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, torch.Tensor]]  # -> (total loss, LM loss)
 
 
+class StepHooks:
+    """What a method may add to the loop (all optional); Method derives from this."""
+
+    def make_optimizer(self, params: list[tuple[str, nn.Parameter]], cfg: TrainConfig) -> torch.optim.Optimizer | None:
+        return None  # None: AdamW
+
+    def before_step(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        """After backward, before the optimizer step (e.g. mask or clip gradients)."""
+
+    def after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int):
+        """After the optimizer step (e.g. project weights, allocate patches)."""
+
+    def hook_state(self) -> dict[str, torch.Tensor]:
+        """Tensors the hooks need for an exact resume."""
+        return {}
+
+    def load_hook_state(self, tensors: dict[str, torch.Tensor]):
+        pass
+
+
 def make_optimizer(params: list[tuple[str, nn.Parameter]], cfg: TrainConfig) -> torch.optim.AdamW:
     decay = [p for _, p in params if p.dim() >= 2]
     no_decay = [p for _, p in params if p.dim() < 2]
@@ -74,15 +94,16 @@ def make_optimizer(params: list[tuple[str, nn.Parameter]], cfg: TrainConfig) -> 
 
 def train(model: nn.Module, params: list[tuple[str, nn.Parameter]], sampler: Sampler, cfg: TrainConfig,
           loss_fn: LossFn, *, evaluate: Callable[[], dict] | None = None, ckpt_path: Path | None = None,
-          run_config: dict | None = None, desc: str = "train") -> History:
+          run_config: dict | None = None, desc: str = "train", hooks: StepHooks | None = None) -> History:
     """Train `params` of `model`; resume from `ckpt_path` when it exists and `run_config` matches."""
     if not params:
         raise ForgetlessError("nothing to train: the method selected no parameters (check target_modules)")
     run_config = run_config or {}
-    opt = make_optimizer(params, cfg)
+    hooks = hooks or StepHooks()
+    opt = hooks.make_optimizer(params, cfg) or make_optimizer(params, cfg)
     history, start = History(), 0
     if ckpt_path is not None and Path(ckpt_path).exists():
-        start, history = resume(model, opt, sampler, ckpt_path, run_config)
+        start, history = resume(model, opt, sampler, ckpt_path, run_config, hooks)
     elif evaluate is not None:
         history.evals.append({"step": 0, **evaluate()})
 
@@ -91,6 +112,7 @@ def train(model: nn.Module, params: list[tuple[str, nn.Parameter]], sampler: Sam
             return
         optim, groups = optimizer_tensors(opt)
         tensors = {**{f"model.{k}": v for k, v in model.state_dict().items()}, **optim,
+                   **{f"hooks.{k}": v for k, v in hooks.hook_state().items()},
                    "rng.torch": torch.get_rng_state(), "rng.sampler": sampler.get_state()}
         meta = {"kind": "training", "step": step, "config_hash": stable_hash(run_config),
                 "config": run_config, "optim_groups": groups, "history": asdict(history)}
@@ -111,8 +133,10 @@ def train(model: nn.Module, params: list[tuple[str, nn.Parameter]], sampler: Sam
             loss.backward()
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_([p for _, p in params], cfg.grad_clip)
+            hooks.before_step(model, opt)
             opt.step()
             done = step + 1
+            hooks.after_step(model, opt, done)
             history.loss.append([done, round(lm_loss.item(), 5)])
             if evaluate is not None and (done % cfg.eval_every == 0 or done == cfg.steps):
                 history.evals.append({"step": done, **evaluate()})
@@ -126,7 +150,7 @@ def last_ckpt_step(step: int, cfg: TrainConfig) -> int:
     return (step // cfg.ckpt_every) * cfg.ckpt_every
 
 
-def resume(model, opt, sampler, ckpt_path, run_config) -> tuple[int, History]:
+def resume(model, opt, sampler, ckpt_path, run_config, hooks: StepHooks) -> tuple[int, History]:
     tensors, meta = load_checkpoint(ckpt_path)
     if meta.get("config_hash") != stable_hash(run_config):
         diff = config_diff(meta.get("config", {}), run_config)
@@ -137,6 +161,7 @@ def resume(model, opt, sampler, ckpt_path, run_config) -> tuple[int, History]:
     load_optimizer(opt, tensors, meta["optim_groups"])
     torch.set_rng_state(tensors["rng.torch"])
     sampler.set_state(tensors["rng.sampler"])
+    hooks.load_hook_state({k[len("hooks."):]: v for k, v in tensors.items() if k.startswith("hooks.")})
     return meta["step"], History(**meta["history"])
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from forgetless.checkpoint import save_checkpoint
-from forgetless.continual.evaluate import evaluate, training_loss
+from forgetless.continual.evaluate import evaluate, module_stats, training_loss
 from forgetless.data.domains import Domain
 from forgetless.data.splits import Sampler
 from forgetless.methods import Method
@@ -29,7 +29,8 @@ def freeze_all_but(model: nn.Module, method: Method) -> list[tuple[str, nn.Param
 
 def score(model: nn.Module, a: Domain, b: Domain) -> dict:
     ea, eb = evaluate(model, a.windows), evaluate(model, b.windows)
-    return {"ppl_a": ea["ppl"], "acc_a": ea["acc"], "ppl_b": eb["ppl"], "acc_b": eb["acc"]}
+    stats = {f"{k}_b": v for k, v in module_stats(model, b.windows).items()}  # e.g. APN routing on B
+    return {"ppl_a": ea["ppl"], "acc_a": ea["acc"], "ppl_b": eb["ppl"], "acc_b": eb["acc"], **stats}
 
 
 def run_arm(model: nn.Module, method: Method, a: Domain, b: Domain, cfg: AdaptConfig, seed: int,
@@ -41,6 +42,7 @@ def run_arm(model: nn.Module, method: Method, a: Domain, b: Domain, cfg: AdaptCo
     before = score(model, a, b)
     torch.manual_seed(seed)
     model = method.attach(model)
+    report_before = method.report(model, a.windows, b.windows)
     params = freeze_all_but(model, method)
     cfg = dataclasses.replace(cfg, lr=method.cfg.lr or cfg.lr, seed=seed)
     sampler = Sampler(b.train, cfg.batch_size, b.windows.shape[1] - 1, seed,
@@ -59,12 +61,14 @@ def run_arm(model: nn.Module, method: Method, a: Domain, b: Domain, cfg: AdaptCo
     method.on_task_start(model, 1)
     with PeakRSS() as memory:
         t0 = time.perf_counter()
-        history = train(model, params, sampler, cfg, lambda m, b: training_loss(m, b, method.extra_loss),
-                        evaluate=curve_point, ckpt_path=ckpt,
+        history = train(model, params, sampler, cfg,
+                        lambda m, b: training_loss(m, b, method.extra_loss, method.token_weights),
+                        evaluate=curve_point, ckpt_path=ckpt, hooks=method,
                         run_config={**(run_config or {}), "arm": [method.name, seed]}, desc=f"{method.name} seed {seed}")
         wall = time.perf_counter() - t0 - eval_s
     method.on_task_end(model, 1)
     after = score(model, a, b)
+    report_after = method.report(model, a.windows, b.windows)
     if out_dir:
         save_checkpoint(out_dir / f"seed{seed}.safetensors", method.state_dict(model),
                         {"kind": "method", "method": method.name, "options": method.options(), "seed": seed})
@@ -77,4 +81,5 @@ def run_arm(model: nn.Module, method: Method, a: Domain, b: Domain, cfg: AdaptCo
         "total_params": sum(p.numel() for p in model.parameters()),
         "wall_s": wall, "peak_rss_mb": memory.peak_mb,
         "curve": history.evals, "loss": history.loss,
+        **({"report": {"before": report_before, "after": report_after}} if report_after else {}),
     }

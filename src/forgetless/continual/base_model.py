@@ -8,7 +8,7 @@ import torch
 
 from forgetless.checkpoint import load_checkpoint, save_checkpoint
 from forgetless.config import stable_hash
-from forgetless.continual.evaluate import evaluate, training_loss
+from forgetless.continual.evaluate import evaluate, module_stats, training_loss
 from forgetless.data.corpora import cache_dir
 from forgetless.data.domains import Domain
 from forgetless.data.splits import Sampler
@@ -28,7 +28,7 @@ def pretrain(model_cfg: GPTConfig, cfg: TrainConfig, domain: Domain, tokenizer, 
                   "tokenizer": tokenizer.to_dict()}
     t0 = time.perf_counter()
     history = train(model, list(model.named_parameters()), sampler, cfg, training_loss,
-                    evaluate=lambda: {"ppl_a": evaluate(model, domain.windows)["ppl"]},
+                    evaluate=lambda: {"ppl_a": evaluate(model, domain.windows)["ppl"], **module_stats(model, domain.windows)},
                     ckpt_path=ckpt_path, run_config=run_config, desc=desc)
     meta = {"kind": "base", "model_config": model_cfg.to_dict(), "tokenizer": tokenizer.to_dict(),
             "domain": domain.spec, "train_config": cfg.__dict__, "history": history.__dict__,

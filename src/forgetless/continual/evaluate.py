@@ -29,14 +29,34 @@ def evaluate(model: nn.Module, windows: torch.Tensor, batch_size: int = 64) -> d
     return {"loss": loss, "ppl": math.exp(loss), "acc": total_correct / n}
 
 
-def lm_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
-    logits = logits_of(model, batch.x)  # (B, T, V)
-    return F.cross_entropy(logits.flatten(0, 1), batch.y.flatten())
+@torch.no_grad()
+def module_stats(model: nn.Module, windows: torch.Tensor, max_windows: int = 16) -> dict:
+    """Mean over modules of `m.stats()` (e.g. APN routing monitors) on a few held-out windows."""
+    modules = [m for m in model.modules() if hasattr(m, "stats") and hasattr(m, "record")]
+    if not modules:
+        return {}
+    was_training, flags = model.training, [m.record for m in modules]
+    model.eval()
+    for m in modules:
+        m.record = True
+    logits_of(model, windows[:max_windows, :-1])
+    per_module = [m.stats() for m in modules]
+    for m, flag in zip(modules, flags):
+        m.record = flag
+    model.train(was_training)
+    return {key: sum(s[key] for s in per_module) / len(per_module) for key in per_module[0]}
 
 
-def training_loss(model: nn.Module, batch: Batch, extra=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(LM loss + modules' auxiliary losses + `extra(model, batch)`, LM loss alone)."""
-    lm = lm_loss(model, batch)
+def training_loss(model: nn.Module, batch: Batch, extra=None, token_weights=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(LM loss + modules' auxiliary losses + `extra(model, batch)`, LM loss alone).
+
+    `token_weights(logits, batch)` may return (B, T) weights for the LM loss (None: plain mean).
+    """
+    logits = logits_of(model, batch.x)                                               # (B, T, V)
+    per_token = F.cross_entropy(logits.flatten(0, 1), batch.y.flatten(), reduction="none").view_as(batch.y)
+    lm = per_token.mean()
+    weights = token_weights(logits, batch) if token_weights else None
+    loss = lm if weights is None else (per_token * weights).sum() / weights.sum().clamp_min(1.0)
     parts = [aux_loss(model), extra(model, batch) if extra else None]
     parts = [p for p in parts if p is not None]
-    return (lm + sum(parts) if parts else lm), lm
+    return (loss + sum(parts) if parts else loss), lm

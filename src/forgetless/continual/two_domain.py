@@ -19,6 +19,7 @@ from forgetless.continual.arm import run_arm
 from forgetless.continual.base_model import base_label, cached_base, load_base
 from forgetless.data.domains import load_domains
 from forgetless.methods import build_method
+from forgetless.methods.base import parse_method_specs
 from forgetless.presets import RunConfig
 from forgetless.progress import console, progress_task
 
@@ -30,7 +31,8 @@ def run_two_domain(cfg: RunConfig, methods: list[str], seeds: list[int], out: Pa
     """Run every (method, seed) arm and return the results dict of DESIGN.md section 6."""
     for name, options in cfg.methods.items():  # fail fast on bad names and options
         build_method(name, options)
-    built = {name: build_method(name, cfg.methods.get(name)) for name in methods}
+    built = {label: build_method(name, {**cfg.methods.get(name, {}), **options})
+             for label, name, options in parse_method_specs(",".join(methods))}
     if "full" not in built:
         console.print("[dim]adding the 'full' arm: adaptation gain G is measured against full fine-tuning[/dim]")
         built = {"full": build_method("full", cfg.methods.get("full")), **built}
@@ -46,9 +48,9 @@ def run_two_domain(cfg: RunConfig, methods: list[str], seeds: list[int], out: Pa
     arms: dict[str, list[dict]] = {name: [] for name in built}
     with progress_task("bench arms", total=len(seeds) * len(built)) as advance:
         for seed, (name, method) in itertools.product(seeds, built.items()):
-            run_config = {"config": cfg.to_dict(), "method": name, "options": method.options(),
+            run_config = {"config": cfg.to_dict(), "method": method.name, "options": method.options(),
                           "base": bases[base_of[name]].parent.name, "domains": [a.fingerprint, b.fingerprint]}
-            arms[name].append(run_or_reuse_arm(cfg, name, bases[base_of[name]], a, b, seed, out, run_config))
+            arms[name].append(run_or_reuse_arm(name, method, bases[base_of[name]], a, b, seed, out, run_config, cfg))
             advance(1)
 
     base_meta = {label: load_base(path)[2] for label, path in bases.items()}
@@ -59,21 +61,22 @@ def run_two_domain(cfg: RunConfig, methods: list[str], seeds: list[int], out: Pa
         "date": datetime.date.today().isoformat(),
         "config": cfg.to_dict(),
         "bases": {label: {"path": str(bases[label]), "pretrain_wall_s": m["wall_s"], "ffn": m["model_config"]["ffn"],
-                          "pretrain_steps": m["train_config"]["steps"]} for label, m in base_meta.items()},
+                          "ffn_options": m["model_config"]["ffn_options"], "pretrain_steps": m["train_config"]["steps"],
+                          "evals": m["history"]["evals"]} for label, m in base_meta.items()},
         "methods": {name: summarize(runs, arms["full"], built[name]) for name, runs in arms.items()},
     }
 
 
-def run_or_reuse_arm(cfg, name, base: Path, a, b, seed, out, run_config) -> dict:
+def run_or_reuse_arm(label: str, method, base: Path, a, b, seed: int, out: Path, run_config: dict, cfg) -> dict:
     """The arm's saved result if its config matches, else run it (a fresh method) and save it."""
-    arm_path = out / "arms" / name / f"seed{seed}.json"
+    arm_path = out / "arms" / label / f"seed{seed}.json"
     key = stable_hash(run_config)
     if arm_path.exists():
         saved = json.loads(arm_path.read_text())
         if saved.get("config_hash") == key:
             return saved
     model, _, _ = load_base(base)
-    method = build_method(name, cfg.methods.get(name))
+    method = build_method(method.name, method.options())  # fresh state for every arm
     result = run_arm(model, method, a, b, cfg.adapt, seed, out_dir=arm_path.parent, run_config=run_config)
     result["config_hash"] = key
     write_json(arm_path, result)
@@ -99,14 +102,26 @@ def summarize(runs: list[dict], full_runs: list[dict], method) -> dict:
     out.update(trainable_params=runs[0]["trainable_params"], total_params=runs[0]["total_params"],
                peak_rss_mb=max(r["peak_rss_mb"] for r in runs), options=method.options(),
                curves=mean_curves(runs))
+    if "report" in runs[0]:
+        out["report"] = {when: mean_nested([r["report"][when] for r in runs]) for when in ("before", "after")}
     return out
+
+
+def mean_nested(items: list):
+    """Elementwise mean over seeds of numbers, lists and dicts of them."""
+    first = items[0]
+    if isinstance(first, dict):
+        return {k: mean_nested([i[k] for i in items]) for k in first}
+    if isinstance(first, list):
+        return [mean_nested(list(v)) for v in zip(*items)]
+    return statistics.fmean(items)
 
 
 def mean_curves(runs: list[dict]) -> dict:
     """Seed-averaged retention/adaptation curves and training loss."""
     steps = [p["step"] for p in runs[0]["curve"]]
     curves = {"step": steps}
-    for key in ("ppl_a", "ppl_b"):
+    for key in [k for k in runs[0]["curve"][0] if k != "step"]:  # ppl_a, ppl_b, acc_*, module monitors
         per_step = list(zip(*[[p[key] for p in r["curve"]] for r in runs]))
         curves[key] = {"mean": [statistics.fmean(v) for v in per_step],
                        "std": [statistics.stdev(v) if len(v) > 1 else 0.0 for v in per_step]}

@@ -16,6 +16,7 @@ from forgetless.config import from_dict
 from forgetless.data.splits import Batch
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPTConfig
+from forgetless.train import StepHooks
 
 
 @dataclass
@@ -56,8 +57,25 @@ def build_method(name: str, options: dict | None = None) -> "Method":
     return cls(from_dict(cls.Config, options or {}, f"methods.{name}"))
 
 
-class Method:
-    """Base class; subclasses override what they need."""
+def parse_method_specs(text: str) -> list[tuple[str, str, dict]]:
+    """'full,lora[r=16;alpha=32]' -> [(label, method name, options)]: bracketed options make an
+    arm of their own (its label is the spec), e.g. for ablations of one method's knobs."""
+    out = []
+    for spec in re.findall(r"[^,\[\]]+(?:\[[^\]]*\])?", text):
+        spec = spec.strip()
+        name, _, rest = spec.partition("[")
+        options = {}
+        for item in filter(None, rest.rstrip("]").split(";")):
+            key, eq, value = item.partition("=")
+            if not eq:
+                raise ForgetlessError(f"method spec {spec!r}: write NAME[OPTION=VALUE;...], e.g. lora[r=16]")
+            options[key.strip()] = value.strip()
+        out.append((spec, name.strip(), options))
+    return out
+
+
+class Method(StepHooks):
+    """Base class; subclasses override what they need (StepHooks adds optional loop hooks)."""
     name = "base"
     Config = MethodConfig
 
@@ -79,6 +97,14 @@ class Method:
     def extra_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor | None:
         """A loss added to the LM loss (after the forward pass of `batch`)."""
         return None
+
+    def token_weights(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+        """(B, T) weights of each token's LM loss (None: all 1), e.g. to gate updates by entropy."""
+        return None
+
+    def report(self, model: nn.Module, windows_a: torch.Tensor, windows_b: torch.Tensor) -> dict:
+        """Method-specific diagnostics of `model` on held-out windows of A and B (JSON-able)."""
+        return {}
 
     def on_task_start(self, model: nn.Module, task: int):
         pass

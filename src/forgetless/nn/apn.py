@@ -84,6 +84,7 @@ class APN(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self.last_routing: Routing | None = None
         self.record = False  # keep `last_routing` after each forward (monitors, continual knobs)
+        self.update_gate: tuple[float, float] | None = None  # train only tokens with confidence in range
 
     def route(self, x: torch.Tensor):  # x: (N, d)
         h = self.route_proj(x) if self.route_proj is not None else x
@@ -103,13 +104,24 @@ class APN(nn.Module):
             weight = weight * keep / (1 - self.cfg.patch_dropout)
         u = x @ self.code                                                        # (N, r)
         out = self.cfg.gamma * self.dispatch(u, index, weight)                   # (N, d)
+        confidence = scores.detach().max(-1).values * self.cfg.tau              # (N,) best cosine
+        if self.update_gate is not None and self.training:  # same output, no gradient outside the range
+            lo, hi = self.update_gate
+            keep = ((confidence >= lo) & (confidence <= hi)).unsqueeze(1)
+            out = torch.where(keep, out, out.detach())
         if self.record:
-            self.last_routing = Routing(index.detach(), weight.detach(), scores.detach().max(-1).values * self.cfg.tau,
+            self.last_routing = Routing(index.detach(), weight.detach(), confidence,
                                         z.detach(), (out.norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-6)).mean().item())
         return out.reshape(shape)
 
     def dispatch(self, u: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """sum_{i in S} w_i U_i phi_i for every token: pairs grouped by patch, one batched matmul."""
+        """sum_{i in S} w_i U_i phi_i for every token, by batched matmuls over groups of pairs.
+
+        (token, patch) pairs are sorted by patch and cut into groups of at most `c` pairs (c = the
+        mean number of pairs per patch), so a busy patch spans several groups and the padded
+        buffer stays under 2x the pairs however unbalanced the routing is. Each group reads its
+        patch's decoder once: no per-token copy of U is made.
+        """
         N, k = index.shape
         K, r = self.cfg.n_patches, u.shape[1]
         flat = index.reshape(-1)                                                 # (P,) P = N*k pairs
@@ -117,19 +129,23 @@ class APN(nn.Module):
         patch = flat[order]                                                      # (P,) sorted patch ids
         token = order // k                                                       # (P,) token of each pair
         counts = torch.bincount(flat, minlength=K)                               # (K,)
-        cap = int(counts.max())
-        slot = torch.arange(len(order)) - (counts.cumsum(0) - counts)[patch]     # place inside its group
-        row = patch * cap + slot                                                 # (P,) row in the packed buffer
+        c = -(-len(flat) // K)                                                   # group size
+        slot = torch.arange(len(flat)) - (counts.cumsum(0) - counts)[patch]     # place inside its patch
+        groups = -(-counts // c)                                                 # (K,) groups per patch
+        group = (groups.cumsum(0) - groups)[patch] + slot // c                   # (P,) group of each pair
+        row = group * c + slot % c                                               # (P,) row in the buffer
+        group_patch = torch.repeat_interleave(torch.arange(K), groups)          # (G,)
         u_pairs = u.index_select(0, token)                                       # (P, r)
         a, b = self.gate_a.index_select(0, patch), self.gate_b.index_select(0, patch)
         phi = u_pairs * torch.sigmoid(a * u_pairs + b)                           # (P, r)
         phi = phi * weight.reshape(-1)[order].unsqueeze(1)                       # fold in w_i
-        packed = phi.new_zeros(K * cap, r).index_copy(0, row, phi).view(K, cap, r)
+        packed = phi.new_zeros(len(group_patch) * c, r).index_copy(0, row, phi).view(-1, c, r)  # (G, c, r)
         if self.cfg.decoder == "full":
-            y = torch.bmm(packed, self.decoders)                                 # (K, cap, d)
+            y = torch.bmm(packed, self.decoders.index_select(0, group_patch))   # (G, c, d)
         else:
-            y = torch.bmm(torch.bmm(packed, self.offset_in), self.offset_out)    # (K, cap, d)
-        y = y.view(K * cap, self.d).index_select(0, row)                         # (P, d)
+            low = torch.bmm(packed, self.offset_in.index_select(0, group_patch))  # (G, c, q)
+            y = torch.bmm(low, self.offset_out.index_select(0, group_patch))     # (G, c, d)
+        y = y.view(-1, self.d).index_select(0, row)                              # (P, d)
         out = u.new_zeros(N, self.d).index_add(0, token, y)                      # (N, d)
         if self.cfg.decoder == "shared":  # U_0 is shared: apply it once per token
             mixed = u.new_zeros(N, r).index_add(0, token, phi)                   # (N, r) sum_i w_i phi_i
@@ -147,6 +163,15 @@ class APN(nn.Module):
             loss = loss + self.cfg.entropy * entropy
         return loss
 
+    def stats(self) -> dict:
+        """Monitors of the last recorded forward: usage entropy (/ log K), confidence, residual ratio."""
+        r = self.last_routing
+        usage = torch.bincount(r.index.reshape(-1), minlength=self.cfg.n_patches).float()
+        usage = usage / usage.sum()
+        entropy = -(usage[usage > 0] * usage[usage > 0].log()).sum() / math.log(self.cfg.n_patches)
+        return {"usage_entropy": entropy.item(), "confidence": r.confidence.mean().item(),
+                "residual_ratio": r.residual_ratio}
+
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in asdict(self.cfg).items())
 
@@ -155,3 +180,48 @@ class APN(nn.Module):
 def apn_ffn(cfg: GPTConfig) -> APN:
     """APN as the FFN of every block; `GPTConfig.ffn_options` holds its APNConfig fields."""
     return APN(cfg.d_model, from_dict(APNConfig, cfg.ffn_options, "apn"), out_std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+
+@torch.no_grad()
+def routing(model: nn.Module, windows: torch.Tensor) -> list[Routing]:
+    """Routing of every APN module of `model` on windows (W, T+1), in module order."""
+    from forgetless.models.gpt import logits_of
+    apns = [m for m in model.modules() if isinstance(m, APN)]
+    was_training, flags = model.training, [m.record for m in apns]
+    model.eval()
+    for m in apns:
+        m.record = True
+    logits_of(model, windows[:, :-1])
+    out = [m.last_routing for m in apns]
+    for m, flag in zip(apns, flags):
+        m.record = flag
+    model.train(was_training)
+    return out
+
+
+def overlap_histogram(index_a: torch.Tensor, index_b: torch.Tensor) -> list[float]:
+    """Share of token pairs whose active sets share j = 0..k patches (the source's interference
+    proxy |S(x) & S(x')| / k); token t of `index_a` (N, k) is paired with token t of `index_b`."""
+    n, k = min(len(index_a), len(index_b)), index_a.shape[1]
+    shared = (index_a[:n].unsqueeze(2) == index_b[:n].unsqueeze(1)).any(2).sum(1)   # (n,)
+    return (torch.bincount(shared, minlength=k + 1).float() / n).tolist()
+
+
+def routing_report(model: nn.Module, windows_a: torch.Tensor, windows_b: torch.Tensor, bins: int = 50) -> dict:
+    """Overlap histograms (A-B pairs, and A-A pairs from other windows as the reference),
+    router-confidence histograms on A and B, and usage entropy, summed/averaged over layers."""
+    ra, rb = routing(model, windows_a), routing(model, windows_b)
+    if not ra:
+        return {}
+    k = ra[0].index.shape[1]
+    ab = torch.tensor([overlap_histogram(a.index, b.index) for a, b in zip(ra, rb)]).mean(0)
+    aa = torch.tensor([overlap_histogram(a.index, a.index.roll(len(a.index) // 2, 0)) for a in ra]).mean(0)
+    conf_a = torch.cat([r.confidence for r in ra])
+    conf_b = torch.cat([r.confidence for r in rb])
+    hist = lambda c: (torch.histc(c, bins=bins, min=-1.0, max=1.0) / len(c)).tolist()  # noqa: E731
+    mean_overlap = lambda h: float((h * torch.arange(k + 1)).sum() / k)  # noqa: E731
+    return {"overlap_ab": ab.tolist(), "overlap_aa": aa.tolist(),
+            "mean_overlap_ab": mean_overlap(ab), "mean_overlap_aa": mean_overlap(aa),
+            "confidence_bins": torch.linspace(-1, 1, bins + 1).tolist(),
+            "confidence_a": hist(conf_a), "confidence_b": hist(conf_b),
+            "mean_confidence_a": conf_a.mean().item(), "mean_confidence_b": conf_b.mean().item()}

@@ -79,6 +79,71 @@ def smooth(values: list[float], width: int = 10) -> list[float]:
     return out
 
 
+MONITORS = [("usage_entropy", "patch-usage entropy / log K"), ("confidence", "router confidence (max cos)"),
+            ("residual_ratio", "||FFN(x)|| / ||x||")]
+
+
+def monitor_curves(results: dict, path: Path) -> bool:
+    """Routing monitors on B during adaptation (dashed: the base's pretraining, on A)."""
+    methods = {n: m for n, m in results["methods"].items() if "usage_entropy_b" in m["curves"]}
+    bases = {n: b for n, b in results.get("bases", {}).items() if b.get("evals") and "usage_entropy" in b["evals"][-1]}
+    if not methods and not bases:
+        return False
+    color = colors(list(results["methods"]))
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    for col, (key, label) in enumerate(MONITORS):
+        for name, m in methods.items():
+            axes[0, col].plot(m["curves"]["step"], m["curves"][f"{key}_b"]["mean"], marker=".", color=color[name], label=name)
+        axes[0, col].set_title(f"adaptation: {label} on B", fontsize=9)
+        axes[0, col].set_xlabel("adaptation step")
+        for name, b in bases.items():
+            evals = [e for e in b["evals"] if key in e]
+            axes[1, col].plot([e["step"] for e in evals], [e[key] for e in evals], ls="--", marker=".", label=f"base {name}")
+        axes[1, col].set_title(f"pretraining: {label} on A", fontsize=9)
+        axes[1, col].set_xlabel("pretraining step")
+    axes[0, 0].legend(fontsize=7)
+    axes[1, 0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def routing_histograms(results: dict, path: Path) -> bool:
+    """Per APN arm: active-set overlap of token pairs (A-A reference, A-B before/after adaptation)
+    and the router-confidence distribution on A and B."""
+    methods = {n: m for n, m in results["methods"].items() if m.get("report", {}).get("after", {}).get("overlap_ab")}
+    if not methods:
+        return False
+    fig, axes = plt.subplots(2, len(methods), figsize=(4 * len(methods), 7), squeeze=False)
+    for col, (name, m) in enumerate(methods.items()):
+        before, after = m["report"]["before"], m["report"]["after"]
+        k = len(after["overlap_ab"]) - 1
+        x = list(range(k + 1))
+        width = 0.27
+        ax = axes[0, col]
+        ax.bar([i - width for i in x], before["overlap_aa"], width, label="A-A pairs, before")
+        ax.bar(x, before["overlap_ab"], width, label="A-B pairs, before")
+        ax.bar([i + width for i in x], after["overlap_ab"], width, label="A-B pairs, after")
+        ax.set_xticks(x)
+        ax.set_xlabel(f"shared active patches (of k={k})")
+        ax.set_title(f"{name}: active-set overlap", fontsize=9)
+        ax.legend(fontsize=7)
+        ax = axes[1, col]
+        edges = after["confidence_bins"]
+        mids = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
+        for when, rep, ls in (("before", before, "--"), ("after", after, "-")):
+            ax.plot(mids, rep["confidence_a"], ls=ls, color="tab:blue", label=f"A, {when}")
+            ax.plot(mids, rep["confidence_b"], ls=ls, color="tab:red", label=f"B, {when}")
+        ax.set_xlabel("router confidence (max cosine to a prototype)")
+        ax.set_title(f"{name}: confidence distribution", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
 def write_figures(results: dict, folder: Path) -> list[Path]:
     paths = [folder / "retention_vs_adaptation.png", folder / "forgetting_curves.png",
              folder / "adaptation_curves.png", folder / "loss_curves.png"]
@@ -86,4 +151,7 @@ def write_figures(results: dict, folder: Path) -> list[Path]:
     curves(results, "ppl_a", "PPL on A (held out)", "Forgetting curves: retention on A during adaptation", paths[1])
     curves(results, "ppl_b", "PPL on B (held out)", "Adaptation curves: PPL on B during adaptation", paths[2])
     loss_curves(results, paths[3])
+    for name, draw in (("routing_monitors.png", monitor_curves), ("routing_overlap.png", routing_histograms)):
+        if draw(results, folder / name):
+            paths.append(folder / name)
     return paths

@@ -1,0 +1,152 @@
+"""The APN arms and their continual knobs."""
+import dataclasses
+
+import pytest
+import torch
+
+from forgetless.checkpoint import load_checkpoint, save_checkpoint
+from forgetless.continual.evaluate import training_loss
+from forgetless.data.splits import Sampler
+from forgetless.methods import build_method
+from forgetless.methods.apn import apn_modules
+from forgetless.models.gpt import GPT, GPTConfig
+from forgetless.train import TrainConfig, train
+
+SMALL = {"n_patches": 32, "top_k": 1, "rank": 4}
+DENSE = GPTConfig(n_layer=2, n_head=2, d_model=16, block_size=8)
+
+
+def apn_model(method, seed=0):
+    torch.manual_seed(seed)
+    return GPT(method.base_config(DENSE))
+
+
+def run(method, model, steps=6, **cfg):
+    model = method.attach(model)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    params = method.trainable_parameters(model)
+    for _, p in params:
+        p.requires_grad_(True)
+    sampler = Sampler(torch.arange(3000) % 11, 4, 8, seed=0)
+    method.on_task_start(model, 1)
+    train(model, params, sampler, TrainConfig(**{**dict(steps=steps, batch_size=4, lr=1e-2, warmup=1), **cfg}),
+          lambda m, b: training_loss(m, b, method.extra_loss, method.token_weights), hooks=method)
+    return model
+
+
+class ActiveTracker:
+    """Wraps a method's attach and before_step to record every patch active in any step."""
+
+    def __init__(self, method):
+        self.seen = None
+        inner, attach = method.before_step, method.attach
+
+        def recording_attach(model):
+            model = attach(model)
+            for m in apn_modules(model):
+                m.record = True
+            return model
+        method.attach = recording_attach
+
+        def before_step(model, optimizer):
+            masks = torch.stack([method.active(m) for m in apn_modules(model)])
+            self.seen = masks if self.seen is None else self.seen | masks
+            inner(model, optimizer)
+        method.before_step = before_step
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_local_updates_leave_inactive_patches_bit_identical(local):
+    method = build_method("apn", {"apn": SMALL, "local": local, "allocate": False})
+    model = apn_model(method)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tracker = ActiveTracker(method)
+    run(method, model)
+    never = ~tracker.seen                                                     # (layers, K)
+    assert never.any()
+    for layer, m in enumerate(apn_modules(model)):
+        name = next(n for n, mod in model.named_modules() if mod is m)
+        same = (m.decoders.detach() == start[f"{name}.decoders"]).flatten(1).all(1)   # (K,)
+        if local:
+            assert same[never[layer]].all()  # untouched, despite AdamW momentum and weight decay
+            assert not same[tracker.seen[layer]].all()
+        else:
+            assert not same[never[layer]].all()  # the control: global updates move them too
+
+
+def test_novelty_allocation_reseeds_least_used_patch_with_cooldown():
+    method = build_method("apn", {"apn": SMALL, "allocate": True, "novelty_threshold": 1.1, "novelty_window": 2,
+                                  "cooldown": 3, "decoders_only": True, "train_prototypes": False})
+    model = apn_model(method)
+    protos = [m.prototypes.detach().clone() for m in apn_modules(model)]
+    model = run(method, model, steps=9)
+    assert method.allocations == 3 * 2  # steps 2, 5 and 8 in each of 2 layers
+    for m, before in zip(apn_modules(model), protos):
+        changed = (m.prototypes.detach() != before).any(1).sum().item()
+        assert 1 <= changed <= 3  # only re-seeded patches moved (prototypes do not train here)
+
+
+def test_norm_cap_bounds_each_patch():
+    method = build_method("apn", {"apn": SMALL, "norm_cap": 0.05})
+    model = apn_model(method)
+    start = [m.decoders.detach().clone() for m in apn_modules(model)]
+    run(method, model, steps=5, lr=0.1)
+    for m, s in zip(apn_modules(model), start):
+        rel = (m.decoders.detach() - s).flatten(1).norm(dim=1) / s.flatten(1).norm(dim=1)
+        assert rel.max() <= 0.05 + 1e-5 and rel.max() > 0.01
+
+
+def test_gain_rule_clips_each_patch_gradient_and_uses_sgd():
+    method = build_method("apn", {"apn": SMALL, "update_rule": "gain", "grad_cap": 1e-3})
+    model = method.attach(apn_model(method))
+    assert isinstance(method.make_optimizer(method.trainable_parameters(model), TrainConfig()), torch.optim.SGD)
+    x = torch.randint(0, 256, (4, 8))
+    model(x).square().mean().backward()
+    method.before_step(model, None)
+    for m in apn_modules(model):
+        norms = sum(p.grad.flatten(1).norm(dim=1) ** 2 for n, p in m.named_parameters()
+                    if n in ("prototypes", "gate_a", "gate_b", "decoders")).sqrt()
+        assert norms.max() <= 1e-3 * (1 + 1e-4)
+
+
+@pytest.mark.parametrize("gate", ["router", "entropy"])
+def test_gating_outside_the_range_freezes_patches(gate):
+    method = build_method("apn", {"apn": SMALL, "gate_on": gate, "gate_min": 50.0, "update_rule": "gain"})
+    model = apn_model(method)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    run(method, model, steps=3)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_param_matched_base_within_five_percent():
+    cfg = GPTConfig(n_layer=4, n_head=4, d_model=128, block_size=128)  # the quick preset's model
+    base = GPT(build_method("apn-param-matched").base_config(cfg))
+    dense = GPT(cfg)
+    assert abs(base.num_params() / dense.num_params() - 1) < 0.05
+
+
+def test_retrofit_starts_neutral_and_trains_only_apn():
+    method = build_method("apn-retrofit", {"apn": SMALL})
+    torch.manual_seed(0)
+    model = GPT(method.base_config(DENSE)).eval()
+    assert model.config.ffn == "dense"
+    x = torch.randint(0, 256, (2, 8))
+    before = model(x)
+    model = method.attach(model)
+    assert torch.equal(model(x), before)
+    names = [n for n, _ in method.trainable_parameters(model)]
+    assert names and all(".mlp.adapter." in n for n in names)
+
+
+@pytest.mark.parametrize("name", ["apn", "apn-local", "apn-param-matched", "apn-retrofit"])
+def test_arm_state_roundtrip(tmp_path, name):
+    method = build_method(name, {"apn": SMALL})
+    model = run(method, apn_model(method), steps=2)
+    x = torch.randint(0, 256, (1, 8))
+    expected = model.eval()(x)
+    save_checkpoint(tmp_path / "m.safetensors", method.state_dict(model), {"kind": "method"})
+    fresh = build_method(name, {"apn": SMALL})
+    other = fresh.attach(apn_model(fresh))
+    fresh.load_state_dict(other, load_checkpoint(tmp_path / "m.safetensors")[0])
+    assert torch.allclose(other.eval()(x), expected, atol=1e-6)
