@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from forgetless.data.splits import Batch
-from forgetless.models.gpt import aux_loss, logits_of
+from forgetless.models.gpt import aux_loss, logits_of, recorded_forward
 
 
 @torch.no_grad()
@@ -29,21 +29,13 @@ def evaluate(model: nn.Module, windows: torch.Tensor, batch_size: int = 64) -> d
     return {"loss": loss, "ppl": math.exp(loss), "acc": total_correct / n}
 
 
-@torch.no_grad()
 def module_stats(model: nn.Module, windows: torch.Tensor, max_windows: int = 16) -> dict:
     """Mean over modules of `m.stats()` (e.g. APN routing monitors) on a few held-out windows."""
     modules = [m for m in model.modules() if hasattr(m, "stats") and hasattr(m, "record")]
     if not modules:
         return {}
-    was_training, flags = model.training, [m.record for m in modules]
-    model.eval()
-    for m in modules:
-        m.record = True
-    logits_of(model, windows[:max_windows, :-1])
+    recorded_forward(model, modules, windows[:max_windows])
     per_module = [m.stats() for m in modules]
-    for m, flag in zip(modules, flags):
-        m.record = flag
-    model.train(was_training)
     return {key: sum(s[key] for s in per_module) / len(per_module) for key in per_module[0]}
 
 

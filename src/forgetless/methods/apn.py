@@ -111,21 +111,15 @@ class APNMethod(Method):
         return model
 
     def trainable_parameters(self, model):
-        out = []
-        for layer, m in enumerate(apn_modules(model)):
-            for name, p in m.named_parameters():
-                if self.cfg.decoders_only and name not in DECODERS:
-                    continue
-                if name in ("prototypes", "route_proj.weight") and not self.cfg.train_prototypes:
-                    continue
-                if self.cfg.local and name not in PER_PATCH:
-                    continue  # shared code / base decoder would move every patch's output
-                out.append((f"{self.module_name(model, m)}.{name}", p))
-        return out
+        return [(f"{prefix}.{name}", p) for prefix, m in model.named_modules() if isinstance(m, APN)
+                for name, p in m.named_parameters() if self.trains(name)]
 
-    @staticmethod
-    def module_name(model, module) -> str:
-        return next(n for n, m in model.named_modules() if m is module)
+    def trains(self, name: str) -> bool:
+        if self.cfg.decoders_only and name not in DECODERS:
+            return False
+        if name in ("prototypes", "route_proj.weight") and not self.cfg.train_prototypes:
+            return False
+        return not (self.cfg.local and name not in PER_PATCH)  # shared code would move every patch
 
     # ---- loop hooks -------------------------------------------------------------------
     def make_optimizer(self, params, cfg):

@@ -158,3 +158,17 @@ def logits_of(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
     """Logits (B, T, V) from our GPT or from a Hugging Face causal LM."""
     out = model(idx)
     return out.logits if hasattr(out, "logits") else out
+
+
+@torch.no_grad()
+def recorded_forward(model: nn.Module, modules: list[nn.Module], windows: torch.Tensor):
+    """Run `model` in eval mode on windows (W, T+1) with `record` on for `modules` (they keep
+    what they saw, e.g. APN routing), then restore the training mode and the flags."""
+    was_training, flags = model.training, [m.record for m in modules]
+    model.eval()
+    for m in modules:
+        m.record = True
+    logits_of(model, windows[:, :-1])
+    for m, flag in zip(modules, flags):
+        m.record = flag
+    model.train(was_training)

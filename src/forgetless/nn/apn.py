@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from forgetless.config import from_dict
 from forgetless.errors import ForgetlessError
-from forgetless.models.gpt import GPTConfig, register_ffn
+from forgetless.models.gpt import GPTConfig, recorded_forward, register_ffn
 
 
 @dataclass
@@ -182,21 +182,11 @@ def apn_ffn(cfg: GPTConfig) -> APN:
     return APN(cfg.d_model, from_dict(APNConfig, cfg.ffn_options, "apn"), out_std=0.02 / math.sqrt(2 * cfg.n_layer))
 
 
-@torch.no_grad()
 def routing(model: nn.Module, windows: torch.Tensor) -> list[Routing]:
     """Routing of every APN module of `model` on windows (W, T+1), in module order."""
-    from forgetless.models.gpt import logits_of
     apns = [m for m in model.modules() if isinstance(m, APN)]
-    was_training, flags = model.training, [m.record for m in apns]
-    model.eval()
-    for m in apns:
-        m.record = True
-    logits_of(model, windows[:, :-1])
-    out = [m.last_routing for m in apns]
-    for m, flag in zip(apns, flags):
-        m.record = flag
-    model.train(was_training)
-    return out
+    recorded_forward(model, apns, windows)
+    return [m.last_routing for m in apns]
 
 
 def overlap_histogram(index_a: torch.Tensor, index_b: torch.Tensor) -> list[float]:
