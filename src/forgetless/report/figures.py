@@ -24,11 +24,12 @@ def scatter(results: dict, path: Path):
         ax.errorbar(100 * x["mean"], y["mean"], xerr=100 * x["std"], yerr=y["std"], fmt="o", color=color[name],
                     capsize=3, label=f"{name} ({m['trainable_params']:,} trainable)")
         ax.annotate(name, (100 * x["mean"], y["mean"]), textcoords="offset points", xytext=(5, 5), fontsize=8)
-    first = next(iter(methods.values()))
+    bases = {(m["ppl_a_before"]["mean"], m["ppl_b_before"]["mean"]) for m in methods.values()}
+    base_note = "base: PPL_A {:.3f}, PPL_B {:.3f}".format(*bases.pop()) if len(bases) == 1 else \
+        f"{len(bases)} different bases (see PPL before in the table)"
     ax.set_xlabel("forgetting F on A (% rise of PPL_A)  ← better")
     ax.set_ylabel("PPL on B after adaptation  ↓ better")
-    ax.set_title(f"Retention vs adaptation ({results['preset']}, {len(results['seeds'])} seed(s))\n"
-                 f"base: PPL_A {first['ppl_a_before']['mean']:.3f}, PPL_B {first['ppl_b_before']['mean']:.3f}",
+    ax.set_title(f"Retention vs adaptation ({results['preset']}, {len(results['seeds'])} seed(s))\n{base_note}",
                  fontsize=10)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
@@ -80,7 +81,7 @@ def smooth(values: list[float], width: int = 10) -> list[float]:
 
 
 MONITORS = [("usage_entropy", "patch-usage entropy / log K"), ("confidence", "router confidence (max cos)"),
-            ("residual_ratio", "||FFN(x)|| / ||x||")]
+            ("residual_ratio", "||APN(x)|| / ||x||")]
 
 
 def monitor_curves(results: dict, path: Path) -> bool:
