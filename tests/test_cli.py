@@ -168,3 +168,10 @@ def test_bracketed_method_options_add_an_arm(tmp_path):
     assert list(methods) == ["full", "lora", "lora[r=2]"]
     assert methods["lora[r=2]"]["trainable_params"] * 4 == methods["lora"]["trainable_params"]
     assert (tmp_path / "arms" / "lora[r=2]" / "seed0.json").exists()
+
+
+def test_listing_commands():
+    methods = invoke("methods")
+    assert methods.exit_code == 0 and "apn-param-matched" in methods.output and "lora" in methods.output
+    corpora = invoke("corpora", "tinyshakespeare", "shakespeare-folio")
+    assert corpora.exit_code == 0 and "1,115,394" in corpora.output and "35" in corpora.output
