@@ -1,0 +1,45 @@
+"""Task-sequence metrics from an accuracy matrix (DESIGN.md §3, MoRAM / TRACE style).
+
+R[t][i] = score on task i after training through task t; row 0 is the base before any new task
+and task 0 is the base's own domain, so R is (T+1) x (T+1). Higher scores are better.
+"""
+from __future__ import annotations
+
+from forgetless.errors import ForgetlessError
+
+
+def check(R: list[list[float]]) -> int:
+    T = len(R) - 1
+    if T < 1 or any(len(row) != T + 1 for row in R):
+        raise ForgetlessError(f"R must be a square (T+1) x (T+1) matrix with T >= 1, got {len(R)} rows")
+    return T
+
+
+def overall_performance(R) -> float:
+    """OP = mean_i R[T][i]: every task, scored after the last one."""
+    T = check(R)
+    return sum(R[T]) / (T + 1)
+
+
+def backward_transfer(R) -> float:
+    """BWT = mean_{i<T} (R[T][i] - R[i][i]); negative = forgetting (the MoRAM source prints the
+    drop as a positive number)."""
+    T = check(R)
+    return sum(R[T][i] - R[i][i] for i in range(T)) / T
+
+
+def forgetting(R) -> float:
+    """mean_{i<T} (max_{i<=t<T} R[t][i] - R[T][i]): how far each task fell from its best."""
+    T = check(R)
+    return sum(max(R[t][i] for t in range(i, T)) - R[T][i] for i in range(T)) / T
+
+
+def forward_transfer(R) -> float:
+    """FWT = mean_{i>=1} (R[i-1][i] - R[0][i]): what earlier tasks did for a task before it was trained."""
+    T = check(R)
+    return sum(R[i - 1][i] - R[0][i] for i in range(1, T + 1)) / T
+
+
+def sequence_metrics(R) -> dict:
+    return {"op": overall_performance(R), "bwt": backward_transfer(R), "forgetting": forgetting(R),
+            "fwt": forward_transfer(R)}

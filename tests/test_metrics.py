@@ -1,0 +1,27 @@
+import pytest
+
+from forgetless.continual.metrics import sequence_metrics
+from forgetless.errors import ForgetlessError
+
+
+def test_sequence_metrics_by_hand():
+    R = [[50, 10, 20],   # base
+         [45, 60, 25],   # after task 1
+         [40, 55, 70]]   # after task 2
+    m = sequence_metrics(R)
+    assert m["op"] == pytest.approx((40 + 55 + 70) / 3)
+    assert m["bwt"] == pytest.approx(((40 - 50) + (55 - 60)) / 2)
+    assert m["forgetting"] == pytest.approx(((50 - 40) + (60 - 55)) / 2)
+    assert m["fwt"] == pytest.approx(((10 - 10) + (25 - 20)) / 2)
+
+
+def test_no_forgetting_when_nothing_drops():
+    R = [[1, 0], [1, 1]]
+    assert sequence_metrics(R)["bwt"] == 0 and sequence_metrics(R)["forgetting"] == 0
+
+
+def test_bad_matrix():
+    with pytest.raises(ForgetlessError, match="square"):
+        sequence_metrics([[1, 2]])
+    with pytest.raises(ForgetlessError, match="square"):
+        sequence_metrics([[1, 2], [3]])
