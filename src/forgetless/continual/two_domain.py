@@ -29,55 +29,79 @@ METRICS = ["ppl_a_before", "ppl_b_before", "ppl_a_after", "ppl_b_after", "acc_a_
 
 def run_two_domain(cfg: RunConfig, methods: list[str], seeds: list[int], out: Path, preset: str) -> dict:
     """Run every (method, seed) arm and return the results dict of DESIGN.md section 6."""
-    for name, options in cfg.methods.items():  # fail fast on bad names and options
-        build_method(name, options)
-    built = {label: build_method(name, {**cfg.methods.get(name, {}), **options})
-             for label, name, options in parse_method_specs(",".join(methods))}
+    built = build_arms(cfg, methods)
     if "full" not in built:
         console.print("[dim]adding the 'full' arm: adaptation gain G is measured against full fine-tuning[/dim]")
         built = {"full": build_method("full", cfg.methods.get("full")), **built}
     (a, b), tokenizer = load_domains([cfg.data.domain_a, cfg.data.domain_b], cfg.data.tokenizer,
                                      cfg.model.block_size, cfg.data.val_fraction, cfg.data.eval_windows)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size))
-    base_of = {name: base_label(m.base_config(cfg.model)) for name, m in built.items()}
-    bases = {}
-    for name, method in built.items():
-        if base_of[name] not in bases:
-            bases[base_of[name]] = cached_base(method.base_config(cfg.model), cfg.pretrain, a, tokenizer)
+    bases, by_base = bases_for(built, cfg, a, tokenizer)
 
     arms: dict[str, list[dict]] = {name: [] for name in built}
     with progress_task("bench arms", total=len(seeds) * len(built)) as advance:
         for seed, (name, method) in itertools.product(seeds, built.items()):
+            base = bases[name]
             run_config = {"config": cfg.to_dict(), "method": method.name, "options": method.options(),
-                          "base": bases[base_of[name]].parent.name, "domains": [a.fingerprint, b.fingerprint]}
-            arms[name].append(run_or_reuse_arm(name, method, bases[base_of[name]], a, b, seed, out, run_config, cfg))
+                          "base": base.parent.name, "domains": [a.fingerprint, b.fingerprint]}
+            arms[name].append(run_or_reuse_arm(
+                out / "arms" / name / f"seed{seed}.json", run_config,
+                lambda arm_dir: run_arm(load_base(base)[0], fresh(method), a, b, cfg.adapt, seed,
+                                        out_dir=arm_dir, run_config=run_config)))
             advance(1)
 
-    base_meta = {label: load_base(path)[2] for label, path in bases.items()}
     return {
         "protocol": "two-domain", "preset": preset, "seeds": list(seeds),
         "domains": {"a": cfg.data.domain_a, "b": cfg.data.domain_b},
         "held_out": {"a": a.val_keys, "b": b.val_keys},
         "date": datetime.date.today().isoformat(),
         "config": cfg.to_dict(),
-        "bases": {label: {"path": str(bases[label]), "pretrain_wall_s": m["wall_s"], "ffn": m["model_config"]["ffn"],
-                          "ffn_options": m["model_config"]["ffn_options"], "pretrain_steps": m["train_config"]["steps"],
-                          "evals": m["history"]["evals"]} for label, m in base_meta.items()},
+        "bases": bases_summary(by_base),
         "methods": {name: summarize(runs, arms["full"], built[name]) for name, runs in arms.items()},
     }
 
 
-def run_or_reuse_arm(label: str, method, base: Path, a, b, seed: int, out: Path, run_config: dict, cfg) -> dict:
-    """The arm's saved result if its config matches, else run it (a fresh method) and save it."""
-    arm_path = out / "arms" / label / f"seed{seed}.json"
+def build_arms(cfg: RunConfig, methods: list[str]) -> dict:
+    """Label -> fresh Method for every spec in `methods` (validates cfg.methods too)."""
+    for name, options in cfg.methods.items():  # fail fast on bad names and options
+        build_method(name, options)
+    return {label: build_method(name, {**cfg.methods.get(name, {}), **options})
+            for label, name, options in parse_method_specs(",".join(methods))}
+
+
+def bases_for(built: dict, cfg: RunConfig, domain, tokenizer) -> tuple[dict[str, Path], dict[str, Path]]:
+    """(arm label -> its base checkpoint, base label -> checkpoint); each base is pretrained once."""
+    by_base: dict[str, Path] = {}
+    for method in built.values():
+        model_cfg = method.base_config(cfg.model)
+        if base_label(model_cfg) not in by_base:
+            by_base[base_label(model_cfg)] = cached_base(model_cfg, cfg.pretrain, domain, tokenizer)
+    return {label: by_base[base_label(m.base_config(cfg.model))] for label, m in built.items()}, by_base
+
+
+def bases_summary(by_base: dict[str, Path]) -> dict:
+    out = {}
+    for label, path in by_base.items():
+        m = load_base(path)[2]
+        out[label] = {"path": str(path), "pretrain_wall_s": m["wall_s"], "ffn": m["model_config"]["ffn"],
+                      "ffn_options": m["model_config"]["ffn_options"], "pretrain_steps": m["train_config"]["steps"],
+                      "evals": m["history"]["evals"]}
+    return out
+
+
+def fresh(method):
+    """A new instance of the same method and options (no state carried between arms)."""
+    return build_method(method.name, method.options())
+
+
+def run_or_reuse_arm(arm_path: Path, run_config: dict, run) -> dict:
+    """The arm's saved result if its config matches, else `run(arm_dir)`, saved."""
     key = stable_hash(run_config)
     if arm_path.exists():
         saved = json.loads(arm_path.read_text())
         if saved.get("config_hash") == key:
             return saved
-    model, _, _ = load_base(base)
-    method = build_method(method.name, method.options())  # fresh state for every arm
-    result = run_arm(model, method, a, b, cfg.adapt, seed, out_dir=arm_path.parent, run_config=run_config)
+    result = run(arm_path.parent)
     result["config_hash"] = key
     write_json(arm_path, result)
     return result
