@@ -88,7 +88,7 @@ def test_pretrain_adapt_eval_chain(tmp_path, text_file):
     (["bench", "--domain-a", "no-such-corpus"], "unknown corpus 'no-such-corpus'"),
     (["bench", "--preset", "huge"], "unknown preset 'huge'; valid: smoke, quick, paper"),
     (["bench", "--seeds", "0"], "--seeds must be positive"),
-    (["bench", "--protocol", "three"], "unknown protocol 'three'"),
+    (["bench", "--protocol", "three"], "unknown protocol 'three'; valid: two-domain, sequence"),
     (["bench", "--model-n-layer", "0"], "model.n_layer must be positive"),
     (["bench", "--adapt-lr", "fast"], "adapt.lr: cannot read 'fast' as float"),
     (["bench", "--set", "lora.rank=4", "--preset", "smoke"], "unknown config key methods.lora.rank"),
@@ -175,3 +175,23 @@ def test_listing_commands():
     assert methods.exit_code == 0 and "apn-param-matched" in methods.output and "lora" in methods.output
     corpora = invoke("corpora", "tinyshakespeare", "shakespeare-folio")
     assert corpora.exit_code == 0 and "1,115,394" in corpora.output and "35" in corpora.output
+
+
+def test_sequence_protocol(tmp_path):
+    result = invoke("bench", "--preset", "smoke", "--protocol", "sequence", "--domain-a", "tinyshakespeare",
+                    "--tasks", "renamed:tinyshakespeare,shakespeare-poems", "--methods", "full,lora", "--seeds", 2,
+                    "--adapt-steps", 20, "--adapt-lr", 3e-3, "--out", tmp_path)
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["protocol"] == "sequence" and results["tasks"][1:] == ["renamed:tinyshakespeare", "shakespeare-poems"]
+    full = results["methods"]["full"]
+    assert {"r_matrix", "op", "bwt", "forgetting", "fwt", "trainable_params", "total_params"} <= set(full)
+    assert len(full["r_matrix"]) == 3 and all(len(row) == 3 for row in full["r_matrix"])
+    ppl = full["ppl_matrix"]
+    assert ppl[1][1] < ppl[0][1] and ppl[2][2] < ppl[1][2]  # each task improves once trained on
+    assert (tmp_path / "r_matrix.png").stat().st_size > 1000 and "R matrix of `lora`" in (tmp_path / "results.md").read_text()
+
+
+def test_sequence_protocol_needs_tasks():
+    result = invoke("bench", "--preset", "smoke", "--protocol", "sequence")
+    assert result.exit_code == 2 and "needs tasks after the base: --tasks" in result.output

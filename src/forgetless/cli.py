@@ -105,22 +105,27 @@ SET = typer.Option(None, "--set", help="a method option, METHOD.OPTION=VALUE (re
 @friendly
 @with_config_flags
 def bench(preset: str = PRESET,
-          protocol: str = typer.Option("two-domain", help="two-domain (more protocols come with their methods)"),
+          protocol: str = typer.Option("two-domain", help="two-domain, or sequence (base on --domain-a, then --tasks)"),
           methods: str = typer.Option("all", help="comma-separated method names, or 'all' registered ones; "
                                       "NAME[OPTION=VALUE;...] adds an arm with other options, e.g. 'lora,lora[r=16]'"),
           seeds: int = typer.Option(3, help="number of seeds (0..N-1); tables show mean ± std"),
           out: Optional[Path] = typer.Option(None, help="output folder (default runs/<protocol>-<preset>)"),
           domain_a: Optional[str] = typer.Option(None, "--domain-a", help="corpus spec or path for domain A"),
           domain_b: Optional[str] = typer.Option(None, "--domain-b", help="corpus spec or path for domain B"),
+          tasks: Optional[str] = typer.Option(None, "--tasks", help="sequence protocol: comma-separated corpora after the base"),
           config_file: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET, flags: dict = None):
-    """Pretrain (cached), adapt every method on B, write results.json/csv/md and figures."""
+    """Pretrain (cached), adapt every method, write results.json/csv/md and figures."""
+    from forgetless.continual.sequence import run_sequence
     from forgetless.continual.two_domain import run_two_domain
     from forgetless.methods import method_names
     from forgetless.report import write_report
-    from forgetless.report.tables import terminal_rows
+    from forgetless.report.tables import sequence_rows, terminal_rows
 
-    if protocol != "two-domain":
-        raise ForgetlessError(f"unknown protocol {protocol!r}; valid: two-domain")
+    protocols = {"two-domain": run_two_domain, "sequence": run_sequence}
+    if protocol not in protocols:
+        raise ForgetlessError(f"unknown protocol {protocol!r}; valid: {', '.join(protocols)}")
+    if tasks:
+        flags.setdefault("data", {})["tasks"] = tasks
     if seeds <= 0:
         raise ForgetlessError(f"--seeds must be positive, got {seeds}")
     for key, value in (("domain_a", domain_a), ("domain_b", domain_b)):
@@ -129,11 +134,13 @@ def bench(preset: str = PRESET,
     cfg = run_config(preset, config_file, flags, set_)
     names = method_names() if methods == "all" else [methods]
     out = out or Path("runs") / f"{protocol}-{preset}"
-    results = run_two_domain(cfg, names, list(range(seeds)), out, preset)
+    results = protocols[protocol](cfg, names, list(range(seeds)), out, preset)
     files = write_report(results, out)
-    table = Table(title=f"{protocol} · {preset} · A={cfg.data.domain_a} → B={cfg.data.domain_b}",
+    where = f"A={cfg.data.domain_a} → B={cfg.data.domain_b}" if protocol == "two-domain" else \
+        " → ".join([cfg.data.domain_a, *cfg.data.tasks])
+    table = Table(title=f"{protocol} · {preset} · {where}",
                   caption=f"mean ± std over {seeds} seed(s); all columns in {out / 'results.md'}")
-    heads, body = terminal_rows(results)
+    heads, body = terminal_rows(results) if protocol == "two-domain" else sequence_rows(results)
     for h in heads:
         table.add_column(h, justify="left" if h == "method" else "right")
     for r in body:

@@ -4,13 +4,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from forgetless.checkpoint import write_json
-from forgetless.report.figures import write_figures
-from forgetless.report.tables import markdown, write_csv
+from forgetless.report.figures import r_heatmaps, write_figures
+from forgetless.report.tables import markdown, sequence_markdown, write_csv, write_sequence_csv
 
 
 def write_report(results: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "results.json", results)
+    if results["protocol"] == "sequence":
+        write_sequence_csv(results, out / "results.csv")
+        (out / "results.md").write_text(sequence_markdown(results))
+        r_heatmaps(results, out / "r_matrix.png")
+        return [out / "results.json", out / "results.csv", out / "results.md", out / "r_matrix.png"]
     write_csv(results, out / "results.csv")
     (out / "results.md").write_text(markdown(results))
     return [out / "results.json", out / "results.csv", out / "results.md", *write_figures(results, out)]

@@ -156,3 +156,21 @@ def write_figures(results: dict, folder: Path) -> list[Path]:
         if draw(results, folder / name):
             paths.append(folder / name)
     return paths
+
+
+def r_heatmaps(results: dict, path: Path):
+    """One heatmap of R per method (rows: after task t; columns: task i)."""
+    methods = results["methods"]
+    fig, axes = plt.subplots(1, len(methods), figsize=(3.6 * len(methods), 3.4), squeeze=False)
+    values = [v for m in methods.values() for row in m["r_matrix"] for v in row]
+    for ax, (name, m) in zip(axes[0], methods.items()):
+        image = ax.imshow(m["r_matrix"], cmap="viridis", vmin=min(values), vmax=max(values))
+        for t, row in enumerate(m["r_matrix"]):
+            for i, v in enumerate(row):
+                ax.text(i, t, f"{v:.1f}", ha="center", va="center", fontsize=7, color="white")
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("task i")
+        ax.set_ylabel("after task t")
+    fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="accuracy %")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

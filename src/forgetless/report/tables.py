@@ -59,3 +59,39 @@ def write_csv(results: dict, path: Path):
         for name, m in results["methods"].items():
             writer.writerow([name] + [m[k][s] for k in keys for s in ("mean", "std")]
                             + [m["trainable_params"], m["total_params"], m["peak_rss_mb"]])
+
+
+SEQUENCE_COLUMNS = [("op", "OP", "{:.2f}"), ("bwt", "BWT", "{:+.2f}"), ("forgetting", "forgetting", "{:.2f}"),
+                    ("fwt", "FWT", "{:+.2f}"), ("wall_s", "wall s", "{:.1f}")]
+
+
+def sequence_rows(results: dict) -> tuple[list[str], list[list[str]]]:
+    with_std = len(results["seeds"]) > 1
+    heads = ["method"] + [h for _, h, _ in SEQUENCE_COLUMNS] + ["trainable params"]
+    body = [[name] + [cell(m[k], fmt, with_std) for k, _, fmt in SEQUENCE_COLUMNS] + [f"{m['trainable_params']:,}"]
+            for name, m in results["methods"].items()]
+    return heads, body
+
+
+def sequence_markdown(results: dict) -> str:
+    heads, body = sequence_rows(results)
+    lines = [f"Protocol sequence, preset {results['preset']}, tasks {' -> '.join(f'`{t}`' for t in results['tasks'])}, "
+             f"seeds {results['seeds']} (mean ± std), score: {results['score']}; BWT < 0 = forgetting, "
+             f"{results['date']}.", "", "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    lines += ["| " + " | ".join(r) + " |" for r in body]
+    for name, m in results["methods"].items():
+        lines += ["", f"R matrix of `{name}` (row t = after task t, column i = task i):", "",
+                  "| after \\ task | " + " | ".join(str(i) for i in range(len(m["r_matrix"]))) + " |",
+                  "|" + "---|" * (len(m["r_matrix"]) + 1)]
+        lines += [f"| {t} | " + " | ".join(f"{v:.2f}" for v in row) + " |" for t, row in enumerate(m["r_matrix"])]
+    return "\n".join(lines) + "\n"
+
+
+def write_sequence_csv(results: dict, path: Path):
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        keys = [k for k, _, _ in SEQUENCE_COLUMNS]
+        writer.writerow(["method"] + [f"{k}_{s}" for k in keys for s in ("mean", "std")] + ["trainable_params", "total_params"])
+        for name, m in results["methods"].items():
+            writer.writerow([name] + [m[k][s] for k in keys for s in ("mean", "std")]
+                            + [m["trainable_params"], m["total_params"]])

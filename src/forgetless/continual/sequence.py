@@ -1,0 +1,95 @@
+"""The task-sequence protocol (DESIGN.md §3): a base on task 0, then tasks 1..T in order.
+
+R[t][i] = next-token accuracy (%) on task i's held-out windows after training through task t;
+row 0 is the base (with the method attached, before any new task). OP, BWT, forgetting and FWT
+come from R; the PPL matrix is kept beside it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import itertools
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from forgetless.continual.arm import freeze_all_but
+from forgetless.continual.base_model import load_base
+from forgetless.continual.evaluate import evaluate, training_loss
+from forgetless.continual.metrics import sequence_metrics
+from forgetless.continual.two_domain import bases_for, bases_summary, build_arms, fresh, mean_nested, mean_std, \
+    run_or_reuse_arm
+from forgetless.data.domains import Domain, load_domains
+from forgetless.data.splits import Sampler
+from forgetless.errors import ForgetlessError
+from forgetless.methods import Method
+from forgetless.monitor import PeakRSS
+from forgetless.presets import AdaptConfig, RunConfig
+from forgetless.progress import progress_task
+from forgetless.train import train
+
+METRICS = ["op", "bwt", "forgetting", "fwt", "wall_s"]
+
+
+def run_sequence_arm(model: nn.Module, method: Method, tasks: list[Domain], cfg: AdaptConfig, seed: int) -> dict:
+    """Train `method` on tasks[1:] in order; score every task after each."""
+    torch.manual_seed(seed)
+    model = method.attach(model)
+    rows, wall, loss = [[evaluate(model, d.windows) for d in tasks]], 0.0, []
+    with PeakRSS() as memory:
+        for t, task in enumerate(tasks[1:], start=1):
+            method.on_task_start(model, t)
+            params = freeze_all_but(model, method)
+            task_cfg = dataclasses.replace(cfg, lr=method.cfg.lr or cfg.lr, seed=seed)
+            sampler = Sampler(task.train, cfg.batch_size, task.windows.shape[1] - 1, 1000 * seed + t,
+                              other=tasks[0].train if cfg.replay > 0 else None, p=cfg.replay)
+            t0 = time.perf_counter()
+            history = train(model, params, sampler, task_cfg,
+                            lambda m, b: training_loss(m, b, method.extra_loss, method.token_weights),
+                            hooks=method, desc=f"{method.name} seed {seed} task {t}")
+            wall += time.perf_counter() - t0
+            loss += [[t, s, v] for s, v in history.loss]
+            method.on_task_end(model, t)
+            rows.append([evaluate(model, d.windows) for d in tasks])
+    R = [[100 * e["acc"] for e in row] for row in rows]
+    return {"method": method.name, "seed": seed, "r_matrix": R, "ppl_matrix": [[e["ppl"] for e in row] for row in rows],
+            **sequence_metrics(R), "trainable_params": sum(p.numel() for _, p in params),
+            "total_params": sum(p.numel() for p in model.parameters()), "wall_s": wall,
+            "peak_rss_mb": memory.peak_mb, "loss": loss}
+
+
+def run_sequence(cfg: RunConfig, methods: list[str], seeds: list[int], out: Path, preset: str) -> dict:
+    """Every (method, seed) arm over the task sequence; the results dict of DESIGN.md §6."""
+    specs = [cfg.data.domain_a, *cfg.data.tasks]
+    if len(specs) < 2:
+        raise ForgetlessError("the sequence protocol needs tasks after the base: --tasks CORPUS1,CORPUS2,...")
+    built = build_arms(cfg, methods)
+    tasks, tokenizer = load_domains(specs, cfg.data.tokenizer, cfg.model.block_size, cfg.data.val_fraction,
+                                    cfg.data.eval_windows)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size))
+    bases, by_base = bases_for(built, cfg, tasks[0], tokenizer)
+    arms: dict[str, list[dict]] = {label: [] for label in built}
+    with progress_task("bench arms", total=len(seeds) * len(built)) as advance:
+        for seed, (label, method) in itertools.product(seeds, built.items()):
+            base = bases[label]
+            run_config = {"protocol": "sequence", "config": cfg.to_dict(), "method": method.name,
+                          "options": method.options(), "base": base.parent.name,
+                          "tasks": [t.fingerprint for t in tasks]}
+            arms[label].append(run_or_reuse_arm(
+                out / "arms" / label / f"seed{seed}.json", run_config,
+                lambda _: run_sequence_arm(load_base(base)[0], fresh(method), tasks, cfg.adapt, seed)))
+            advance(1)
+    return {
+        "protocol": "sequence", "preset": preset, "seeds": list(seeds), "tasks": specs,
+        "score": "next-token accuracy on held-out windows, %", "date": datetime.date.today().isoformat(),
+        "config": cfg.to_dict(), "bases": bases_summary(by_base),
+        "methods": {label: {**{m: mean_std([r[m] for r in runs]) for m in METRICS},
+                            "r_matrix": mean_nested([r["r_matrix"] for r in runs]),
+                            "ppl_matrix": mean_nested([r["ppl_matrix"] for r in runs]),
+                            "trainable_params": runs[0]["trainable_params"], "total_params": runs[0]["total_params"],
+                            "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "options": built[label].options()}
+                    for label, runs in arms.items()},
+    }
