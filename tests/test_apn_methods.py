@@ -150,3 +150,18 @@ def test_arm_state_roundtrip(tmp_path, name):
     other = fresh.attach(apn_model(fresh))
     fresh.load_state_dict(other, load_checkpoint(tmp_path / "m.safetensors")[0])
     assert torch.allclose(other.eval()(x), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"update_rule": "sgd"}, "update_rule must be adamw or gain"), ({"gate_on": "loss"}, "gate_on must be none"),
+    ({"norm_cap": -1}, "norm_cap >= 0"), ({"apn": {"rank": 0}}, "apn.rank must be positive")])
+def test_bad_apn_method_options(options, message):
+    from forgetless.errors import ForgetlessError
+    with pytest.raises(ForgetlessError, match=message):
+        build_method("apn", options)
+
+
+def test_apn_arm_on_a_dense_model_is_refused():
+    from forgetless.errors import ForgetlessError
+    with pytest.raises(ForgetlessError, match="needs an APN base \\(or retrofit=true\\)"):
+        build_method("apn").attach(GPT(DENSE))
