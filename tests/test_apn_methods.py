@@ -1,5 +1,4 @@
 """The APN arms and their continual knobs."""
-import dataclasses
 
 import pytest
 import torch

@@ -15,7 +15,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from forgetless.config import coerce, field_types, help_of, load_file
+from forgetless.config import field_types, help_of, load_file
 from forgetless.errors import ForgetlessError
 from forgetless.progress import console
 

@@ -27,6 +27,23 @@ def freeze_all_but(model: nn.Module, method: Method) -> list[tuple[str, nn.Param
     return params
 
 
+def adapt_task(model: nn.Module, method: Method, task: Domain, replay_from: Domain, cfg: AdaptConfig, seed: int,
+               task_index: int, sampler_seed: int, **train_kwargs):
+    """One task of adaptation: task hooks, the method's parameters, its lr, replay mixing, training.
+
+    Returns (training history, trained parameters)."""
+    method.on_task_start(model, task_index)
+    params = freeze_all_but(model, method)
+    cfg = dataclasses.replace(cfg, lr=method.cfg.lr or cfg.lr, seed=seed)
+    sampler = Sampler(task.train, cfg.batch_size, task.windows.shape[1] - 1, sampler_seed,
+                      other=replay_from.train if cfg.replay > 0 else None, p=cfg.replay)
+    history = train(model, params, sampler, cfg,
+                    lambda m, batch: training_loss(m, batch, method.extra_loss, method.token_weights),
+                    hooks=method, **train_kwargs)
+    method.on_task_end(model, task_index)
+    return history, params
+
+
 def score(model: nn.Module, a: Domain, b: Domain) -> dict:
     ea, eb = evaluate(model, a.windows), evaluate(model, b.windows)
     stats = {f"{k}_b": v for k, v in module_stats(model, b.windows).items()}  # e.g. APN routing on B
@@ -43,11 +60,6 @@ def run_arm(model: nn.Module, method: Method, a: Domain, b: Domain, cfg: AdaptCo
     torch.manual_seed(seed)
     model = method.attach(model)
     report_before = method.report(model, a.windows, b.windows)
-    params = freeze_all_but(model, method)
-    cfg = dataclasses.replace(cfg, lr=method.cfg.lr or cfg.lr, seed=seed)
-    sampler = Sampler(b.train, cfg.batch_size, b.windows.shape[1] - 1, seed,
-                      other=a.train if cfg.replay > 0 else None, p=cfg.replay)
-
     eval_s = 0.0
 
     def curve_point():
@@ -58,15 +70,12 @@ def run_arm(model: nn.Module, method: Method, a: Domain, b: Domain, cfg: AdaptCo
         return point
 
     ckpt = out_dir / f"seed{seed}.training.safetensors" if out_dir else None
-    method.on_task_start(model, 1)
     with PeakRSS() as memory:
         t0 = time.perf_counter()
-        history = train(model, params, sampler, cfg,
-                        lambda m, b: training_loss(m, b, method.extra_loss, method.token_weights),
-                        evaluate=curve_point, ckpt_path=ckpt, hooks=method,
-                        run_config={**(run_config or {}), "arm": [method.name, seed]}, desc=f"{method.name} seed {seed}")
+        history, params = adapt_task(model, method, b, a, cfg, seed, 1, seed, evaluate=curve_point, ckpt_path=ckpt,
+                                     run_config={**(run_config or {}), "arm": [method.name, seed]},
+                                     desc=f"{method.name} seed {seed}")
         wall = time.perf_counter() - t0 - eval_s
-    method.on_task_end(model, 1)
     after = score(model, a, b)
     report_after = method.report(model, a.windows, b.windows)
     if out_dir:

@@ -9,27 +9,24 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import itertools
-import statistics
 import time
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from forgetless.continual.arm import freeze_all_but
+from forgetless.continual.arm import adapt_task
 from forgetless.continual.base_model import load_base
-from forgetless.continual.evaluate import evaluate, training_loss
+from forgetless.continual.evaluate import evaluate
 from forgetless.continual.metrics import sequence_metrics
 from forgetless.continual.two_domain import bases_for, bases_summary, build_arms, fresh, mean_nested, mean_std, \
     run_or_reuse_arm
 from forgetless.data.domains import Domain, load_domains
-from forgetless.data.splits import Sampler
 from forgetless.errors import ForgetlessError
 from forgetless.methods import Method
 from forgetless.monitor import PeakRSS
 from forgetless.presets import AdaptConfig, RunConfig
 from forgetless.progress import progress_task
-from forgetless.train import train
 
 METRICS = ["op", "bwt", "forgetting", "fwt", "wall_s"]
 
@@ -41,18 +38,11 @@ def run_sequence_arm(model: nn.Module, method: Method, tasks: list[Domain], cfg:
     rows, wall, loss = [[evaluate(model, d.windows) for d in tasks]], 0.0, []
     with PeakRSS() as memory:
         for t, task in enumerate(tasks[1:], start=1):
-            method.on_task_start(model, t)
-            params = freeze_all_but(model, method)
-            task_cfg = dataclasses.replace(cfg, lr=method.cfg.lr or cfg.lr, seed=seed)
-            sampler = Sampler(task.train, cfg.batch_size, task.windows.shape[1] - 1, 1000 * seed + t,
-                              other=tasks[0].train if cfg.replay > 0 else None, p=cfg.replay)
             t0 = time.perf_counter()
-            history = train(model, params, sampler, task_cfg,
-                            lambda m, b: training_loss(m, b, method.extra_loss, method.token_weights),
-                            hooks=method, desc=f"{method.name} seed {seed} task {t}")
+            history, params = adapt_task(model, method, task, tasks[0], cfg, seed, t, 1000 * seed + t,
+                                         desc=f"{method.name} seed {seed} task {t}")
             wall += time.perf_counter() - t0
             loss += [[t, s, v] for s, v in history.loss]
-            method.on_task_end(model, t)
             rows.append([evaluate(model, d.windows) for d in tasks])
     R = [[100 * e["acc"] for e in row] for row in rows]
     return {"method": method.name, "seed": seed, "r_matrix": R, "ppl_matrix": [[e["ppl"] for e in row] for row in rows],

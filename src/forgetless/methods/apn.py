@@ -15,7 +15,6 @@ Knobs (all in APNMethodConfig, each switchable, e.g. `--methods 'apn[local=true]
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
 import torch
