@@ -196,16 +196,16 @@ class APNMethod(Method):
         self.allocations += 1
 
     def hook_state(self):
-        state = {f"usage.{k}": v for k, v in self.usage.items()}
-        meta = [[k, self.novel_steps.get(k, 0), self.last_alloc.get(k, -10**9)] for k in self.usage]
-        return {**state, "alloc": torch.tensor(meta or [[0, 0, 0]], dtype=torch.long),
+        """EMA usage per layer, plus [layer, novel steps, last allocation step] rows."""
+        rows = [[k, self.novel_steps.get(k, 0), self.last_alloc.get(k, -10**9)] for k in self.usage]
+        return {**{f"usage.{k}": v for k, v in self.usage.items()},
+                "alloc": torch.tensor(rows, dtype=torch.long).reshape(-1, 3),
                 "allocations": torch.tensor(self.allocations)}
 
     def load_hook_state(self, tensors):
         self.usage = {int(k.split(".")[1]): v for k, v in tensors.items() if k.startswith("usage.")}
-        for layer, novel, last in tensors.get("alloc", torch.zeros(0, 3, dtype=torch.long)).tolist():
-            if layer in self.usage:
-                self.novel_steps[layer], self.last_alloc[layer] = novel, last
+        for layer, novel, last in tensors["alloc"].tolist() if "alloc" in tensors else []:
+            self.novel_steps[layer], self.last_alloc[layer] = novel, last
         self.allocations = int(tensors.get("allocations", torch.tensor(0)))
 
     # ---- loss and diagnostics -------------------------------------------------------------
