@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _timing import compare
 
 from forgetless.nn.apn import APN, APNConfig
 
@@ -27,27 +26,12 @@ def dense_ffn(d: int) -> nn.Module:
     return nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
 
 
-def step_ms(layer: nn.Module, x: torch.Tensor, iters: int) -> float:
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        layer.zero_grad(set_to_none=True)
-        layer(x).square().mean().backward()
-    return 1000 * (time.perf_counter() - t0) / iters
-
-
 def measure(d: int, tokens: int, cfg: APNConfig, repeats: int, iters: int) -> dict:
     torch.manual_seed(0)
     x = F.layer_norm(torch.randn(tokens, d), (d,)).requires_grad_()
     dense, apn = dense_ffn(d), APN(d, cfg)
-    step_ms(dense, x, 2), step_ms(apn, x, 2)  # warm up
-    base, cand = [], []
-    for _ in range(repeats):
-        base.append(step_ms(dense, x, iters))
-        cand.append(step_ms(apn, x, iters))
-    b, c = statistics.median(base), statistics.median(cand)
     K, k, r = cfg.n_patches, cfg.top_k, cfg.rank
-    return {"ratio": round(c / b, 3), "baseline_ms": round(b, 2), "candidate_ms": round(c, 2),
-            "dense_macs_per_token": 8 * d * d, "apn_macs_per_token": K * d + d * r + k * d * r,
+    return {**compare(dense, apn, x, repeats, iters), "dense_macs_per_token": 8 * d * d, "apn_macs_per_token": K * d + d * r + k * d * r,
             "dense_params": sum(p.numel() for p in dense.parameters()),
             "apn_params": sum(p.numel() for p in apn.parameters())}
 

@@ -193,5 +193,5 @@ def test_sequence_protocol(tmp_path):
 
 
 def test_sequence_protocol_needs_tasks():
-    result = invoke("bench", "--preset", "smoke", "--protocol", "sequence")
+    result = invoke("bench", "--preset", "smoke", "--protocol", "sequence", "--tasks", ",")
     assert result.exit_code == 2 and "needs tasks after the base: --tasks" in result.output

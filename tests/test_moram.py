@@ -53,3 +53,18 @@ def test_new_task_freezes_old_atoms_and_routes_over_the_union():
 def test_bad_options():
     with pytest.raises(ForgetlessError, match="must be positive"):
         MoRAMConfig(tau=0)
+
+
+def test_threshold_applies_only_in_eval_and_can_be_switched_off():
+    m = layer(delta=0.9)
+    m.add_task()
+    z = torch.randn(50, 4)
+    m.train()
+    assert ((m.weights(z) > 0).sum(-1) == 3).all()   # top-3, no threshold while training
+    m.eval()
+    dropped = m.weights(z)
+    assert ((dropped > 0).sum(-1) < 3).any()           # delta=0.9 drops atoms at eval
+    off = layer(delta=None, top_k=0)
+    off.add_task()
+    off.eval()
+    assert torch.allclose(off.weights(z), (z / z.norm(dim=-1, keepdim=True) / 0.5).softmax(-1))  # all atoms, no cut

@@ -106,7 +106,7 @@ SET = typer.Option(None, "--set", help="a method option, METHOD.OPTION=VALUE (re
 @with_config_flags
 def bench(preset: str = PRESET,
           protocol: str = typer.Option("two-domain", help="two-domain, or sequence (base on --domain-a, then --tasks)"),
-          methods: str = typer.Option("all", help="comma-separated method names, or 'all' registered ones; "
+          methods: str = typer.Option("all", help="comma-separated method names, or 'all' (the protocol's default set, see `forgetless methods`); "
                                       "NAME[OPTION=VALUE;...] adds an arm with other options, e.g. 'lora,lora[r=16]'"),
           seeds: int = typer.Option(3, help="number of seeds (0..N-1); tables show mean ± std"),
           out: Optional[Path] = typer.Option(None, help="output folder (default runs/<protocol>-<preset>)"),
@@ -132,7 +132,7 @@ def bench(preset: str = PRESET,
         if value:
             flags.setdefault("data", {})[key] = value
     cfg = run_config(preset, config_file, flags, set_)
-    names = method_names() if methods == "all" else [methods]
+    names = method_names(protocol) if methods == "all" else [methods]
     out = out or Path("runs") / f"{protocol}-{preset}"
     results = protocols[protocol](cfg, names, list(range(seeds)), out, preset)
     files = write_report(results, out)
@@ -292,12 +292,17 @@ def methods():
     from forgetless.methods import METHODS, build_method, method_names
     from forgetless.models.gpt import GPTConfig
 
-    table = Table("method", "base", "options (default)", "about")
+    table = Table()
+    table.add_column("method", no_wrap=True)  # names stay whole in a narrow terminal
+    for head in ("base", "in `all` of", "options (default)", "about"):
+        table.add_column(head)
     for name in method_names():
         cls = METHODS[name]
         opts = ", ".join(f"{f.name}={f.default if f.default is not dataclasses.MISSING else f.default_factory()}"
                          for f in dataclasses.fields(cls.Config))
-        table.add_row(name, base_label(build_method(name).base_config(GPTConfig())), opts, (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else "")
+        about = (cls.__doc__ or "").strip().splitlines()[:1]
+        table.add_row(name, base_label(build_method(name).base_config(GPTConfig())), ", ".join(cls.default_for), opts,
+                      *about or [""])
     out_console.print(table)
 
 

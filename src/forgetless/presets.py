@@ -11,11 +11,15 @@ from forgetless.models.gpt import GPTConfig
 from forgetless.train import TrainConfig
 
 
+DEFAULT_TASKS = ("shakespeare-folio", "shakespeare-poems", "renamed:shakespeare-modern", "python-stdlib")
+
+
 @dataclass
 class DataConfig:
     domain_a: str = field(default="shakespeare-modern", metadata={"help": "corpus the base is pretrained on (domain A)"})
     domain_b: str = field(default="shakespeare-folio", metadata={"help": "corpus adapted to (domain B)"})
-    tasks: list[str] = field(default_factory=list, metadata={"help": "sequence protocol: corpora trained after the base, in order"})
+    tasks: list[str] = field(default_factory=lambda: list(DEFAULT_TASKS), metadata={
+        "help": "sequence protocol: corpora trained after the base, in order"})
     tokenizer: str = field(default="bytes", metadata={"help": "bytes (vocabulary 256) or chars (built from A and B)"})
     val_fraction: float = field(default=0.1, metadata={"help": "held-out share of each corpus (whole plays where it has them)"})
     eval_windows: int = field(default=128, metadata={"help": "fixed held-out windows per domain for PPL and accuracy"})

@@ -41,5 +41,7 @@ def forward_transfer(R) -> float:
 
 
 def sequence_metrics(R) -> dict:
-    return {"op": overall_performance(R), "bwt": backward_transfer(R), "forgetting": forgetting(R),
+    """OP, BWT (GEM sign), bwt_drop = -BWT (the MoRAM / TRACE sign: positive = forgetting), forgetting, FWT."""
+    bwt = backward_transfer(R)
+    return {"op": overall_performance(R), "bwt": bwt, "bwt_drop": -bwt, "forgetting": forgetting(R),
             "fwt": forward_transfer(R)}

@@ -2,7 +2,8 @@
 
 R[t][i] = next-token accuracy (%) on task i's held-out windows after training through task t;
 row 0 is the base (with the method attached, before any new task). OP, BWT, forgetting and FWT
-come from R; the PPL matrix is kept beside it.
+come from R; the PPL matrix is kept beside it. A method's `task_report` after each task t (e.g.
+MoRAM's atom-activation map) is kept as `task_reports[t - 1]`.
 """
 from __future__ import annotations
 
@@ -28,14 +29,15 @@ from forgetless.monitor import PeakRSS
 from forgetless.presets import AdaptConfig, RunConfig
 from forgetless.progress import progress_task
 
-METRICS = ["op", "bwt", "forgetting", "fwt", "wall_s"]
+METRICS = ["op", "bwt", "bwt_drop", "forgetting", "fwt", "wall_s"]
 
 
 def run_sequence_arm(model: nn.Module, method: Method, tasks: list[Domain], cfg: AdaptConfig, seed: int) -> dict:
     """Train `method` on tasks[1:] in order; score every task after each."""
     torch.manual_seed(seed)
     model = method.attach(model)
-    rows, wall, loss = [[evaluate(model, d.windows) for d in tasks]], 0.0, []
+    windows = [d.windows for d in tasks]
+    rows, reports, wall, loss = [[evaluate(model, w) for w in windows]], [], 0.0, []
     with PeakRSS() as memory:
         for t, task in enumerate(tasks[1:], start=1):
             t0 = time.perf_counter()
@@ -43,12 +45,13 @@ def run_sequence_arm(model: nn.Module, method: Method, tasks: list[Domain], cfg:
                                          desc=f"{method.name} seed {seed} task {t}")
             wall += time.perf_counter() - t0
             loss += [[t, s, v] for s, v in history.loss]
-            rows.append([evaluate(model, d.windows) for d in tasks])
+            rows.append([evaluate(model, w) for w in windows])
+            reports.append(method.task_report(model, windows))
     R = [[100 * e["acc"] for e in row] for row in rows]
     return {"method": method.name, "seed": seed, "r_matrix": R, "ppl_matrix": [[e["ppl"] for e in row] for row in rows],
             **sequence_metrics(R), "trainable_params": sum(p.numel() for _, p in params),
             "total_params": sum(p.numel() for p in model.parameters()), "wall_s": wall,
-            "peak_rss_mb": memory.peak_mb, "loss": loss}
+            "peak_rss_mb": memory.peak_mb, "loss": loss, **({"task_reports": reports} if any(reports) else {})}
 
 
 def run_sequence(cfg: RunConfig, methods: list[str], seeds: list[int], out: Path, preset: str) -> dict:
@@ -80,6 +83,8 @@ def run_sequence(cfg: RunConfig, methods: list[str], seeds: list[int], out: Path
                             "r_matrix": mean_nested([r["r_matrix"] for r in runs]),
                             "ppl_matrix": mean_nested([r["ppl_matrix"] for r in runs]),
                             "trainable_params": runs[0]["trainable_params"], "total_params": runs[0]["total_params"],
-                            "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "options": built[label].options()}
+                            "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "options": built[label].options(),
+                            **({"task_reports": mean_nested([r["task_reports"] for r in runs])}
+                               if "task_reports" in runs[0] else {})}
                     for label, runs in arms.items()},
     }

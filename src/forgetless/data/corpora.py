@@ -14,6 +14,7 @@ import importlib.util
 import os
 import random
 import re
+import sysconfig
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,6 +171,13 @@ def tinyshakespeare_path(url: str = TINY_URL) -> Path:
 @register_corpus("tinyshakespeare", "Tiny Shakespeare, 1,115,394 bytes ($FORGETLESS_TINYSHAKESPEARE, cache, or download)")
 def tinyshakespeare() -> Corpus:
     return Corpus("tinyshakespeare", [Document("tinyshakespeare", tinyshakespeare_path().read_bytes())])
+
+
+# ---------------------------------------------------------------- a code domain, always on disk
+@register_corpus("python-stdlib", "Python source: this interpreter's top-level standard-library modules (a far shift)")
+def python_stdlib() -> Corpus:
+    paths = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    return Corpus("python-stdlib", [Document(p.stem, p.read_bytes()) for p in paths])
 
 
 # ---------------------------------------------------------------- renamed-characters shift

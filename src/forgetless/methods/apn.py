@@ -79,6 +79,7 @@ def matched_patches(model_cfg: GPTConfig, apn_cfg: APNConfig) -> int:
 class APNMethod(Method):
     """APN base (APN FFNs pretrained on A); adapt only the patches, as in the source."""
     Config = APNMethodConfig
+    default_for = ("two-domain",)  # APN bases are costly; run them in a sequence with --methods apn,...
 
     def __init__(self, cfg: APNMethodConfig):
         super().__init__(cfg)

@@ -45,9 +45,11 @@ CANONICAL_ORDER = ["full", "ffn", "lora", "adapter", "apn", "apn-local", "apn-pa
                    "moram", "moe-lora", "seq-lora", "neutral", "ewc", "cms"]
 
 
-def method_names() -> list[str]:
+def method_names(protocol: str | None = None) -> list[str]:
+    """Registered methods in table order; with `protocol`, those in its default set (`--methods all`)."""
     rank = {n: i for i, n in enumerate(CANONICAL_ORDER)}
-    return sorted(METHODS, key=lambda n: (rank.get(n, len(rank)), n))
+    names = [n for n in METHODS if protocol is None or protocol in METHODS[n].default_for]
+    return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
 
 
 def build_method(name: str, options: dict | None = None) -> "Method":
@@ -78,6 +80,7 @@ class Method(StepHooks):
     """Base class; subclasses override what they need (StepHooks adds optional loop hooks)."""
     name = "base"
     Config = MethodConfig
+    default_for: tuple[str, ...] = ("two-domain", "sequence")  # protocols whose `--methods all` runs it
 
     def __init__(self, cfg: MethodConfig):
         self.cfg = cfg
@@ -104,6 +107,10 @@ class Method(StepHooks):
 
     def report(self, model: nn.Module, windows_a: torch.Tensor, windows_b: torch.Tensor) -> dict:
         """Method-specific diagnostics of `model` on held-out windows of A and B (JSON-able)."""
+        return {}
+
+    def task_report(self, model: nn.Module, windows: list[torch.Tensor]) -> dict:
+        """Sequence protocol: diagnostics on every task's held-out windows (JSON-able), after each task."""
         return {}
 
     def on_task_start(self, model: nn.Module, task: int):

@@ -1,7 +1,13 @@
-"""LoRA through the real `peft` package, injected into any nn.Module (our GPT or HF models)."""
+"""LoRA through the real `peft` package, injected into any nn.Module (our GPT or HF models).
+
+In a task sequence, `lora` merges each task's adapter into the weights and starts a fresh one
+for the next task; `seq-lora` keeps training one adapter through all tasks (the source's SeqLoRA).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 
 from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model, set_peft_model_state_dict
 
@@ -25,6 +31,7 @@ class LoRAMethodConfig(MethodConfig):
 
 @register_method("lora")
 class LoRA(Method):
+    """LoRA via peft on the linears; in a sequence, merged after each task and started afresh."""
     Config = LoRAMethodConfig
 
     def attach(self, model):
@@ -34,6 +41,10 @@ class LoRA(Method):
                             target_modules=target, exclude_modules=self.cfg.exclude_modules or None,
                             fan_in_fan_out=any(type(m).__name__ == "Conv1D" for m in model.modules()))
         return inject_adapter_in_model(config, model)
+
+    def on_task_start(self, model, task):
+        if task > 1:
+            merge_and_reset(model)
 
     def trainable_parameters(self, model):
         return [(n, p) for n, p in model.named_parameters() if "lora_" in n]
@@ -45,3 +56,22 @@ class LoRA(Method):
         result = set_peft_model_state_dict(model, tensors)
         if result.unexpected_keys:
             raise ForgetlessError(f"LoRA state does not fit this model ({result.unexpected_keys[0]}, ...)")
+
+
+@register_method("seq-lora")
+class SeqLoRA(LoRA):
+    """One LoRA (peft) trained through all tasks in order, never merged."""
+    default_for = ("sequence",)  # on one task it is `lora`
+
+    def on_task_start(self, model, task):
+        pass
+
+
+@torch.no_grad()
+def merge_and_reset(model):
+    """Add every LoRA layer's delta (peft's get_delta_weight) to its base weight; re-initialise
+    the adapter (A random, B zero) so the model's function is unchanged and a new LoRA starts."""
+    for module in model.modules():
+        if hasattr(module, "get_delta_weight") and "default" in getattr(module, "lora_A", {}):
+            module.get_base_layer().weight += module.get_delta_weight("default")
+            module.reset_lora_parameters("default", True)

@@ -32,11 +32,18 @@ class Beside(nn.Module):
         return out + self.adapter(x)
 
 
+def linear_shape(module: nn.Module) -> tuple[int, int] | None:
+    """(d_in, d_out) of an nn.Linear or a transformers Conv1D (GPT-2; weight is (in, out)), else None."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if type(module).__name__ == "Conv1D":
+        return module.weight.shape[0], module.weight.shape[1]
+    return None
+
+
 def input_width(module: nn.Module) -> int:
     """Width d of the input of an FFN-like module (first Linear or HF Conv1D inside it)."""
     for m in module.modules():
-        if isinstance(m, nn.Linear):
-            return m.in_features
-        if type(m).__name__ == "Conv1D":  # transformers' GPT-2 layer: weight is (in, out)
-            return m.weight.shape[0]
+        if shape := linear_shape(m):
+            return shape[0]
     raise ValueError(f"cannot tell the input width of {type(module).__name__}")

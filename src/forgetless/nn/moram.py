@@ -23,13 +23,14 @@ from forgetless.errors import ForgetlessError
 @dataclass
 class MoRAMConfig:
     atoms_per_task: int = field(default=8, metadata={"help": "r, atoms added for every new task"})
-    top_k: int = field(default=8, metadata={"help": "k, atoms kept per input"})
-    tau: float = field(default=0.03, metadata={"help": "softmax temperature"})
-    delta: float = field(default=0.2, metadata={"help": "evaluation threshold on s_i (atoms below it are dropped)"})
+    top_k: int = field(default=8, metadata={"help": "k, atoms kept per input (0 = all, no sparsity)"})
+    tau: float = field(default=0.03, metadata={"help": "softmax temperature (1 = no temperature scaling)"})
+    delta: float | None = field(default=0.2, metadata={
+        "help": "evaluation threshold on s_i, atoms below it are dropped (none = no threshold)"})
 
     def __post_init__(self):
-        if self.atoms_per_task <= 0 or self.top_k <= 0 or self.tau <= 0:
-            raise ForgetlessError("moram: atoms_per_task, top_k and tau must be positive")
+        if self.atoms_per_task <= 0 or self.top_k < 0 or self.tau <= 0:
+            raise ForgetlessError("moram: atoms_per_task and tau must be positive, top_k >= 0 (0 = all atoms)")
 
 
 class MoRAMLinear(nn.Module):
@@ -40,6 +41,8 @@ class MoRAMLinear(nn.Module):
         self.base, self.cfg, self.d_in, self.d_out = base, cfg, d_in, d_out
         self.keys = nn.ParameterList()    # per task: (r, d_in) a_i
         self.values = nn.ParameterList()  # per task: (r, d_out) b_i
+        self.record = False               # keep `last_weights` (mean w per atom) after each forward
+        self.last_weights: torch.Tensor | None = None
 
     def add_task(self):
         """Freeze every atom so far and add r fresh ones (keys Kaiming-uniform, values zero)."""
@@ -56,17 +59,25 @@ class MoRAMLinear(nn.Module):
 
     def weights(self, z: torch.Tensor) -> torch.Tensor:  # z: (..., R) -> w: (..., R)
         s = z / z.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-        k = min(self.cfg.top_k, z.shape[-1])
-        top = s.topk(k, dim=-1).indices
-        masked = torch.full_like(s, float("-inf")).scatter(-1, top, s.gather(-1, top))
+        masked = s
+        if 0 < self.cfg.top_k < z.shape[-1]:  # keep the k largest: mask what is below the k-th
+            kth = s.topk(self.cfg.top_k, dim=-1).values[..., -1:]
+            masked = s.masked_fill(s < kth, float("-inf"))
         w = F.softmax(masked / self.cfg.tau, dim=-1)
-        if not self.training:
+        if not self.training and self.cfg.delta is not None:
             w = w * (s >= self.cfg.delta)
         return w
+
+    def atom_task(self) -> list[int]:
+        """Index (1-based) of the task that added each atom, in routing order."""
+        return [t for t, k in enumerate(self.keys, start=1) for _ in range(k.shape[0])]
 
     def forward(self, x):  # (..., d_in)
         out = self.base(x)
         if not len(self.keys):
             return out
-        z = x @ torch.cat(list(self.keys)).T                      # (..., R)
-        return out + (self.weights(z) * z) @ torch.cat(list(self.values))  # (..., d_out)
+        z = x @ torch.cat(list(self.keys)).T               # (..., R)
+        w = self.weights(z)                                 # (..., R)
+        if self.record:
+            self.last_weights = w.detach().flatten(0, -2).mean(0)  # (R,)
+        return out + (w * z) @ torch.cat(list(self.values))  # (..., d_out)

@@ -1,4 +1,5 @@
-"""Figures of a two-domain run: retention vs adaptation, forgetting curves, loss curves."""
+"""Figures: retention vs adaptation, forgetting and loss curves, routing monitors (two-domain);
+R heatmaps and atom-activation maps (sequence)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -174,3 +175,33 @@ def r_heatmaps(results: dict, path: Path):
     fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="accuracy %")
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def atom_maps(results: dict, path: Path) -> bool:
+    """MoRAM-style activation maps: for each arm with atoms (rows) and each stage t (columns), the
+    mean mixture weight of every atom (grouped by the task that added it) on each task's inputs."""
+    arms = {name: m["task_reports"] for name, m in results["methods"].items()
+            if m.get("task_reports") and "atom_weights" in m["task_reports"][-1]}
+    if not arms:
+        return False
+    stages = max(len(reports) for reports in arms.values())
+    fig, axes = plt.subplots(len(arms), stages, figsize=(2.6 * stages + 1, 3.0 * len(arms)), squeeze=False)
+    vmax = max(v for reports in arms.values() for r in reports for row in r["atom_weights"] for v in row)
+    for axes_row, (name, reports) in zip(axes, arms.items()):
+        for t, (ax, report) in enumerate(zip(axes_row, reports), start=1):
+            image = ax.imshow(list(zip(*report["atom_weights"])), aspect="auto", cmap="magma", vmin=0, vmax=vmax,
+                              interpolation="nearest")
+            owner = [round(a) for a in report["atom_task"]]
+            edges = [i for i in range(1, len(owner)) if owner[i] != owner[i - 1]]
+            for e in edges:
+                ax.axhline(e - 0.5, color="white", lw=0.8)
+            starts = [0, *edges]
+            ax.set_yticks([(s + e - 1) / 2 for s, e in zip(starts, [*edges, len(owner)])],
+                          [f"task {owner[s]}" for s in starts], fontsize=7)
+            ax.set_xticks(range(len(report["atom_weights"])), range(len(report["atom_weights"])), fontsize=7)
+            ax.set_xlabel("inputs of task", fontsize=8)
+            ax.set_title(f"{name}\nafter task {t}" if t == 1 else f"after task {t}", fontsize=8)
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="mean mixture weight w_i")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True

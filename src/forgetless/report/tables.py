@@ -61,7 +61,8 @@ def write_csv(results: dict, path: Path):
                             + [m["trainable_params"], m["total_params"], m["peak_rss_mb"]])
 
 
-SEQUENCE_COLUMNS = [("op", "OP", "{:.2f}"), ("bwt", "BWT", "{:+.2f}"), ("forgetting", "forgetting", "{:.2f}"),
+SEQUENCE_COLUMNS = [("op", "OP", "{:.2f}"), ("bwt", "BWT (GEM)", "{:+.2f}"), ("bwt_drop", "drop (MoRAM BWT)", "{:+.2f}"),
+                    ("forgetting", "forgetting", "{:.2f}"),
                     ("fwt", "FWT", "{:+.2f}"), ("wall_s", "wall s", "{:.1f}")]
 
 
@@ -76,7 +77,8 @@ def sequence_rows(results: dict) -> tuple[list[str], list[list[str]]]:
 def sequence_markdown(results: dict) -> str:
     heads, body = sequence_rows(results)
     lines = [f"Protocol sequence, preset {results['preset']}, tasks {' -> '.join(f'`{t}`' for t in results['tasks'])}, "
-             f"seeds {results['seeds']} (mean ± std), score: {results['score']}; BWT < 0 = forgetting, "
+             f"seeds {results['seeds']} (mean ± std), score: {results['score']}; BWT (GEM sign) < 0 = forgetting; "
+             f"drop = -BWT, the sign of the MoRAM source's BWT column (> 0 = forgetting); "
              f"{results['date']}.", "", "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     lines += ["| " + " | ".join(r) + " |" for r in body]
     for name, m in results["methods"].items():

@@ -1,0 +1,28 @@
+"""Shared timing for the layer benchmarks: forward + backward of a baseline and a candidate,
+alternating within each repeat and taking medians, so their ratio holds on a noisy machine."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+
+
+def step_ms(layer: nn.Module, x: torch.Tensor, iters: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        layer.zero_grad(set_to_none=True)
+        layer(x).square().mean().backward()
+    return 1000 * (time.perf_counter() - t0) / iters
+
+
+def compare(baseline: nn.Module, candidate: nn.Module, x: torch.Tensor, repeats: int, iters: int) -> dict:
+    """Median ms per fwd+bwd step of each layer and ratio = candidate / baseline."""
+    step_ms(baseline, x, 2), step_ms(candidate, x, 2)  # warm up
+    base, cand = [], []
+    for _ in range(repeats):
+        base.append(step_ms(baseline, x, iters))
+        cand.append(step_ms(candidate, x, iters))
+    b, c = statistics.median(base), statistics.median(cand)
+    return {"ratio": round(c / b, 3), "baseline_ms": round(b, 2), "candidate_ms": round(c, 2)}

@@ -1,0 +1,141 @@
+"""MoRAM, MoE-LoRA and the two LoRA flavours as methods over a task sequence."""
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from forgetless.checkpoint import load_checkpoint, save_checkpoint
+from forgetless.continual.arm import adapt_task
+from forgetless.data.domains import Domain
+from forgetless.errors import ForgetlessError
+from forgetless.methods import build_method, method_names
+from forgetless.models.gpt import GPT, GPTConfig, logits_of
+from forgetless.presets import AdaptConfig
+from forgetless.report.figures import atom_maps
+
+
+def ours():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=2, n_head=2, d_model=32, block_size=16))
+
+
+def hf_gpt2():
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=256))
+
+
+def domain(seed: int) -> Domain:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 256, (3000,), generator=g)
+    return Domain(f"d{seed}", tokens, tokens, tokens[:17 * 8].view(8, 17), [], f"fp{seed}")
+
+
+CFG = AdaptConfig(steps=6, batch_size=4, lr=1e-2, warmup=1, eval_every=100, ckpt_every=100)
+
+
+def run_tasks(method, model, n_tasks: int):
+    tasks = [domain(i) for i in range(n_tasks + 1)]
+    for t in range(1, n_tasks + 1):
+        adapt_task(model, method, tasks[t], tasks[0], CFG, seed=0, task_index=t, sampler_seed=t)
+    return model
+
+
+def atoms(method, model) -> dict:
+    return {k: v.clone() for k, v in method.state_dict(model).items()}
+
+
+@pytest.mark.parametrize("make", [ours, hf_gpt2], ids=["ours", "hf-gpt2"])
+@pytest.mark.parametrize("name", ["moram", "moe-lora"])
+def test_old_task_tensors_stay_bit_identical(make, name):
+    method = build_method(name)
+    model = method.attach(make())
+    x = torch.randint(0, 256, (2, 12))
+    before = logits_of(model.eval(), x)
+    run_tasks(method, model, 1)
+    after_one = atoms(method, model)
+    assert any(v.abs().sum() > 0 for k, v in after_one.items() if ".values." in k or ".up." in k)  # it trained
+    assert not torch.allclose(logits_of(model.eval(), x), before)
+    adapt_task(model, method, domain(2), domain(0), CFG, seed=0, task_index=2, sampler_seed=2)
+    after_two = atoms(method, model)
+    first_task = [k for k in after_one if k.endswith(".0") and ".router." not in k]
+    assert first_task and all(torch.equal(after_one[k], after_two[k]) for k in first_task)
+    second_values = [k for k in after_two if k.endswith(".1") and (".values." in k or ".up." in k)]
+    assert second_values and any(after_two[k].abs().sum() > 0 for k in second_values)
+
+
+@pytest.mark.parametrize("make", [ours, hf_gpt2], ids=["ours", "hf-gpt2"])
+@pytest.mark.parametrize("name", ["moram", "moe-lora"])
+def test_new_task_starts_neutral(make, name):
+    method = build_method(name)
+    model = method.attach(make())
+    x = torch.randint(0, 256, (2, 12))
+    before = logits_of(model.eval(), x)
+    method.on_task_start(model, 1)
+    assert torch.allclose(logits_of(model.eval(), x), before, atol=1e-6)  # values / expert B start at zero
+
+
+def test_moe_lora_router_keeps_training_over_all_experts():
+    method = build_method("moe-lora")
+    model = run_tasks(method, method.attach(ours()), 2)
+    names = [n for n, _ in method.trainable_parameters(model)]
+    assert any(n.endswith("router.0") for n in names) and any(n.endswith("router.1") for n in names)
+    assert not any(n.endswith("down.0") or n.endswith("up.0") for n in names)
+
+
+def test_three_task_bank_saves_and_rebuilds_any_prefix(tmp_path):
+    method = build_method("moram")
+    model = method.attach(ours())
+    x = torch.randint(0, 256, (2, 12))
+    tasks = [domain(i) for i in range(4)]
+    outputs = []
+    for t in range(1, 4):
+        adapt_task(model, method, tasks[t], tasks[0], CFG, seed=0, task_index=t, sampler_seed=t)
+        outputs.append(logits_of(model.eval(), x))
+    save_checkpoint(tmp_path / "bank.safetensors", method.state_dict(model), {"kind": "method"})
+    tensors, _ = load_checkpoint(tmp_path / "bank.safetensors")
+    assert {k.rsplit(".", 1)[1] for k in tensors} == {"0", "1", "2"}  # one tensor per task and layer
+    for n_tasks in (3, 2, 1):
+        prefix = {k: v for k, v in tensors.items() if int(k.rsplit(".", 1)[1]) < n_tasks}
+        fresh = build_method("moram")
+        rebuilt = fresh.attach(ours())
+        fresh.load_state_dict(rebuilt, prefix)
+        assert torch.equal(logits_of(rebuilt.eval(), x), outputs[n_tasks - 1])
+    with pytest.raises(ForgetlessError, match="more tasks than the saved state"):
+        method.load_state_dict(model, {k: v for k, v in tensors.items() if k.endswith(".0")})
+
+
+def test_moram_needs_linear_targets():
+    with pytest.raises(ForgetlessError, match="wraps linear layers, but transformer.h.0.mlp is a"):
+        build_method("moram", {"target_modules": "mlp"}).attach(ours())
+
+
+def test_lora_merges_per_task_and_seq_lora_keeps_one_adapter():
+    x = torch.randint(0, 256, (2, 12))
+    lora, seq = build_method("lora"), build_method("seq-lora")
+    a, b = run_tasks(lora, lora.attach(ours()), 1), run_tasks(seq, seq.attach(ours()), 1)
+    assert torch.equal(logits_of(a.eval(), x), logits_of(b.eval(), x))  # one task: the same method
+    before = logits_of(a.eval(), x)
+    lora.on_task_start(a, 2)   # merges: same function, adapter reset (B = 0), base weights moved
+    assert torch.allclose(logits_of(a.eval(), x), before, atol=1e-5)
+    assert all(p.abs().sum() == 0 for n, p in a.named_parameters() if "lora_B" in n)
+    kept = {n: p.clone() for n, p in b.named_parameters() if "lora_B" in n}
+    seq.on_task_start(b, 2)
+    assert all(torch.equal(p, kept[n]) for n, p in b.named_parameters() if "lora_B" in n)
+
+
+def test_default_sets_per_protocol():
+    assert "seq-lora" in method_names("sequence") and "seq-lora" not in method_names("two-domain")
+    assert "apn" in method_names("two-domain") and "apn" not in method_names("sequence")
+    assert {"moram", "moe-lora", "lora", "full"} <= set(method_names("sequence"))
+
+
+def test_atom_map_report_and_figure(tmp_path):
+    method = build_method("moram")
+    model = run_tasks(method, method.attach(ours()), 2)
+    windows = [domain(i).windows for i in range(3)]
+    report = method.task_report(model, windows)
+    assert report["atom_task"] == [1] * 8 + [2] * 8
+    weights = torch.tensor(report["atom_weights"])             # (inputs, atoms)
+    assert weights.shape == (3, 16) and (weights >= 0).all() and (weights.sum(-1) <= 1 + 1e-5).all()
+    results = {"methods": {"moram": {"task_reports": [report, report]}, "full": {}}}
+    assert atom_maps(results, tmp_path / "map.png") and (tmp_path / "map.png").stat().st_size > 1000
+    assert not atom_maps({"methods": {"full": {}}}, tmp_path / "none.png")
