@@ -190,6 +190,11 @@ def test_sequence_protocol(tmp_path):
     ppl = full["ppl_matrix"]
     assert ppl[1][1] < ppl[0][1] and ppl[2][2] < ppl[1][2]  # each task improves once trained on
     assert (tmp_path / "r_matrix.png").stat().st_size > 1000 and "R matrix of `lora`" in (tmp_path / "results.md").read_text()
+    assert results["methods"]["full"]["bwt_drop"]["mean"] == pytest.approx(-full["bwt"]["mean"])
+    (tmp_path / "results.md").unlink()
+    again = invoke("report", tmp_path)
+    assert again.exit_code == 0, again.output
+    assert "R matrix of `lora`" in again.output and (tmp_path / "results.md").exists()
 
 
 def test_sequence_protocol_needs_tasks():

@@ -126,6 +126,7 @@ def test_default_sets_per_protocol():
     assert "seq-lora" in method_names("sequence") and "seq-lora" not in method_names("two-domain")
     assert "apn" in method_names("two-domain") and "apn" not in method_names("sequence")
     assert {"moram", "moe-lora", "lora", "full"} <= set(method_names("sequence"))
+    assert "moram" not in method_names("two-domain")
 
 
 def test_atom_map_report_and_figure(tmp_path):

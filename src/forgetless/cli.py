@@ -247,7 +247,6 @@ def evaluate_cmd(checkpoint: Path = typer.Option(..., help="base checkpoint"),
 def report(run: Path = typer.Argument(..., help="a bench output folder (holds results.json)")):
     """Rewrite results.csv/md and the figures of a bench run from its results.json."""
     from forgetless.report import write_report
-    from forgetless.report.tables import markdown
 
     path = run / "results.json"
     if not path.is_file():
@@ -257,7 +256,7 @@ def report(run: Path = typer.Argument(..., help="a bench output folder (holds re
     except json.JSONDecodeError as e:
         raise ForgetlessError(f"{path} is not valid JSON ({e}); re-run the bench") from None
     files = write_report(results, run)
-    typer.echo(markdown(results))
+    typer.echo((run / "results.md").read_text())
     out_console.print("wrote " + ", ".join(str(f) for f in files))
 
 

@@ -19,6 +19,7 @@ class MoELoRAMethodConfig(MethodConfig, MoELoRAConfig):
 @register_method("moe-lora")
 class MoELoRA(GrowingBank):
     """One rank-r LoRA expert per task beside the linears, mixed by a learned router."""
+    default_for = ("sequence",)  # per-task banks; on one task (`--methods moram`) an adapter like others
     Config = MoELoRAMethodConfig
     module_cls = MoELoRALinear
     per_task = ("down", "up")

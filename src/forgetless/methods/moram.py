@@ -27,6 +27,7 @@ class MoRAMMethodConfig(MethodConfig, MoRAMConfig):
 @register_method("moram")
 class MoRAM(GrowingBank):
     """Rank-1 memory atoms beside the linears, r new atoms per task, self-activated retrieval."""
+    default_for = ("sequence",)  # per-task banks; on one task (`--methods moram`) an adapter like others
     Config = MoRAMMethodConfig
     module_cls = MoRAMLinear
     per_task = ("keys", "values")

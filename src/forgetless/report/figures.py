@@ -185,7 +185,8 @@ def atom_maps(results: dict, path: Path) -> bool:
     if not arms:
         return False
     stages = max(len(reports) for reports in arms.values())
-    fig, axes = plt.subplots(len(arms), stages, figsize=(2.6 * stages + 1, 3.0 * len(arms)), squeeze=False)
+    fig, axes = plt.subplots(len(arms), stages, figsize=(2.4 * stages + 1.5, 3.2 * len(arms)), squeeze=False,
+                             constrained_layout=True)
     vmax = max(v for reports in arms.values() for r in reports for row in r["atom_weights"] for v in row)
     for axes_row, (name, reports) in zip(axes, arms.items()):
         for t, (ax, report) in enumerate(zip(axes_row, reports), start=1):
@@ -201,7 +202,7 @@ def atom_maps(results: dict, path: Path) -> bool:
             ax.set_xticks(range(len(report["atom_weights"])), range(len(report["atom_weights"])), fontsize=7)
             ax.set_xlabel("inputs of task", fontsize=8)
             ax.set_title(f"{name}\nafter task {t}" if t == 1 else f"after task {t}", fontsize=8)
-    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="mean mixture weight w_i")
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="mean mixture weight w_i (evaluation)")
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True

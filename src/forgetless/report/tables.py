@@ -66,10 +66,17 @@ SEQUENCE_COLUMNS = [("op", "OP", "{:.2f}"), ("bwt", "BWT (GEM)", "{:+.2f}"), ("b
                     ("fwt", "FWT", "{:+.2f}"), ("wall_s", "wall s", "{:.1f}")]
 
 
+def sequence_columns(results: dict) -> list[tuple[str, str, str]]:
+    """The columns this results.json has (older files lack later additions such as bwt_drop)."""
+    first = next(iter(results["methods"].values()))
+    return [c for c in SEQUENCE_COLUMNS if c[0] in first]
+
+
 def sequence_rows(results: dict) -> tuple[list[str], list[list[str]]]:
     with_std = len(results["seeds"]) > 1
-    heads = ["method"] + [h for _, h, _ in SEQUENCE_COLUMNS] + ["trainable params"]
-    body = [[name] + [cell(m[k], fmt, with_std) for k, _, fmt in SEQUENCE_COLUMNS] + [f"{m['trainable_params']:,}"]
+    columns = sequence_columns(results)
+    heads = ["method"] + [h for _, h, _ in columns] + ["trainable params"]
+    body = [[name] + [cell(m[k], fmt, with_std) for k, _, fmt in columns] + [f"{m['trainable_params']:,}"]
             for name, m in results["methods"].items()]
     return heads, body
 
@@ -92,7 +99,7 @@ def sequence_markdown(results: dict) -> str:
 def write_sequence_csv(results: dict, path: Path):
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        keys = [k for k, _, _ in SEQUENCE_COLUMNS]
+        keys = [k for k, _, _ in sequence_columns(results)]
         writer.writerow(["method"] + [f"{k}_{s}" for k in keys for s in ("mean", "std")] + ["trainable_params", "total_params"])
         for name, m in results["methods"].items():
             writer.writerow([name] + [m[k][s] for k in keys for s in ("mean", "std")]
