@@ -13,6 +13,7 @@ def test_sequence_metrics_by_hand():
     assert m["bwt"] == pytest.approx(((40 - 50) + (55 - 60)) / 2)
     assert m["forgetting"] == pytest.approx(((50 - 40) + (60 - 55)) / 2)
     assert m["fwt"] == pytest.approx(((10 - 10) + (25 - 20)) / 2)
+    assert m["la"] == pytest.approx((60 + 70) / 2) and m["bwt_drop"] == -m["bwt"]
 
 
 def test_no_forgetting_when_nothing_drops():

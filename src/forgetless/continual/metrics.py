@@ -40,8 +40,15 @@ def forward_transfer(R) -> float:
     return sum(R[i - 1][i] - R[0][i] for i in range(1, T + 1)) / T
 
 
+def learning_accuracy(R) -> float:
+    """LA = mean_{i>=1} R[i][i]: each new task right after learning it (plasticity)."""
+    T = check(R)
+    return sum(R[i][i] for i in range(1, T + 1)) / T
+
+
 def sequence_metrics(R) -> dict:
-    """OP, BWT (GEM sign), bwt_drop = -BWT (the MoRAM / TRACE sign: positive = forgetting), forgetting, FWT."""
+    """OP, BWT (GEM sign), bwt_drop = -BWT (the MoRAM / TRACE sign: positive = forgetting), forgetting,
+    FWT and LA."""
     bwt = backward_transfer(R)
     return {"op": overall_performance(R), "bwt": bwt, "bwt_drop": -bwt, "forgetting": forgetting(R),
-            "fwt": forward_transfer(R)}
+            "fwt": forward_transfer(R), "la": learning_accuracy(R)}

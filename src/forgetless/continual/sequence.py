@@ -29,7 +29,7 @@ from forgetless.monitor import PeakRSS
 from forgetless.presets import AdaptConfig, RunConfig
 from forgetless.progress import progress_task
 
-METRICS = ["op", "bwt", "bwt_drop", "forgetting", "fwt", "wall_s"]
+METRICS = ["op", "bwt", "bwt_drop", "forgetting", "fwt", "la"]
 
 
 def run_sequence_arm(model: nn.Module, method: Method, tasks: list[Domain], cfg: AdaptConfig, seed: int) -> dict:
@@ -79,7 +79,8 @@ def run_sequence(cfg: RunConfig, methods: list[str], seeds: list[int], out: Path
         "protocol": "sequence", "preset": preset, "seeds": list(seeds), "tasks": specs,
         "score": "next-token accuracy on held-out windows, %", "date": datetime.date.today().isoformat(),
         "config": cfg.to_dict(), "bases": bases_summary(by_base),
-        "methods": {label: {**{m: mean_std([r[m] for r in runs]) for m in METRICS},
+        "methods": {label: {**{m: mean_std([sequence_metrics(r["r_matrix"])[m] for r in runs]) for m in METRICS},
+                            "wall_s": mean_std([r["wall_s"] for r in runs]),
                             "r_matrix": mean_nested([r["r_matrix"] for r in runs]),
                             "ppl_matrix": mean_nested([r["ppl_matrix"] for r in runs]),
                             "trainable_params": runs[0]["trainable_params"], "total_params": runs[0]["total_params"],

@@ -62,7 +62,7 @@ def write_csv(results: dict, path: Path):
 
 
 SEQUENCE_COLUMNS = [("op", "OP", "{:.2f}"), ("bwt", "BWT (GEM)", "{:+.2f}"), ("bwt_drop", "drop (MoRAM BWT)", "{:+.2f}"),
-                    ("forgetting", "forgetting", "{:.2f}"),
+                    ("forgetting", "forgetting", "{:.2f}"), ("la", "LA", "{:.2f}"),
                     ("fwt", "FWT", "{:+.2f}"), ("wall_s", "wall s", "{:.1f}")]
 
 
