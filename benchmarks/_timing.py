@@ -2,6 +2,7 @@
 alternating within each repeat and taking medians, so their ratio holds on a noisy machine."""
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 
@@ -26,3 +27,11 @@ def compare(baseline: nn.Module, candidate: nn.Module, x: torch.Tensor, repeats:
         cand.append(step_ms(candidate, x, iters))
     b, c = statistics.median(base), statistics.median(cand)
     return {"ratio": round(c / b, 3), "baseline_ms": round(b, 2), "candidate_ms": round(c, 2)}
+
+
+def parse_args(doc: str) -> argparse.Namespace:
+    """The layer benchmarks' options: --repeats (medians over) and --iters (steps per repeat)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--iters", type=int, default=5)
+    return parser.parse_args()

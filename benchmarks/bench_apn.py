@@ -9,13 +9,12 @@ a noisy shared machine. Also prints multiply-adds per token of each layer.
 """
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from _timing import compare
+from _timing import compare, parse_args
 
 from forgetless.nn.apn import APN, APNConfig
 
@@ -37,10 +36,7 @@ def measure(d: int, tokens: int, cfg: APNConfig, repeats: int, iters: int) -> di
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--iters", type=int, default=5)
-    args = parser.parse_args()
+    args = parse_args(__doc__)
     results = {}
     for name, size in SIZES.items():
         r = results[name] = measure(size["d"], size["tokens"], APNConfig(), args.repeats, args.iters)

@@ -9,13 +9,12 @@ alternate within each repeat and medians are compared (see _timing.py).
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 
 import torch
 import torch.nn as nn
-from _timing import compare
+from _timing import compare, parse_args
 from peft import LoraConfig, inject_adapter_in_model
 
 from forgetless.nn.moram import MoRAMConfig, MoRAMLinear
@@ -51,10 +50,7 @@ def moram_layer(base: nn.Module, d: int, tasks: int, per_task: int) -> nn.Module
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--iters", type=int, default=5)
-    args = parser.parse_args()
+    args = parse_args(__doc__)
     results = {}
     for name, size in SIZES.items():
         torch.manual_seed(0)

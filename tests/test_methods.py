@@ -1,24 +1,15 @@
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
 
 from forgetless.checkpoint import load_checkpoint, save_checkpoint
 from forgetless.errors import ForgetlessError
 from forgetless.methods import METHODS, build_method, method_names
 from forgetless.methods.base import find_modules, matches
-from forgetless.models.gpt import GPT, GPTConfig, logits_of
+from forgetless.models.gpt import logits_of
+from tiny_models import hf_gpt2, ours
 
 BASELINES = ["full", "ffn", "lora", "adapter"]
 
-
-def ours():
-    torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=2, n_head=2, d_model=32, block_size=16))
-
-
-def hf_gpt2():
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=256))
 
 
 def test_registry_has_the_baselines_in_design_order():

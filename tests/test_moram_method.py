@@ -1,26 +1,17 @@
 """MoRAM, MoE-LoRA and the two LoRA flavours as methods over a task sequence."""
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
 
 from forgetless.checkpoint import load_checkpoint, save_checkpoint
 from forgetless.continual.arm import adapt_task
 from forgetless.data.domains import Domain
 from forgetless.errors import ForgetlessError
 from forgetless.methods import build_method, method_names
-from forgetless.models.gpt import GPT, GPTConfig, logits_of
+from forgetless.models.gpt import logits_of
 from forgetless.presets import AdaptConfig
 from forgetless.report.figures import atom_maps
+from tiny_models import hf_gpt2, ours
 
-
-def ours():
-    torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=2, n_head=2, d_model=32, block_size=16))
-
-
-def hf_gpt2():
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=16, vocab_size=256))
 
 
 def domain(seed: int) -> Domain:
@@ -43,13 +34,18 @@ def atoms(method, model) -> dict:
     return {k: v.clone() for k, v in method.state_dict(model).items()}
 
 
-@pytest.mark.parametrize("make", [ours, hf_gpt2], ids=["ours", "hf-gpt2"])
-@pytest.mark.parametrize("name", ["moram", "moe-lora"])
-def test_old_task_tensors_stay_bit_identical(make, name):
+def attached(name: str, make):
+    """The method attached to a fresh model, an input and the model's logits on it."""
     method = build_method(name)
     model = method.attach(make())
     x = torch.randint(0, 256, (2, 12))
-    before = logits_of(model.eval(), x)
+    return method, model, x, logits_of(model.eval(), x)
+
+
+@pytest.mark.parametrize("make", [ours, hf_gpt2], ids=["ours", "hf-gpt2"])
+@pytest.mark.parametrize("name", ["moram", "moe-lora"])
+def test_old_task_tensors_stay_bit_identical(make, name):
+    method, model, x, before = attached(name, make)
     run_tasks(method, model, 1)
     after_one = atoms(method, model)
     assert any(v.abs().sum() > 0 for k, v in after_one.items() if ".values." in k or ".up." in k)  # it trained
@@ -65,10 +61,7 @@ def test_old_task_tensors_stay_bit_identical(make, name):
 @pytest.mark.parametrize("make", [ours, hf_gpt2], ids=["ours", "hf-gpt2"])
 @pytest.mark.parametrize("name", ["moram", "moe-lora"])
 def test_new_task_starts_neutral(make, name):
-    method = build_method(name)
-    model = method.attach(make())
-    x = torch.randint(0, 256, (2, 12))
-    before = logits_of(model.eval(), x)
+    method, model, x, before = attached(name, make)
     method.on_task_start(model, 1)
     assert torch.allclose(logits_of(model.eval(), x), before, atol=1e-6)  # values / expert B start at zero
 

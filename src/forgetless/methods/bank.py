@@ -6,15 +6,23 @@ only the newest entries (plus whatever `shared` names, e.g. a router) train.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 
 import torch.nn as nn
 
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import Method, find_modules, replace_module
+from forgetless.methods.base import Method, MethodConfig, find_modules, replace_module
 from forgetless.nn.adapter import linear_shape
 
 
+@dataclass
+class BankConfig(MethodConfig):
+    target_modules: list[str] = field(default_factory=lambda: ["c_attn", "c_proj", "c_fc"], metadata={
+        "help": "linear layers that get a bank (GPT-2 naming: c_attn, c_proj, c_fc), as for LoRA"})
+
+
 class GrowingBank(Method):
+    default_for = ("sequence",)  # per-task banks; on one task (`--methods moram`) an adapter like others
     module_cls: type[nn.Module]   # wrapper(base, d_in, d_out, cfg) with add_task()
     per_task: tuple[str, ...]     # its ParameterLists with one entry per task; the newest trains
     shared: tuple[str, ...] = ()  # its ParameterLists that train in full on every task

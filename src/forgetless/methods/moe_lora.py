@@ -4,22 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from forgetless.methods.bank import GrowingBank
-from forgetless.methods.base import MethodConfig, register_method
+from forgetless.methods.bank import BankConfig, GrowingBank
+from forgetless.methods.base import register_method
 from forgetless.nn.moe_lora import MoELoRAConfig, MoELoRALinear
 
 
 @dataclass
-class MoELoRAMethodConfig(MethodConfig, MoELoRAConfig):
-    target_modules: list[str] = field(default_factory=lambda: ["c_attn", "c_proj", "c_fc"], metadata={
-        "help": "linear layers that get experts (GPT-2 naming: c_attn, c_proj, c_fc)"})
+class MoELoRAMethodConfig(BankConfig, MoELoRAConfig):
     lr: float | None = field(default=1e-3, metadata={"help": "learning rate (new zero-initialised weights)"})
 
 
 @register_method("moe-lora")
 class MoELoRA(GrowingBank):
     """One rank-r LoRA expert per task beside the linears, mixed by a learned router."""
-    default_for = ("sequence",)  # per-task banks; on one task (`--methods moram`) an adapter like others
     Config = MoELoRAMethodConfig
     module_cls = MoELoRALinear
     per_task = ("down", "up")

@@ -11,23 +11,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from forgetless.methods.bank import GrowingBank
-from forgetless.methods.base import MethodConfig, register_method
+from forgetless.methods.bank import BankConfig, GrowingBank
+from forgetless.methods.base import register_method
 from forgetless.models.gpt import recorded_forward
 from forgetless.nn.moram import MoRAMConfig, MoRAMLinear
 
 
 @dataclass
-class MoRAMMethodConfig(MethodConfig, MoRAMConfig):
-    target_modules: list[str] = field(default_factory=lambda: ["c_attn", "c_proj", "c_fc"], metadata={
-        "help": "linear layers that get atoms (GPT-2 naming: c_attn, c_proj, c_fc), as for LoRA"})
+class MoRAMMethodConfig(BankConfig, MoRAMConfig):
     lr: float | None = field(default=5e-4, metadata={"help": "learning rate (the source's LLM setting)"})
 
 
 @register_method("moram")
 class MoRAM(GrowingBank):
     """Rank-1 memory atoms beside the linears, r new atoms per task, self-activated retrieval."""
-    default_for = ("sequence",)  # per-task banks; on one task (`--methods moram`) an adapter like others
     Config = MoRAMMethodConfig
     module_cls = MoRAMLinear
     per_task = ("keys", "values")

@@ -159,20 +159,27 @@ def write_figures(results: dict, folder: Path) -> list[Path]:
     return paths
 
 
-def r_heatmaps(results: dict, path: Path):
-    """One heatmap of R per method (rows: after task t; columns: task i)."""
+def r_heatmaps(results: dict, path: Path, per_row: int = 4):
+    """One heatmap of R per method (rows: after task t; columns: task i), `per_row` to a row."""
     methods = results["methods"]
-    fig, axes = plt.subplots(1, len(methods), figsize=(3.6 * len(methods), 3.4), squeeze=False)
+    rows, cols = -(-len(methods) // per_row), min(per_row, len(methods))
+    fig, axes = plt.subplots(rows, cols, figsize=(2.9 * cols + 1.2, 2.8 * rows), squeeze=False,
+                             constrained_layout=True)
     values = [v for m in methods.values() for row in m["r_matrix"] for v in row]
-    for ax, (name, m) in zip(axes[0], methods.items()):
+    for k, ax in enumerate(axes.ravel()):
+        if k >= len(methods):
+            ax.axis("off")
+            continue
+        name, m = list(methods.items())[k]
         image = ax.imshow(m["r_matrix"], cmap="viridis", vmin=min(values), vmax=max(values))
         for t, row in enumerate(m["r_matrix"]):
             for i, v in enumerate(row):
-                ax.text(i, t, f"{v:.1f}", ha="center", va="center", fontsize=7, color="white")
+                ax.text(i, t, f"{v:.1f}", ha="center", va="center", fontsize=6, color="white")
         ax.set_title(name, fontsize=9)
-        ax.set_xlabel("task i")
-        ax.set_ylabel("after task t")
-    fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="accuracy %")
+        ax.set_xlabel("task i", fontsize=8)
+        if k % cols == 0:
+            ax.set_ylabel("after task t", fontsize=8)
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="accuracy %")
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
@@ -203,6 +210,6 @@ def atom_maps(results: dict, path: Path) -> bool:
             ax.set_xlabel("inputs of task", fontsize=8)
             ax.set_title(f"{name}\nafter task {t}" if t == 1 else f"after task {t}", fontsize=8)
     fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="mean mixture weight w_i (evaluation)")
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return True
