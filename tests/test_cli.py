@@ -151,13 +151,17 @@ def test_char_base_refuses_unseen_characters(tmp_path, text_file):
     assert result.exit_code == 2 and "character(s) not in the char vocabulary" in result.output
 
 
-def test_replay_draws_from_domain_a(tmp_path):
-    """With replay 1.0 every adaptation row comes from A, so A must not be forgotten."""
-    result = invoke("bench", "--preset", "smoke", "--methods", "full", "--seeds", 1, "--adapt-replay", 1.0,
+def test_mixing_draws_from_domain_a(tmp_path):
+    """With --mix 1.0 every adaptation row comes from A, so A must not be forgotten; an arm's own
+    `mix` option overrides the flag."""
+    result = invoke("bench", "--preset", "smoke", "--methods", "full,full[mix=0]", "--seeds", 1, "--mix", 1.0,
                     "--domain-a", "tinyshakespeare", "--domain-b", "renamed:tinyshakespeare", "--out", tmp_path)
     assert result.exit_code == 0, result.output
-    full = json.loads((tmp_path / "results.json").read_text())["methods"]["full"]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["config"]["adapt"]["replay"] == 1.0
+    full, unmixed = results["methods"]["full"], results["methods"]["full[mix=0]"]
     assert full["forgetting"]["mean"] < 0  # more training on A only helps A
+    assert unmixed["options"]["mix"] == 0.0 and unmixed["forgetting"]["mean"] > full["forgetting"]["mean"]
 
 
 def test_bracketed_method_options_add_an_arm(tmp_path):

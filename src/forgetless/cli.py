@@ -113,6 +113,8 @@ def bench(preset: str = PRESET,
           domain_a: Optional[str] = typer.Option(None, "--domain-a", help="corpus spec or path for domain A"),
           domain_b: Optional[str] = typer.Option(None, "--domain-b", help="corpus spec or path for domain B"),
           tasks: Optional[str] = typer.Option(None, "--tasks", help="sequence protocol: comma-separated corpora after the base"),
+          mix: Optional[float] = typer.Option(None, "--mix", help="fraction p of every adaptation batch drawn from the "
+                                              "original domain, for every arm without its own `mix` (= --adapt-replay)"),
           config_file: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET, flags: dict = None):
     """Pretrain (cached), adapt every method, write results.json/csv/md and figures."""
     from forgetless.continual.sequence import run_sequence
@@ -126,6 +128,8 @@ def bench(preset: str = PRESET,
         raise ForgetlessError(f"unknown protocol {protocol!r}; valid: {', '.join(protocols)}")
     if tasks:
         flags.setdefault("data", {})["tasks"] = tasks
+    if mix is not None:
+        flags.setdefault("adapt", {})["replay"] = mix
     if seeds <= 0:
         raise ForgetlessError(f"--seeds must be positive, got {seeds}")
     for key, value in (("domain_a", domain_a), ("domain_b", domain_b)):
@@ -142,7 +146,7 @@ def bench(preset: str = PRESET,
                   caption=f"mean ± std over {seeds} seed(s); all columns in {out / 'results.md'}")
     heads, body = terminal_rows(results) if protocol == "two-domain" else sequence_rows(results)
     for h in heads:
-        table.add_column(h, justify="left" if h == "method" else "right")
+        table.add_column(h, justify="left" if h == "method" else "right", no_wrap=h == "method")
     for r in body:
         table.add_row(*r)
     out_console.print(table)

@@ -28,15 +28,19 @@ def freeze_all_but(model: nn.Module, method: Method) -> list[tuple[str, nn.Param
 
 
 def adapt_task(model: nn.Module, method: Method, task: Domain, replay_from: Domain, cfg: AdaptConfig, seed: int,
-               task_index: int, sampler_seed: int, **train_kwargs):
-    """One task of adaptation: task hooks, the method's parameters, its lr, replay mixing, training.
+               task_index: int, sampler_seed: int, learned: Domain | None = None, **train_kwargs):
+    """One task of adaptation: task hooks, the method's parameters, its lr, mixing of original-domain
+    rows (the method's `mix`, else the protocol's replay), training. `learned` is the domain learned
+    last (default: `replay_from`).
 
     Returns (training history, trained parameters)."""
+    method.remember(model, learned or replay_from)
     method.on_task_start(model, task_index)
     params = freeze_all_but(model, method)
-    cfg = dataclasses.replace(cfg, lr=method.cfg.lr or cfg.lr, seed=seed)
+    mix = cfg.replay if method.cfg.mix is None else method.cfg.mix
+    cfg = dataclasses.replace(cfg, lr=method.cfg.lr or cfg.lr, seed=seed, replay=mix)
     sampler = Sampler(task.train, cfg.batch_size, task.windows.shape[1] - 1, sampler_seed,
-                      other=replay_from.train if cfg.replay > 0 else None, p=cfg.replay)
+                      other=replay_from.train if mix > 0 else None, p=mix)
     history = train(model, params, sampler, cfg,
                     lambda m, batch: training_loss(m, batch, method.extra_loss, method.token_weights),
                     hooks=method, **train_kwargs)

@@ -42,7 +42,7 @@ def run_sequence_arm(model: nn.Module, method: Method, tasks: list[Domain], cfg:
         for t, task in enumerate(tasks[1:], start=1):
             t0 = time.perf_counter()
             history, params = adapt_task(model, method, task, tasks[0], cfg, seed, t, 1000 * seed + t,
-                                         desc=f"{method.name} seed {seed} task {t}")
+                                         learned=tasks[t - 1], desc=f"{method.name} seed {seed} task {t}")
             wall += time.perf_counter() - t0
             loss += [[t, s, v] for s, v in history.loss]
             rows.append([evaluate(model, w) for w in windows])

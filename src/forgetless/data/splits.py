@@ -78,8 +78,9 @@ class Batch:
 class Sampler:
     """Random windows from one token stream, or a fraction `p` of every batch from another.
 
-    The other corpus supplies exactly round(p * batch_size) rows of each batch; all randomness
-    comes from one torch.Generator, whose state is saved in checkpoints (exact resume).
+    The other corpus supplies floor(p * B) rows of each batch, plus one more with probability
+    frac(p * B) (stochastic rounding: the mean share is exactly p, even when p * B < 1); all
+    randomness comes from one torch.Generator, whose state is saved in checkpoints (exact resume).
     """
 
     def __init__(self, tokens: torch.Tensor, batch_size: int, block_size: int, seed: int,
@@ -92,7 +93,8 @@ class Sampler:
             raise ForgetlessError("mixing fraction p > 0 needs another corpus to draw from")
         self.tokens, self.other = tokens, other
         self.batch_size, self.block_size = batch_size, block_size
-        self.n_other = round(p * batch_size) if other is not None else 0
+        share = p * batch_size if other is not None else 0.0
+        self.n_other, self.extra_chance = int(share), share - int(share)
         self.generator = torch.Generator().manual_seed(seed)
 
     def _rows(self, tokens: torch.Tensor, n: int) -> torch.Tensor:  # (n, T+1)
@@ -100,10 +102,13 @@ class Sampler:
         return torch.stack([tokens[s:s + self.block_size + 1] for s in starts.tolist()])
 
     def next(self) -> Batch:
-        n_main = self.batch_size - self.n_other
+        n_other = self.n_other
+        if self.extra_chance:  # no draw at all when p * B is whole (same stream as without mixing)
+            n_other += int(torch.rand((), generator=self.generator) < self.extra_chance)
+        n_main = self.batch_size - n_other
         rows = [self._rows(self.tokens, n_main)] if n_main else []
-        if self.n_other:
-            rows.append(self._rows(self.other, self.n_other))
+        if n_other:
+            rows.append(self._rows(self.other, n_other))
         data = torch.cat(rows)  # (B, T+1)
         from_other = torch.arange(self.batch_size) >= n_main
         return Batch(data[:, :-1], data[:, 1:], from_other)

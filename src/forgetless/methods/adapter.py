@@ -16,6 +16,7 @@ class AdapterConfig(MethodConfig):
     lr: float | None = field(default=1e-3, metadata={"help": "learning rate (new zero-initialised weights)"})
 
     def __post_init__(self):
+        super().__post_init__()
         if self.bottleneck <= 0:
             raise ForgetlessError(f"methods.adapter.bottleneck must be positive, got {self.bottleneck}")
 

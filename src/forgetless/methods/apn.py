@@ -53,6 +53,7 @@ class APNMethodConfig(MethodConfig):
     retrofit: bool = field(default=False, metadata={"help": "put APN beside the FFNs of the trained dense base"})
 
     def __post_init__(self):
+        super().__post_init__()
         if self.update_rule not in ("adamw", "gain"):
             raise ForgetlessError(f"update_rule must be adamw or gain, got {self.update_rule!r}")
         if self.gate_on not in ("none", "router", "entropy"):

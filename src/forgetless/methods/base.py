@@ -26,6 +26,14 @@ class MethodConfig:
     exclude_modules: list[str] = field(default_factory=list, metadata={
         "help": "modules to leave alone (same syntax as target_modules)"})
     lr: float | None = field(default=None, metadata={"help": "learning rate for this method (default: the protocol's)"})
+    mix: float | None = field(default=None, metadata={
+        "help": "fraction of every batch from the original domain (default: the protocol's --mix / --adapt-replay)"})
+
+    def __post_init__(self):
+        if self.mix is not None and not 0.0 <= self.mix <= 1.0:
+            raise ForgetlessError(f"mix must be in [0, 1], got {self.mix}")
+        if post := getattr(super(), "__post_init__", None):  # a mixed-in module config (MoRAMConfig, ...)
+            post()
 
 
 METHODS: dict[str, type["Method"]] = {}
@@ -112,6 +120,10 @@ class Method(StepHooks):
     def task_report(self, model: nn.Module, windows: list[torch.Tensor]) -> dict:
         """Sequence protocol: diagnostics on every task's held-out windows (JSON-able), after each task."""
         return {}
+
+    def remember(self, model: nn.Module, learned):
+        """Before a task: `learned` is the Domain the model last learned (A, or the previous task);
+        methods that protect it (EWC) take what they need from it."""
 
     def on_task_start(self, model: nn.Module, task: int):
         pass

@@ -25,6 +25,7 @@ class LoRAMethodConfig(MethodConfig):
     lr: float | None = field(default=1e-3, metadata={"help": "learning rate (new zero-initialised weights)"})
 
     def __post_init__(self):
+        super().__post_init__()
         if self.r <= 0:
             raise ForgetlessError(f"methods.lora.r must be positive, got {self.r}")
 

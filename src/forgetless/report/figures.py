@@ -146,6 +146,32 @@ def routing_histograms(results: dict, path: Path) -> bool:
     return True
 
 
+def gate_histograms(results: dict, path: Path) -> bool:
+    """Neutral-residue gates after adaptation: distribution of g(x) on held-out A vs B, per layer."""
+    arms = {n: m["report"]["after"] for n, m in results["methods"].items()
+            if m.get("report", {}).get("after", {}).get("gate_hist_a")}
+    if not arms:
+        return False
+    n_layers = max(len(r["gate_hist_a"]) for r in arms.values())
+    fig, axes = plt.subplots(len(arms), n_layers, figsize=(3.2 * n_layers, 2.6 * len(arms)), squeeze=False)
+    for row, (name, r) in zip(axes, arms.items()):
+        edges = r["gate_bins"]
+        mids = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
+        for layer, ax in enumerate(row[:len(r["gate_hist_a"])]):
+            for side, color in (("a", "tab:blue"), ("b", "tab:red")):
+                ax.step(mids, r[f"gate_hist_{side}"][layer], where="mid", color=color,
+                        label=f"{side.upper()}: mean {r[f'gate_mean_{side}'][layer]:.3f}, "
+                              f"closed {r[f'gate_closed_{side}'][layer]:.0%}")
+            ax.set_yscale("symlog", linthresh=1e-3)
+            ax.set_title(f"{name} · layer {layer}", fontsize=8)
+            ax.set_xlabel("gate g(x) (last bin: ≥)", fontsize=7)
+            ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
 def write_figures(results: dict, folder: Path) -> list[Path]:
     paths = [folder / "retention_vs_adaptation.png", folder / "forgetting_curves.png",
              folder / "adaptation_curves.png", folder / "loss_curves.png"]
@@ -153,7 +179,8 @@ def write_figures(results: dict, folder: Path) -> list[Path]:
     curves(results, "ppl_a", "PPL on A (held out)", "Forgetting curves: retention on A during adaptation", paths[1])
     curves(results, "ppl_b", "PPL on B (held out)", "Adaptation curves: PPL on B during adaptation", paths[2])
     loss_curves(results, paths[3])
-    for name, draw in (("routing_monitors.png", monitor_curves), ("routing_overlap.png", routing_histograms)):
+    for name, draw in (("routing_monitors.png", monitor_curves), ("routing_overlap.png", routing_histograms),
+                       ("gates.png", gate_histograms)):
         if draw(results, folder / name):
             paths.append(folder / name)
     return paths
