@@ -170,6 +170,7 @@ def test_bracketed_method_options_add_an_arm(tmp_path):
     assert result.exit_code == 0, result.output
     methods = json.loads((tmp_path / "results.json").read_text())["methods"]
     assert list(methods) == ["full", "lora", "lora[r=2]"]
+    assert "lora[r=2]" in result.stdout  # printed as text, not swallowed as rich markup
     assert methods["lora[r=2]"]["trainable_params"] * 4 == methods["lora"]["trainable_params"]
     assert (tmp_path / "arms" / "lora[r=2]" / "seed0.json").exists()
 

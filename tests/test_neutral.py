@@ -6,13 +6,9 @@ from forgetless.data.splits import Batch, Sampler
 from forgetless.errors import ForgetlessError
 from forgetless.methods import build_method
 from forgetless.methods.ewc import empirical_fisher
-from forgetless.models.gpt import GPT, GPTConfig, logits_of
+from forgetless.models.gpt import logits_of
 from forgetless.nn.neutral import GatedAdapter, NeutralConfig
-
-
-def ours(d=32, n_layer=2):
-    torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=n_layer, n_head=2, d_model=d, block_size=16))
+from tiny_models import ours
 
 
 def batch(from_other: list[bool], seed: int = 0) -> Batch:

@@ -5,9 +5,9 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from forgetless.models.gpt import GPT, GPTConfig
 
 
-def ours():
+def ours(d: int = 32, n_layer: int = 2):
     torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=2, n_head=2, d_model=32, block_size=16))
+    return GPT(GPTConfig(n_layer=n_layer, n_head=2, d_model=d, block_size=16))
 
 
 def hf_gpt2():

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from forgetless.config import field_types, help_of, load_file
@@ -148,7 +149,7 @@ def bench(preset: str = PRESET,
     for h in heads:
         table.add_column(h, justify="left" if h == "method" else "right", no_wrap=h == "method")
     for r in body:
-        table.add_row(*r)
+        table.add_row(*map(escape, r))  # method specs such as ewc[lam=1e4] look like markup
     out_console.print(table)
     out_console.print("wrote " + ", ".join(str(f) for f in files))
 
@@ -242,7 +243,7 @@ def evaluate_cmd(checkpoint: Path = typer.Option(..., help="base checkpoint"),
     for spec in corpus:
         (d,), _ = load_domains([spec], tok.to_dict(), model.config.block_size, val_fraction, windows)
         r = evaluate(model, d.windows)
-        table.add_row(spec, f"{r['ppl']:.4f}", f"{r['acc']:.4f}", f"{r['loss']:.4f}")
+        table.add_row(escape(spec), f"{r['ppl']:.4f}", f"{r['acc']:.4f}", f"{r['loss']:.4f}")
     out_console.print(table)
 
 

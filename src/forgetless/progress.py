@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 console = Console(stderr=True)
@@ -21,11 +22,11 @@ def progress_task(desc: str, total: int, completed: int = 0):
                          console=console, transient=False)
         _live.start()
     progress = _live
-    task = progress.add_task(desc, total=total, completed=completed, info="")
+    task = progress.add_task(escape(desc), total=total, completed=completed, info="")
     try:
         def advance(n: int = 1, **fields):
             info = " ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in fields.items())
-            progress.update(task, advance=n, info=info)
+            progress.update(task, advance=n, info=escape(info))
         yield advance
     finally:
         if owner:
