@@ -154,3 +154,16 @@ def test_gate_report_and_figure(tmp_path):
     assert build_method("neutral", {"gate": "none"}).report(model, wa, wb) == {}
     results = {"methods": {"neutral": {"report": {"before": report, "after": report}}, "full": {}}}
     assert gate_histograms(results, tmp_path / "g.png") and (tmp_path / "g.png").stat().st_size > 1000
+
+
+def test_mix_sweep_figure_needs_three_ratios(tmp_path):
+    from forgetless.report.figures import mix_sweep
+
+    def arm(mix, f):
+        return {"options": {"mix": mix}, "forgetting": {"mean": f, "std": 0.01},
+                "adaptation_gain": {"mean": 1 - f, "std": 0.01}}
+    results = {"config": {"adapt": {"replay": 0.0}},
+               "methods": {"full": arm(None, 0.2), "full[mix=0.1]": arm(0.1, 0.1), "lora[r=4;mix=0.5]": arm(0.5, 0.0)}}
+    assert not mix_sweep(results, tmp_path / "a.png")  # the lora arm changes another option: not a sweep point
+    results["methods"]["full[mix=0.5]"] = arm(0.5, 0.05)
+    assert mix_sweep(results, tmp_path / "b.png") and (tmp_path / "b.png").stat().st_size > 0

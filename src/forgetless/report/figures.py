@@ -2,6 +2,7 @@
 R heatmaps and atom-activation maps (sequence)."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import matplotlib
@@ -172,6 +173,36 @@ def gate_histograms(results: dict, path: Path) -> bool:
     return True
 
 
+def mix_sweep(results: dict, path: Path) -> bool:
+    """Forgetting F and gain G against the mixing ratio p for every method run plain and as
+    `NAME[mix=p]` with at least three values of p in all (a plain arm's p: its option, else --mix)."""
+    replay = results["config"]["adapt"].get("replay", 0.0)
+    lines: dict[str, list] = {}
+    for label, m in results["methods"].items():
+        name = re.fullmatch(r"([\w-]+)(\[mix=[^;\]]+\])?", label)
+        if name:
+            mix = m.get("options", {}).get("mix")
+            lines.setdefault(name.group(1), []).append((replay if mix is None else mix, m))
+    lines = {name: sorted(pts, key=lambda t: t[0]) for name, pts in lines.items() if len(pts) >= 3}
+    if not lines:
+        return False
+    color = colors(list(lines))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for name, pts in lines.items():
+        xs = [max(p, 1e-3) for p, _ in pts]
+        for ax, key, scale in ((axes[0], "forgetting", 100), (axes[1], "adaptation_gain", 1)):
+            ax.errorbar(xs, [scale * m[key]["mean"] for _, m in pts], [scale * m[key]["std"] for _, m in pts],
+                        marker="o", capsize=3, color=color[name], label=name)
+    for ax, label in zip(axes, ("forgetting F on A (%)", "adaptation gain G")):
+        ax.set(xscale="log", xlabel="fraction p of each batch from A (p = 0 drawn at 0.001)", ylabel=label)
+        ax.legend(fontsize=8)
+    fig.suptitle("Data mixing sweep", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def write_figures(results: dict, folder: Path) -> list[Path]:
     paths = [folder / "retention_vs_adaptation.png", folder / "forgetting_curves.png",
              folder / "adaptation_curves.png", folder / "loss_curves.png"]
@@ -180,7 +211,7 @@ def write_figures(results: dict, folder: Path) -> list[Path]:
     curves(results, "ppl_b", "PPL on B (held out)", "Adaptation curves: PPL on B during adaptation", paths[2])
     loss_curves(results, paths[3])
     for name, draw in (("routing_monitors.png", monitor_curves), ("routing_overlap.png", routing_histograms),
-                       ("gates.png", gate_histograms)):
+                       ("gates.png", gate_histograms), ("mix_sweep.png", mix_sweep)):
         if draw(results, folder / name):
             paths.append(folder / name)
     return paths
