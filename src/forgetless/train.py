@@ -1,6 +1,6 @@
 """The training loop shared by pretraining and adaptation.
 
-AdamW, linear warmup + cosine decay, gradient clipping, periodic evaluation, atomic
+AdamW (or another optimizer of forgetless.optim), linear warmup + cosine decay, gradient clipping, periodic evaluation, atomic
 safetensors checkpoints with exact resume (model, optimizer, RNG and sampler state), and a
 stop on a non-finite loss that keeps the last good checkpoint.
 """
@@ -18,6 +18,7 @@ from forgetless.checkpoint import load_checkpoint, load_optimizer, optimizer_ten
 from forgetless.config import stable_hash
 from forgetless.data.splits import Batch, Sampler
 from forgetless.errors import ForgetlessError
+from forgetless.optim import OPTIMIZERS, build_optimizer
 from forgetless.progress import progress_task
 
 
@@ -33,6 +34,10 @@ class TrainConfig:
     eval_every: int = field(default=100, metadata={"help": "evaluate every N steps"})
     ckpt_every: int = field(default=100, metadata={"help": "checkpoint every N steps"})
     seed: int = field(default=0, metadata={"help": "random seed (bench --seeds sets it for adaptation)"})
+    optimizer: str = field(default="adamw", metadata={
+        "help": "adamw, muon, delta (delta-rule momentum), deep (MLP momentum) or l2reg (see forgetless.optim)"})
+    optimizer_options: dict = field(default_factory=dict, metadata={
+        "help": "options of the optimizer as JSON, e.g. '{\"erase\": 0.5}' for delta"})
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "eval_every", "ckpt_every"):
@@ -42,6 +47,8 @@ class TrainConfig:
             raise ForgetlessError(f"lr must be positive, got {self.lr}")
         if self.warmup < 0 or self.grad_clip < 0 or self.weight_decay < 0:
             raise ForgetlessError("warmup, grad_clip and weight_decay must not be negative")
+        if self.optimizer not in OPTIMIZERS:
+            raise ForgetlessError(f"unknown optimizer {self.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -69,7 +76,7 @@ class StepHooks:
     """What a method may add to the loop (all optional); Method derives from this."""
 
     def make_optimizer(self, params: list[tuple[str, nn.Parameter]], cfg: TrainConfig) -> torch.optim.Optimizer | None:
-        return None  # None: AdamW
+        return None  # None: the config's optimizer (AdamW by default)
 
     def before_step(self, model: nn.Module, optimizer: torch.optim.Optimizer):
         """After backward, before the optimizer step (e.g. mask or clip gradients)."""
@@ -85,11 +92,50 @@ class StepHooks:
         pass
 
 
-def make_optimizer(params: list[tuple[str, nn.Parameter]], cfg: TrainConfig) -> torch.optim.AdamW:
-    decay = [p for _, p in params if p.dim() >= 2]
-    no_decay = [p for _, p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+class ChunkedUpdates:
+    """Multi-frequency updates (CMS, DESIGN.md §2.4): a parameter of a module with `update_period`
+    C > 1 changes only every C steps (and when training ends), by what the chunk gathered: with the
+    module's `accumulate` = "grads", one optimizer step on the chunk's summed gradients; with
+    "updates", the sum of the optimizer's per-step updates, each computed at the unchanged weights."""
+
+    def __init__(self, model: nn.Module, params: list[tuple[str, nn.Parameter]]):
+        owner = {id(p): m for m in model.modules() if getattr(m, "update_period", 1) > 1 for p in m.parameters()}
+        self.slow = [(name, p, owner[id(p)].update_period, owner[id(p)].accumulate)
+                     for name, p in params if id(p) in owner]
+        self.gathered = {name: torch.zeros_like(p) for name, p, _, _ in self.slow}
+        self.before: dict[str, torch.Tensor] = {}
+
+    def before_step(self, done: int, last: bool):
+        """After backward: hold back the gradients of levels between their boundaries."""
+        for name, p, period, accumulate in self.slow:
+            if accumulate == "updates":
+                self.before[name] = p.detach().clone()
+                continue
+            if p.grad is not None:
+                self.gathered[name] += p.grad
+            boundary = done % period == 0 or last
+            p.grad = self.gathered[name] if boundary else None
+            if boundary:
+                self.gathered[name] = torch.zeros_like(p)
+
+    def after_step(self, done: int, last: bool):
+        """After the optimizer step ("updates"): gather the step's update and undo it, except at a boundary."""
+        with torch.no_grad():
+            for name, p, period, accumulate in self.slow:
+                if accumulate == "updates":
+                    self.gathered[name] += p - self.before[name]
+                    p.copy_(self.before[name])
+                    if done % period == 0 or last:
+                        p += self.gathered[name]
+                        self.gathered[name].zero_()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return dict(self.gathered)
+
+    def load_state(self, tensors: dict[str, torch.Tensor]):
+        for name in self.gathered:
+            if name in tensors:
+                self.gathered[name] = tensors[name].clone()
 
 
 def train(model: nn.Module, params: list[tuple[str, nn.Parameter]], sampler: Sampler, cfg: TrainConfig,
@@ -100,10 +146,11 @@ def train(model: nn.Module, params: list[tuple[str, nn.Parameter]], sampler: Sam
         raise ForgetlessError("nothing to train: the method selected no parameters (check target_modules)")
     run_config = run_config or {}
     hooks = hooks or StepHooks()
-    opt = hooks.make_optimizer(params, cfg) or make_optimizer(params, cfg)
+    opt = hooks.make_optimizer(params, cfg) or build_optimizer(cfg.optimizer, params, cfg, model)
+    chunks = ChunkedUpdates(model, params)
     history, start = History(), 0
     if ckpt_path is not None and Path(ckpt_path).exists():
-        start, history = resume(model, opt, sampler, ckpt_path, run_config, hooks)
+        start, history = resume(model, opt, sampler, ckpt_path, run_config, hooks, chunks)
     elif evaluate is not None:
         history.evals.append({"step": 0, **evaluate()})
 
@@ -113,6 +160,7 @@ def train(model: nn.Module, params: list[tuple[str, nn.Parameter]], sampler: Sam
         optim, groups = optimizer_tensors(opt)
         tensors = {**{f"model.{k}": v for k, v in model.state_dict().items()}, **optim,
                    **{f"hooks.{k}": v for k, v in hooks.hook_state().items()},
+                   **{f"chunks.{k}": v for k, v in chunks.state().items()},
                    "rng.torch": torch.get_rng_state(), "rng.sampler": sampler.get_state()}
         meta = {"kind": "training", "step": step, "config_hash": stable_hash(run_config),
                 "config": run_config, "optim_groups": groups, "history": asdict(history)}
@@ -134,8 +182,10 @@ def train(model: nn.Module, params: list[tuple[str, nn.Parameter]], sampler: Sam
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_([p for _, p in params], cfg.grad_clip)
             hooks.before_step(model, opt)
-            opt.step()
             done = step + 1
+            chunks.before_step(done, last=done == cfg.steps)
+            opt.step()
+            chunks.after_step(done, last=done == cfg.steps)
             hooks.after_step(model, opt, done)
             history.loss.append([done, round(lm_loss.item(), 5)])
             if evaluate is not None and (done % cfg.eval_every == 0 or done == cfg.steps):
@@ -150,7 +200,7 @@ def last_ckpt_step(step: int, cfg: TrainConfig) -> int:
     return (step // cfg.ckpt_every) * cfg.ckpt_every
 
 
-def resume(model, opt, sampler, ckpt_path, run_config, hooks: StepHooks) -> tuple[int, History]:
+def resume(model, opt, sampler, ckpt_path, run_config, hooks: StepHooks, chunks: ChunkedUpdates) -> tuple[int, History]:
     tensors, meta = load_checkpoint(ckpt_path)
     if meta.get("config_hash") != stable_hash(run_config):
         diff = config_diff(meta.get("config", {}), run_config)
@@ -162,6 +212,7 @@ def resume(model, opt, sampler, ckpt_path, run_config, hooks: StepHooks) -> tupl
     torch.set_rng_state(tensors["rng.torch"])
     sampler.set_state(tensors["rng.sampler"])
     hooks.load_hook_state({k[len("hooks."):]: v for k, v in tensors.items() if k.startswith("hooks.")})
+    chunks.load_state({k[len("chunks."):]: v for k, v in tensors.items() if k.startswith("chunks.")})
     return meta["step"], History(**meta["history"])
 
 

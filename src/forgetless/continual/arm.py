@@ -29,8 +29,8 @@ def freeze_all_but(model: nn.Module, method: Method) -> list[tuple[str, nn.Param
 
 def adapt_task(model: nn.Module, method: Method, task: Domain, replay_from: Domain, cfg: AdaptConfig, seed: int,
                task_index: int, sampler_seed: int, learned: Domain | None = None, **train_kwargs):
-    """One task of adaptation: task hooks, the method's parameters, its lr, mixing of original-domain
-    rows (the method's `mix`, else the protocol's replay), training. `learned` is the domain learned
+    """One task of adaptation: task hooks, the method's parameters, its lr and optimizer, mixing of
+    original-domain rows (the method's `mix`, else the protocol's replay), training. `learned` is the domain learned
     last (default: `replay_from`).
 
     Returns (training history, trained parameters)."""
@@ -38,7 +38,8 @@ def adapt_task(model: nn.Module, method: Method, task: Domain, replay_from: Doma
     method.on_task_start(model, task_index)
     params = freeze_all_but(model, method)
     mix = cfg.replay if method.cfg.mix is None else method.cfg.mix
-    cfg = dataclasses.replace(cfg, lr=method.cfg.lr or cfg.lr, seed=seed, replay=mix)
+    cfg = dataclasses.replace(cfg, lr=method.cfg.lr or cfg.lr, seed=seed, replay=mix,
+                              optimizer=method.cfg.optimizer or cfg.optimizer)
     sampler = Sampler(task.train, cfg.batch_size, task.windows.shape[1] - 1, sampler_seed,
                       other=replay_from.train if mix > 0 else None, p=mix)
     history = train(model, params, sampler, cfg,

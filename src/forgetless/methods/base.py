@@ -16,6 +16,7 @@ from forgetless.config import from_dict
 from forgetless.data.splits import Batch
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPTConfig
+from forgetless.optim import OPTIMIZERS
 from forgetless.train import StepHooks
 
 
@@ -28,10 +29,14 @@ class MethodConfig:
     lr: float | None = field(default=None, metadata={"help": "learning rate for this method (default: the protocol's)"})
     mix: float | None = field(default=None, metadata={
         "help": "fraction of every batch from the original domain (default: the protocol's --mix / --adapt-replay)"})
+    optimizer: str | None = field(default=None, metadata={
+        "help": "optimizer for this method (default: the protocol's --adapt-optimizer), e.g. delta or muon"})
 
     def __post_init__(self):
         if self.mix is not None and not 0.0 <= self.mix <= 1.0:
             raise ForgetlessError(f"mix must be in [0, 1], got {self.mix}")
+        if self.optimizer is not None and self.optimizer not in OPTIMIZERS:
+            raise ForgetlessError(f"unknown optimizer {self.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
         if post := getattr(super(), "__post_init__", None):  # a mixed-in module config (MoRAMConfig, ...)
             post()
 
