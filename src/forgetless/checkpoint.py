@@ -80,5 +80,5 @@ def load_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor],
     for name, t in tensors.items():
         if name.startswith("optim."):
             _, idx, key = name.split(".", 2)
-            state.setdefault(int(idx), {})[key] = t
+            state.setdefault(int(idx), {})[key] = t.clone()  # fresh memory: reductions sum in the same order
     opt.load_state_dict({"state": state, "param_groups": groups})

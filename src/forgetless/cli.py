@@ -116,8 +116,13 @@ def bench(preset: str = PRESET,
           tasks: Optional[str] = typer.Option(None, "--tasks", help="sequence protocol: comma-separated corpora after the base"),
           mix: Optional[float] = typer.Option(None, "--mix", help="fraction p of every adaptation batch drawn from the "
                                               "original domain, for every arm without its own `mix` (= --adapt-replay)"),
+          optimizers: Optional[str] = typer.Option(None, "--optimizers", help="compare optimizers, e.g. adamw,muon,delta,deep: "
+                                                   "a base pretrained with each (loss curves), and every method "
+                                                   "(default: full) adapted with each (two-domain)"),
+          pretrain_seeds: int = typer.Option(1, help="with --optimizers: pretraining runs per optimizer"),
           config_file: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET, flags: dict = None):
     """Pretrain (cached), adapt every method, write results.json/csv/md and figures."""
+    from forgetless.continual.optimizers import run_optimizers
     from forgetless.continual.sequence import run_sequence
     from forgetless.continual.two_domain import run_two_domain
     from forgetless.methods import method_names
@@ -137,9 +142,16 @@ def bench(preset: str = PRESET,
         if value:
             flags.setdefault("data", {})[key] = value
     cfg = run_config(preset, config_file, flags, set_)
-    names = method_names(protocol) if methods == "all" else [methods]
-    out = out or Path("runs") / f"{protocol}-{preset}"
-    results = protocols[protocol](cfg, names, list(range(seeds)), out, preset)
+    if optimizers:
+        if protocol != "two-domain" or pretrain_seeds <= 0:
+            raise ForgetlessError("--optimizers runs the two-domain protocol with --pretrain-seeds >= 1")
+        names = ["full"] if methods == "all" else methods.split(",")
+        out = out or Path("runs") / f"optimizers-{preset}"
+        results = run_optimizers(cfg, names, optimizers.split(","), list(range(seeds)), out, preset, pretrain_seeds)
+    else:
+        names = method_names(protocol) if methods == "all" else [methods]
+        out = out or Path("runs") / f"{protocol}-{preset}"
+        results = protocols[protocol](cfg, names, list(range(seeds)), out, preset)
     files = write_report(results, out)
     where = f"A={cfg.data.domain_a} → B={cfg.data.domain_b}" if protocol == "two-domain" else \
         " → ".join([cfg.data.domain_a, *cfg.data.tasks])

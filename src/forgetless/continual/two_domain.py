@@ -118,6 +118,12 @@ def mean_std(values: list[float]) -> dict:
     return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0}
 
 
+def band(per_step: list[tuple[float, ...]]) -> dict:
+    """Mean and std at every step of a curve, from the values of each seed there."""
+    return {"mean": [statistics.fmean(v) for v in per_step],
+            "std": [statistics.stdev(v) if len(v) > 1 else 0.0 for v in per_step]}
+
+
 def summarize(runs: list[dict], full_runs: list[dict], method) -> dict:
     full_by_seed = {r["seed"]: r for r in full_runs}
     for r in runs:
@@ -146,9 +152,7 @@ def mean_curves(runs: list[dict]) -> dict:
     steps = [p["step"] for p in runs[0]["curve"]]
     curves = {"step": steps}
     for key in [k for k in runs[0]["curve"][0] if k != "step"]:  # ppl_a, ppl_b, acc_*, module monitors
-        per_step = list(zip(*[[p[key] for p in r["curve"]] for r in runs]))
-        curves[key] = {"mean": [statistics.fmean(v) for v in per_step],
-                       "std": [statistics.stdev(v) if len(v) > 1 else 0.0 for v in per_step]}
+        curves[key] = band(list(zip(*[[p[key] for p in r["curve"]] for r in runs])))
     loss = list(zip(*[[l for _, l in r["loss"]] for r in runs]))
     curves["loss"] = {"step": [s for s, _ in runs[0]["loss"]], "mean": [statistics.fmean(v) for v in loss]}
     return curves

@@ -2,13 +2,13 @@
 the delta rule, erases what it holds along the current gradient before writing the new one.
 
     g_hat = g / ||g||                                   (per tensor: "normalise for stability")
-    m    <- alpha m - erase * g_hat (g_hat . m) + (1 - alpha) P g
+    m    <- alpha m - erase * g_hat (g_hat . m) + P g     = (alpha I - erase g_hat g_hat^T) m + P g
     W    <- W - lr (m + weight_decay W)
 
-This is the source's m <- (alpha I - g g^T) m - eta P g with the gradient normalised and the write
-scaled by (1 - alpha) (and m divided by 1 - alpha^t, as Adam does), so that erase=0 is an EMA
-momentum of P g (Adam-like) and lr means what it means for AdamW. Along the current gradient the
-memory keeps (alpha - erase) of its old content.
+the source's m <- (alpha I - g g^T) m - eta P g with the gradient normalised (m here is -m / eta).
+erase=0 is heavy-ball momentum on P g; with erase=1 the memory keeps (alpha - 1) of its old content
+along the current gradient, so consistent directions no longer pile up there (about P g / (2 - alpha)
+instead of P g / (1 - alpha)), while directions the gradient has left keep their momentum.
 """
 from __future__ import annotations
 
@@ -33,5 +33,4 @@ class DeltaMomentum(MemoryOptimizer):
         g_hat = g / g.norm().clamp_min(1e-12)
         held = g_hat @ m.flatten()                       # what the memory holds along the gradient
         m.mul_(group["alpha"]).sub_((g_hat * held).view_as(m), alpha=group["erase"])
-        m.add_(pg, alpha=1 - group["alpha"])
-        return self.debiased(p, m, group["alpha"])
+        return m.add_(pg)

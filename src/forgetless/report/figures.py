@@ -1,5 +1,5 @@
-"""Figures: retention vs adaptation, forgetting and loss curves, routing monitors (two-domain);
-R heatmaps and atom-activation maps (sequence)."""
+"""Figures: retention vs adaptation, forgetting and loss curves, routing monitors, gates, CMS level
+changes, optimizer pretraining curves (two-domain); R heatmaps and atom-activation maps (sequence)."""
 from __future__ import annotations
 
 import re
@@ -203,6 +203,53 @@ def mix_sweep(results: dict, path: Path) -> bool:
     return True
 
 
+def pretraining_curves(results: dict, path: Path) -> bool:
+    """Optimizer comparison: pretraining loss (smoothed) and held-out PPL_A per optimizer, mean ± std."""
+    runs = results.get("pretraining")
+    if not runs:
+        return False
+    color = colors(list(runs))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name, r in runs.items():
+        left.plot(r["loss"]["step"], smooth(r["loss"]["mean"], 25), color=color[name], label=name)
+        mean, std = r["ppl_a"]["mean"], r["ppl_a"]["std"]
+        right.plot(r["ppl_a"]["step"], mean, marker=".", color=color[name], label=name)
+        right.fill_between(r["ppl_a"]["step"], [u - s for u, s in zip(mean, std)], [u + s for u, s in zip(mean, std)],
+                           color=color[name], alpha=0.15)
+    seeds = len(next(iter(runs.values()))["seeds"])
+    left.set(xlabel="pretraining step", ylabel="training loss on A (nats/token, smoothed)",
+             title=f"Pretraining loss by optimizer ({seeds} seed(s))")
+    right.set(xlabel="pretraining step", ylabel="held-out PPL on A", yscale="log", title="Held-out perplexity")
+    for ax in (left, right):
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def level_changes(results: dict, path: Path) -> bool:
+    """CMS arms: how far each level (by update period) moved during adaptation, relative to its size."""
+    arms = {name: m["report"]["after"] for name, m in results["methods"].items()
+            if "level_change" in m.get("report", {}).get("after", {})}
+    if not arms:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.8 / len(arms)
+    for k, (name, r) in enumerate(arms.items()):
+        xs = [i + k * width for i in range(len(r["level_periods"]))]
+        ax.bar(xs, r["level_change"], width=width, label=name)
+    periods = next(iter(arms.values()))["level_periods"]
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(periods))], [f"C = {round(c)}" for c in periods])
+    ax.set(xlabel="CMS level (update period)", ylabel="||θ - θ_base|| / ||θ_base|| after adaptation",
+           title="How much each CMS level moved (mean over layers and seeds)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def write_figures(results: dict, folder: Path) -> list[Path]:
     paths = [folder / "retention_vs_adaptation.png", folder / "forgetting_curves.png",
              folder / "adaptation_curves.png", folder / "loss_curves.png"]
@@ -211,7 +258,8 @@ def write_figures(results: dict, folder: Path) -> list[Path]:
     curves(results, "ppl_b", "PPL on B (held out)", "Adaptation curves: PPL on B during adaptation", paths[2])
     loss_curves(results, paths[3])
     for name, draw in (("routing_monitors.png", monitor_curves), ("routing_overlap.png", routing_histograms),
-                       ("gates.png", gate_histograms), ("mix_sweep.png", mix_sweep)):
+                       ("gates.png", gate_histograms), ("mix_sweep.png", mix_sweep),
+                       ("pretraining_curves.png", pretraining_curves), ("level_change.png", level_changes)):
         if draw(results, folder / name):
             paths.append(folder / name)
     return paths

@@ -47,6 +47,11 @@ def markdown(results: dict) -> str:
              f"(mean ± std), {results['date']}.", "",
              "| " + " | ".join(headers()) + " |", "|" + "---|" * len(headers())]
     lines += ["| " + " | ".join(r) + " |" for r in rows(results)]
+    if results.get("pretraining"):
+        lines += ["", "Pretraining on A with each optimizer (mean ± std over pretraining seeds):", "",
+                  "| optimizer | final held-out PPL_A | training loss, last 100 steps | wall s |", "|---|---|---|---|"]
+        lines += [f"| {name} | {cell(r['final_ppl_a'], '{:.3f}', True)} | {cell(r['final_loss'], '{:.4f}', True)} | "
+                  f"{cell(r['wall_s'], '{:.0f}', True)} |" for name, r in results["pretraining"].items()]
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,57 @@
+"""The optimizer comparison (`forgetless bench --optimizers adamw,muon,delta,deep`):
+
+1. pretraining: a base on domain A per (optimizer, pretraining seed), cached like every base; its
+   training-loss and held-out PPL_A curves are compared (results.json `pretraining`);
+2. adaptation: the two-domain protocol with one arm per (method, optimizer), all from the default
+   base (pretrained with `pretrain.optimizer`), so only the adaptation optimizer differs. The arm
+   with the protocol's own optimizer keeps the plain method name; the others are METHOD[optimizer=O].
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from pathlib import Path
+
+from forgetless.continual.base_model import cached_base, load_base
+from forgetless.continual.two_domain import band, mean_std, run_two_domain
+from forgetless.data.domains import load_domains
+from forgetless.errors import ForgetlessError
+from forgetless.optim import OPTIMIZERS
+from forgetless.presets import RunConfig
+
+
+def run_optimizers(cfg: RunConfig, methods: list[str], optimizers: list[str], seeds: list[int], out: Path,
+                   preset: str, pretrain_seeds: int = 1) -> dict:
+    unknown = [o for o in optimizers if o not in OPTIMIZERS]
+    if unknown or not optimizers:
+        raise ForgetlessError(f"unknown optimizer {unknown[0] if unknown else '(none)'!r} in --optimizers; "
+                              f"valid: {', '.join(OPTIMIZERS)}")
+    if any("[" in m for m in methods):
+        raise ForgetlessError("--optimizers makes one arm per method and optimizer: give plain method names, e.g. full,ffn")
+    specs = [m if o == cfg.adapt.optimizer else f"{m}[optimizer={o}]" for m in methods for o in optimizers]
+    results = run_two_domain(cfg, specs, seeds, out, preset)
+    results["optimizers"] = list(optimizers)
+    results["pretraining"] = pretraining_runs(cfg, optimizers, list(range(pretrain_seeds)))
+    return results
+
+
+def pretraining_runs(cfg: RunConfig, optimizers: list[str], seeds: list[int]) -> dict:
+    """Per optimizer: mean ± std over seeds of the pretraining loss and held-out PPL_A curves."""
+    (a,), tokenizer = load_domains([cfg.data.domain_a], cfg.data.tokenizer, cfg.model.block_size,
+                                   cfg.data.val_fraction, cfg.data.eval_windows)
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
+    out = {}
+    for name in optimizers:
+        metas = [load_base(cached_base(model_cfg, dataclasses.replace(cfg.pretrain, optimizer=name, seed=s),
+                                       a, tokenizer))[2] for s in seeds]
+        losses = list(zip(*[[v for _, v in m["history"]["loss"]] for m in metas]))
+        ppl = list(zip(*[[e["ppl_a"] for e in m["history"]["evals"]] for m in metas]))
+        out[name] = {
+            "seeds": seeds,
+            "loss": {"step": [s for s, _ in metas[0]["history"]["loss"]], **band(losses)},
+            "ppl_a": {"step": [e["step"] for e in metas[0]["history"]["evals"]], **band(ppl)},
+            "final_ppl_a": mean_std([m["history"]["evals"][-1]["ppl_a"] for m in metas]),
+            "final_loss": mean_std([statistics.fmean(v for _, v in m["history"]["loss"][-100:]) for m in metas]),
+            "wall_s": mean_std([m["wall_s"] for m in metas]),
+        }
+    return out
