@@ -205,3 +205,30 @@ def test_sequence_protocol(tmp_path):
 def test_sequence_protocol_needs_tasks():
     result = invoke("bench", "--preset", "smoke", "--protocol", "sequence", "--tasks", ",")
     assert result.exit_code == 2 and "needs tasks after the base: --tasks" in result.output
+
+
+def test_bench_optimizers_compares_pretraining_and_adaptation(tmp_path):
+    result = invoke("bench", "--preset", "smoke", "--seeds", 1, "--optimizers", "adamw,muon,delta,deep",
+                    "--out", tmp_path)
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert list(results["methods"]) == ["full", "full[optimizer=muon]", "full[optimizer=delta]", "full[optimizer=deep]"]
+    assert results["optimizers"] == ["adamw", "muon", "delta", "deep"]
+    assert results["methods"]["full[optimizer=delta]"]["options"]["optimizer"] == "delta"
+    for name, run in results["pretraining"].items():
+        loss = run["loss"]["mean"]
+        assert len(loss) == 30 and loss[-1] < loss[0], name      # the smoke preset pretrains 30 steps
+        assert run["final_ppl_a"]["mean"] == run["ppl_a"]["mean"][-1]
+    assert (tmp_path / "pretraining_curves.png").stat().st_size > 1000
+    assert "Pretraining on A with each optimizer" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--optimizers", "adamw,adam"], "unknown optimizer 'adam' in --optimizers; valid: adamw"),
+    (["--optimizers", "adamw", "--protocol", "sequence"], "--optimizers runs the two-domain protocol"),
+    (["--methods", "lora[r=4]", "--optimizers", "adamw"], "give plain method names"),
+    (["--adapt-optimizer", "sgd"], "unknown optimizer 'sgd'"),
+])
+def test_bench_optimizer_errors(args, message, tmp_path):
+    result = invoke("bench", "--preset", "smoke", "--seeds", 1, "--out", tmp_path, *args)
+    assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output

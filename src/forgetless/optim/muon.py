@@ -21,13 +21,9 @@ class Chained(torch.optim.Optimizer):
     def state(self):
         return {p: s for part in self.parts for p, s in part.state.items()}
 
-    @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for part in self.parts:
+        loss = self.parts[0].step(closure)  # a closure recomputes the gradients once, for every part
+        for part in self.parts[1:]:
             part.step()
         return loss
 

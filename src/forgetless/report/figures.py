@@ -11,6 +11,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+def save(fig, path: Path, dpi: int = 110):
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
 def colors(names: list[str]) -> dict:
     cmap = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
     return {n: cmap(i % cmap.N) for i, n in enumerate(names)}
@@ -34,9 +40,7 @@ def scatter(results: dict, path: Path):
     ax.set_title(f"Retention vs adaptation ({results['preset']}, {len(results['seeds'])} seed(s))\n{base_note}",
                  fontsize=10)
     ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)
 
 
 def curves(results: dict, key: str, ylabel: str, title: str, path: Path):
@@ -44,17 +48,19 @@ def curves(results: dict, key: str, ylabel: str, title: str, path: Path):
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for name, m in results["methods"].items():
         c = m["curves"]
-        mean, std = c[key]["mean"], c[key]["std"]
-        ax.plot(c["step"], mean, marker=".", color=color[name], label=name)
-        ax.fill_between(c["step"], [u - s for u, s in zip(mean, std)], [u + s for u, s in zip(mean, std)],
-                        color=color[name], alpha=0.15)
+        band(ax, c["step"], c[key], color[name], name)
     ax.set_xlabel("adaptation step on B")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)
+
+
+def band(ax, steps: list, stat: dict, color, label: str):
+    """A mean curve with its ± std band (over seeds)."""
+    mean, std = stat["mean"], stat["std"]
+    ax.plot(steps, mean, marker=".", color=color, label=label)
+    ax.fill_between(steps, [u - s for u, s in zip(mean, std)], [u + s for u, s in zip(mean, std)], color=color, alpha=0.15)
 
 
 def loss_curves(results: dict, path: Path):
@@ -67,9 +73,7 @@ def loss_curves(results: dict, path: Path):
     ax.set_ylabel("training loss on B (nats/token, smoothed)")
     ax.set_title("Adaptation loss curves")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)
 
 
 def smooth(values: list[float], width: int = 10) -> list[float]:
@@ -106,9 +110,7 @@ def monitor_curves(results: dict, path: Path) -> bool:
         axes[1, col].set_xlabel("pretraining step")
     axes[0, 0].legend(fontsize=7)
     axes[1, 0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path, dpi=100)
     return True
 
 
@@ -141,16 +143,19 @@ def routing_histograms(results: dict, path: Path) -> bool:
         ax.set_xlabel("router confidence (max cosine to a prototype)")
         ax.set_title(f"{name}: confidence distribution", fontsize=9)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path, dpi=100)
     return True
+
+
+def reported(results: dict, key: str) -> dict:
+    """Arm -> its method report after adaptation, for the arms whose report has `key`."""
+    return {name: m["report"]["after"] for name, m in results["methods"].items()
+            if m.get("report", {}).get("after", {}).get(key)}
 
 
 def gate_histograms(results: dict, path: Path) -> bool:
     """Neutral-residue gates after adaptation: distribution of g(x) on held-out A vs B, per layer."""
-    arms = {n: m["report"]["after"] for n, m in results["methods"].items()
-            if m.get("report", {}).get("after", {}).get("gate_hist_a")}
+    arms = reported(results, "gate_hist_a")
     if not arms:
         return False
     n_layers = max(len(r["gate_hist_a"]) for r in arms.values())
@@ -167,9 +172,7 @@ def gate_histograms(results: dict, path: Path) -> bool:
             ax.set_title(f"{name} · layer {layer}", fontsize=8)
             ax.set_xlabel("gate g(x) (last bin: ≥)", fontsize=7)
             ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path, dpi=100)
     return True
 
 
@@ -197,9 +200,7 @@ def mix_sweep(results: dict, path: Path) -> bool:
         ax.set(xscale="log", xlabel="fraction p of each batch from A (p = 0 drawn at 0.001)", ylabel=label)
         ax.legend(fontsize=8)
     fig.suptitle("Data mixing sweep", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)
     return True
 
 
@@ -212,26 +213,20 @@ def pretraining_curves(results: dict, path: Path) -> bool:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name, r in runs.items():
         left.plot(r["loss"]["step"], smooth(r["loss"]["mean"], 25), color=color[name], label=name)
-        mean, std = r["ppl_a"]["mean"], r["ppl_a"]["std"]
-        right.plot(r["ppl_a"]["step"], mean, marker=".", color=color[name], label=name)
-        right.fill_between(r["ppl_a"]["step"], [u - s for u, s in zip(mean, std)], [u + s for u, s in zip(mean, std)],
-                           color=color[name], alpha=0.15)
+        band(right, r["ppl_a"]["step"], r["ppl_a"], color[name], name)
     seeds = len(next(iter(runs.values()))["seeds"])
     left.set(xlabel="pretraining step", ylabel="training loss on A (nats/token, smoothed)",
              title=f"Pretraining loss by optimizer ({seeds} seed(s))")
     right.set(xlabel="pretraining step", ylabel="held-out PPL on A", yscale="log", title="Held-out perplexity")
     for ax in (left, right):
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)
     return True
 
 
 def level_changes(results: dict, path: Path) -> bool:
     """CMS arms: how far each level (by update period) moved during adaptation, relative to its size."""
-    arms = {name: m["report"]["after"] for name, m in results["methods"].items()
-            if "level_change" in m.get("report", {}).get("after", {})}
+    arms = reported(results, "level_change")
     if not arms:
         return False
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -244,9 +239,7 @@ def level_changes(results: dict, path: Path) -> bool:
     ax.set(xlabel="CMS level (update period)", ylabel="||θ - θ_base|| / ||θ_base|| after adaptation",
            title="How much each CMS level moved (mean over layers and seeds)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)
     return True
 
 
