@@ -26,7 +26,7 @@ def scatter(results: dict, path: Path):
     """One point per method: forgetting on A (x, lower is better) vs PPL on B after (y)."""
     methods = results["methods"]
     color = colors(list(methods))
-    fig, ax = plt.subplots(figsize=(6, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     for name, m in methods.items():
         x, y = m["forgetting"], m["ppl_b_after"]
         ax.errorbar(100 * x["mean"], y["mean"], xerr=100 * x["std"], yerr=y["std"], fmt="o", color=color[name],
@@ -39,7 +39,7 @@ def scatter(results: dict, path: Path):
     ax.set_ylabel("PPL on B after adaptation  ↓ better")
     ax.set_title(f"Retention vs adaptation ({results['preset']}, {len(results['seeds'])} seed(s))\n{base_note}",
                  fontsize=10)
-    ax.legend(fontsize=7, loc="best")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     save(fig, path, dpi=110)
 
 
