@@ -310,5 +310,10 @@ def methods():
     out_console.print(table)
 
 
+from forgetless.aunn.cli import app as aunn_app  # noqa: E402  (after `friendly`, which it uses)
+
+app.add_typer(aunn_app, name="aunn")
+
+
 def main():
     app()
