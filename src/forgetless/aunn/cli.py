@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from forgetless.aunn.model import AUNNConfig, size_overrides
@@ -26,11 +27,18 @@ SECTIONS = {"model": AUNNConfig, "train": TrainConfig}
 
 
 def friendly(fn):
-    """The main CLI's one-line errors; imported on call, as forgetless.cli imports this module."""
+    """The main CLI's one-line errors (imported on call: forgetless.cli imports this module), with
+    the message escaped for rich so that e.g. `forgetless[aunn]` prints as written."""
+    def escaped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ForgetlessError as e:
+            raise ForgetlessError(escape(str(e))) from None
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         from forgetless.cli import friendly as one_line_errors
-        return one_line_errors(fn)(*args, **kwargs)
+        return one_line_errors(escaped)(*args, **kwargs)
     return wrapper
 
 
