@@ -28,6 +28,7 @@ from forgetless.errors import ForgetlessError
 from forgetless.progress import progress_task
 
 LABEL0 = ord("0")  # label c is stored as the byte '0' + c
+LEARNERS = ("aunn", "aunn+fast", "mlp")
 
 
 @dataclass
@@ -41,7 +42,9 @@ class Config:
     size: str = field(default="small", metadata={"help": "AUNN size preset"})
     lr: float = field(default=1e-3, metadata={"help": "AUNN learning rate (AdamW)"})
     pixel_steps: int = field(default=1, metadata={"help": "AUNN steps on an example's 64 pixels before predicting its label"})
-    fast_units: int = field(default=0, metadata={"help": "AUNN memory units per block (0 = none)"})
+    fast_units: int = field(default=16, metadata={"help": "memory units per block of the aunn+fast learner"})
+    learners: list[str] = field(default_factory=lambda: list(LEARNERS), metadata={
+        "help": "aunn, aunn+fast (memory units at a higher lr), mlp (the baseline classifier)"})
     baseline_hidden: int = field(default=256, metadata={"help": "MLP baseline hidden width (two hidden layers)"})
     baseline_lr: float = field(default=1e-3, metadata={"help": "MLP baseline learning rate (AdamW)"})
 
@@ -52,6 +55,8 @@ class Config:
             raise ForgetlessError(f"digits.curve_at must lie in [0, train_per_task={self.train_per_task}] "
                                   f"and contain digits.early ({self.early})")
         size_overrides(self.size)
+        if not self.learners or not set(self.learners) <= set(LEARNERS):
+            raise ForgetlessError(f"digits.learners must be some of {', '.join(LEARNERS)}, got {self.learners}")
 
 
 def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,8 +72,8 @@ def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
 class AUNNClassifier:
     """Pixels then label, appended to one list; the label is read at the index after the pixels."""
 
-    def __init__(self, cfg: Config, seed: int):
-        model_cfg = AUNNConfig(**size_overrides(cfg.size), fast_units=cfg.fast_units)
+    def __init__(self, cfg: Config, seed: int, fast: bool = False):
+        model_cfg = AUNNConfig(**size_overrides(cfg.size), fast_units=cfg.fast_units if fast else 0)
         self.learner = build_learner(model_cfg, TrainConfig(lr=cfg.lr, warmup=10, seed=seed))
         self.pixel_steps = cfg.pixel_steps
         self.label_index: list[int] = []
@@ -118,7 +123,6 @@ class MLPClassifier:
         return (self.net(X.float() / 16).argmax(-1) == y).float().mean().item()
 
 
-LEARNERS = {"aunn": AUNNClassifier, "mlp": MLPClassifier}
 
 
 def make_tasks(cfg: Config, seed: int) -> list[dict]:
@@ -139,7 +143,9 @@ def make_tasks(cfg: Config, seed: int) -> list[dict]:
 
 def run(cfg: Config, seed: int) -> dict:
     tasks = make_tasks(cfg, seed)
-    return {name: run_learner(cls(cfg, seed), tasks, cfg, f"digits {name} seed {seed}") for name, cls in LEARNERS.items()}
+    made = {"aunn": lambda: AUNNClassifier(cfg, seed), "aunn+fast": lambda: AUNNClassifier(cfg, seed, fast=True),
+            "mlp": lambda: MLPClassifier(cfg, seed)}
+    return {name: run_learner(made[name](), tasks, cfg, f"digits {name} seed {seed}") for name in cfg.learners}
 
 
 def run_learner(clf, tasks: list[dict], cfg: Config, desc: str) -> dict:
@@ -181,7 +187,7 @@ def slope(values: list[float]) -> float:
 def summarize(cfg: Config, runs: list[dict]) -> dict:
     j = cfg.curve_at.index(cfg.early)
     out: dict = {"methods": {}}
-    for name in LEARNERS:
+    for name in cfg.learners:
         arms = [r[name] for r in runs]
         R_mean = [[sum(v) / len(v) for v in zip(*rows)] for rows in zip(*[a["R"] for a in arms])]
         metrics = [sequence_metrics(a["R"][1:]) if cfg.tasks > 1 else {} for a in arms]

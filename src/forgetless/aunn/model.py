@@ -24,7 +24,7 @@ OUTPUTS = {"bytes": 256, "value": 1}
 @dataclass
 class AUNNConfig:
     encoding: str = field(default="binary", metadata={"help": "index encoding: binary or fourier"})
-    bits: int = field(default=38, metadata={"help": "index bits (binary code width; fourier: longest period 2**bits)"})
+    bits: int = field(default=38, metadata={"help": "binary: code width (indices < 2**bits); fourier: longest period 2**bits"})
     fourier_features: int = field(default=64, metadata={"help": "number of Fourier features (sin and cos halves)"})
     encoding_seed: int = field(default=0, metadata={"help": "seed of the random Fourier periods"})
     d_model: int = field(default=128, metadata={"help": "width of the residual stream"})

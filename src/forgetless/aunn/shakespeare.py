@@ -116,8 +116,7 @@ def run_aunn(cfg: Config, data: torch.Tensor, held: torch.Tensor, target_params:
     dynamic = prequential(learner, held, desc=f"AUNN prequential seed {seed}")
     return {"params": learner.model.num_params(), "d_model": model_cfg.d_model, "steps": cfg.aunn_steps,
             "cpu_s": cpu_s, "bpb_train": bpb_train, **scores(static, dynamic),
-            "loss_curve": {"cpu_s": [cpu_s * s / cfg.aunn_steps for s in curve["step"]],
-                           "bits": [v / LN2 for v in curve["loss"]]}}
+            "loss_curve": {"cpu_s": curve["cpu_s"], "bits": [v / LN2 for v in curve["loss"]]}}
 
 
 def gpt_steps_for(seconds: float, model: GPT, data: torch.Tensor, cfg: GPTTrainConfig, probe_steps: int = 10) -> int:

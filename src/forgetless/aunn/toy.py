@@ -22,7 +22,7 @@ from forgetless.data.tokenizers import ByteTokenizer
 from forgetless.continual.two_domain import mean_std
 from forgetless.errors import ForgetlessError
 
-EDGES = [0, 16, 64, 256, 1024, 4096, 16384, 65536]
+EDGES = [0, 16, 64, 256, 512, 1024, 4096, 16384, 65536]
 
 
 @dataclass
@@ -182,7 +182,7 @@ def figures(results: dict, out: Path) -> list[Path]:
         axes[0, col].set(xscale="log", ylim=(-3, 103), xlabel="indices past the end of the data",
                          ylabel="accuracy of the argmax (%)", title=f"pattern {letters!r}: extrapolation")
         axes[1, col].set(ylim=(-3, 103), xlabel="gradient steps on the changed datum", xticks=list(ks),
-                         ylabel="% (solid: P(new letter) on the rest of the run; dashed: train accuracy)",
+                         ylabel="P(new), rest of run (solid); train acc. (dashed) %",
                          title=f"pattern {letters!r}: one changed datum")
         for ax in axes[:, col]:
             ax.legend(fontsize=7)

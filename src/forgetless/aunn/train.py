@@ -9,6 +9,7 @@ the data, ready to predict the next index.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -133,11 +134,13 @@ def schedule(n: int, cfg: TrainConfig, generator: torch.Generator) -> Iterator[t
 
 
 def fit(learner: Learner, data: torch.Tensor, desc: str = "aunn train") -> dict:
-    """Train on `data` (N,) stored at indices 0..N-1 with `learner.cfg`; returns the loss curve."""
+    """Train on `data` (N,) stored at indices 0..N-1 with `learner.cfg`; returns the loss curve
+    (mean loss per stretch of steps, with the process CPU seconds spent so far)."""
     cfg = learner.cfg
     generator = torch.Generator().manual_seed(cfg.seed)
     every = max(1, cfg.steps // 200)
-    curve: dict = {"step": [], "loss": [], "serial": []}
+    curve: dict = {"step": [], "loss": [], "serial": [], "cpu_s": []}
+    t0 = time.process_time()
     window: list[float] = []
     with progress_task(desc, total=cfg.steps) as advance:
         for step, idx in enumerate(schedule(len(data), cfg, generator)):
@@ -146,6 +149,7 @@ def fit(learner: Learner, data: torch.Tensor, desc: str = "aunn train") -> dict:
                 curve["step"].append(step + 1)
                 curve["loss"].append(sum(window) / len(window))
                 curve["serial"].append(is_serial(step, cfg))
+                curve["cpu_s"].append(time.process_time() - t0)
                 advance(every, loss=curve["loss"][-1])
                 window = []
         advance(cfg.steps % every)
