@@ -1,4 +1,6 @@
 """AUNN: encodings, training schedules, conditioning, generation, checkpoints."""
+from itertools import pairwise
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ from forgetless.aunn.use import condition, generate, load_learner, prequential, 
 from forgetless.checkpoint import save_checkpoint
 from forgetless.errors import ForgetlessError
 
-TINY = dict(d_model=32, n_layer=2)
+TINY = {"d_model": 32, "n_layer": 2}
 
 
 @pytest.fixture(autouse=True)
@@ -81,7 +83,7 @@ def test_anneal_goes_from_batches_to_serial_and_ends_on_the_last_index():
     assert sum(i in serial for i in range(180, 200)) >= 18
     visited = torch.cat([steps[i] for i in serial]).tolist()
     assert visited[-1] == n - 1
-    assert all((b - a) % n == 1 for a, b in zip(visited, visited[1:]))  # in order, wrapping
+    assert all((b - a) % n == 1 for a, b in pairwise(visited))  # in order, wrapping
 
 
 def test_training_memorises_and_moves_the_position():

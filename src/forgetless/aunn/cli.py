@@ -99,7 +99,7 @@ CONFIG = typer.Option(None, "--config", help="YAML/JSON file with sections model
 def train(data: str = typer.Option(..., help="corpus spec or path: its bytes, in order, are the list"),
           out: Path = typer.Option(..., help="checkpoint to write (.safetensors): model, optimizer, position"),
           limit: Optional[int] = typer.Option(None, help="use only the first N bytes"),
-          size: str = SIZE, config_file: Optional[Path] = CONFIG, overrides: dict = None):
+          size: str = SIZE, config_file: Optional[Path] = CONFIG, overrides: dict | None = None):
     """Train an AUNN on a byte list (index i -> byte i)."""
     from forgetless.aunn.train import build_learner, fit
     from forgetless.aunn.use import save_learner
@@ -167,7 +167,8 @@ def generate(checkpoint: Path = typer.Option(..., help="AUNN checkpoint"),
              seed: int = typer.Option(0, help="sampling seed (same seed and checkpoint -> same text)"),
              out: Optional[Path] = typer.Option(None, help="write the checkpoint after generation here")):
     """Predict the next index, sample, take one step on the sample, move on."""
-    from forgetless.aunn.use import condition, generate as run_generate, load_learner, save_learner
+    from forgetless.aunn.use import condition, load_learner, save_learner
+    from forgetless.aunn.use import generate as run_generate
     from forgetless.data.tokenizers import ByteTokenizer
 
     if length <= 0:

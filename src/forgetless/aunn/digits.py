@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from forgetless.aunn.experiments import pm
+from forgetless.aunn.experiments import pm, save_figure
 from forgetless.aunn.model import AUNNConfig, size_overrides
 from forgetless.aunn.train import TrainConfig, build_learner
 from forgetless.aunn.use import condition
@@ -209,12 +209,13 @@ def summarize(cfg: Config, runs: list[dict]) -> dict:
 def markdown(results: dict) -> str:
     cfg = results["config"]
     lines = [f"# AUNN on permuted digits ({results['date']}, seeds {results['seeds']})", "",
-             f"{cfg['tasks']} tasks x {cfg['train_per_task']} examples streamed once; held-out {cfg['test_per_task']} "
-             "per task. Accuracy %, chance 10; mean ± std over seeds.", "",
-             f"| learner | online (prequential) | each task right after it | after the last task (OP) | BWT | forgetting | "
-             f"after {cfg['early']} examples, slope per task | memorised labels |", "|---|---|---|---|---|---|---|---|"]
+             (f"{cfg['tasks']} tasks x {cfg['train_per_task']} examples streamed once; held-out {cfg['test_per_task']} "
+              "per task. Accuracy %, chance 10; mean ± std over seeds."), "",
+             ("| learner | online (prequential) | each task right after it | after the last task (OP) | BWT | forgetting | "
+              f"after {cfg['early']} examples, slope per task | memorised labels |"), "|---|---|---|---|---|---|---|---|"]
+    keys = ("online_acc", "diagonal", "op", "bwt", "forgetting", "early_slope", "recall")
     for name, m in results["methods"].items():
-        cells = [pm(m[k], 1) if k in m else "–" for k in ("online_acc", "diagonal", "op", "bwt", "forgetting", "early_slope", "recall")]
+        cells = [pm(m[k], 1) if k in m else "–" for k in keys]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += ["", f"Held-out accuracy on task t after n of its examples (mean over seeds; n = {cfg['curve_at']}):", ""]
     for name, m in results["methods"].items():
@@ -238,7 +239,6 @@ def figures(results: dict, out: Path) -> list[Path]:
                     label=f"task {t}" if t in (0, cfg["tasks"] - 1) else None)
         ax.set(xscale="log", ylim=(0, 100), xlabel="examples of the task seen (0 drawn at 0.5)",
                ylabel="held-out accuracy (%)", title=f"{name}: learning curve of each task")
-        ax.legend(fontsize=7)
     for name, m in methods.items():
         e = m["early_by_task"]
         axes[-1].errorbar(range(len(e)), [s["mean"] for s in e], [s["std"] for s in e], marker="o", capsize=3,
@@ -246,11 +246,6 @@ def figures(results: dict, out: Path) -> list[Path]:
     axes[-1].axhline(10, color="grey", lw=0.8, ls=":")
     axes[-1].set(ylim=(0, 100), xlabel="task index (permutations seen before it)",
                  ylabel=f"accuracy after {cfg['early']} examples (%)", title="does learning a new task get faster?")
-    axes[-1].legend(fontsize=7)
-    fig.tight_layout()
-    curves = out / "digits_curves.png"
-    fig.savefig(curves, dpi=90)
-    plt.close(fig)
     heat = out / "digits_r_matrix.png"
     r_heatmaps(results, heat)
-    return [curves, heat]
+    return [*save_figure(fig, out / "digits_curves.png"), heat]

@@ -46,7 +46,8 @@ class FourierEncoding(nn.Module):
         self.register_buffer("omega", 2 * math.pi / 2 ** log_periods)  # (F/2,) float64
 
     def forward(self, idx):  # (B,) int64 -> (B, features)
-        angle = (check_indices(idx, 53, "float64 holds no larger index exactly").double()[:, None] * self.omega) % (2 * math.pi)  # (B, F/2)
+        idx = check_indices(idx, 53, "float64 holds no larger index exactly")
+        angle = (idx.double()[:, None] * self.omega) % (2 * math.pi)  # (B, F/2)
         return torch.cat([angle.sin(), angle.cos()], dim=1).float()
 
 

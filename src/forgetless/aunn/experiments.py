@@ -20,7 +20,8 @@ from forgetless.errors import ForgetlessError
 
 EXPERIMENTS = {
     "toy": ("forgetless.aunn.toy", "memorise a repeating pattern of runs, extrapolate past the end, change one datum"),
-    "shakespeare": ("forgetless.aunn.shakespeare", "Tiny Shakespeare: prequential bits/byte after the training range, vs the byte GPT"),
+    "shakespeare": ("forgetless.aunn.shakespeare",
+                    "Tiny Shakespeare: prequential bits/byte after the training range, vs the byte GPT"),
     "digits": ("forgetless.aunn.digits", "permuted 8x8 digits as one online list: learning speed per task, retention"),
 }
 
@@ -28,6 +29,19 @@ EXPERIMENTS = {
 def pm(stat: dict, scale: float = 100.0, digits: int = 1) -> str:
     """`mean ± std` of a {"mean", "std"} stat, scaled (default: as %)."""
     return f"{scale * stat['mean']:.{digits}f} ± {scale * stat['std']:.{digits}f}"
+
+
+def save_figure(fig, path: Path) -> list[Path]:
+    """Legend every labelled panel, lay out, write a small PNG, close."""
+    from forgetless.report.figures import plt
+
+    for ax in fig.axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return [path]
 
 
 def experiment(name: str):

@@ -9,7 +9,7 @@ the trainer gives a higher learning rate so they can serve as fast weights.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
@@ -44,8 +44,8 @@ class AUNNConfig:
 
 
 # Size presets (`--size`): width and depth; everything else stays as configured.
-SIZES = {"tiny": dict(d_model=64, n_layer=2), "small": dict(d_model=128, n_layer=3),
-         "base": dict(d_model=256, n_layer=4), "large": dict(d_model=512, n_layer=8)}
+SIZES = {"tiny": {"d_model": 64, "n_layer": 2}, "small": {"d_model": 128, "n_layer": 3},
+         "base": {"d_model": 256, "n_layer": 4}, "large": {"d_model": 512, "n_layer": 8}}
 
 
 class Block(nn.Module):
@@ -96,9 +96,6 @@ class AUNN(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
-
-    def to_dict(self) -> dict:
-        return asdict(self.config)
 
 
 def size_overrides(size: str) -> dict:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from forgetless.aunn.experiments import pm
+from forgetless.aunn.experiments import pm, save_figure
 from forgetless.aunn.model import AUNNConfig, match_width
 from forgetless.aunn.train import MODES, TrainConfig, build_learner, fit
 from forgetless.aunn.use import prequential
@@ -196,18 +196,19 @@ def markdown(results: dict) -> str:
     a, b = results["eval_range"]
     rows = [("AUNN", results["aunn"]), ("GPT", results["gpt"])]
     lines = [f"# AUNN vs byte GPT on {cfg['corpus']} ({results['date']}, seeds {results['seeds']})", "",
-             f"Training range: bytes 0..{a - 1:,}; held-out stretch: bytes {a:,}..{b - 1:,} (right after it). "
-             f"Bits per byte (lower is better), mean ± std over seeds; CPU seconds on {results['threads']} thread(s).", "",
-             "| model | params | training steps | training CPU s | train range | held-out, frozen | "
-             "held-out, prequential (a step after each prediction) |", "|---|---|---|---|---|---|---|"]
+             (f"Training range: bytes 0..{a - 1:,}; held-out stretch: bytes {a:,}..{b - 1:,} (right after it). "
+              f"Bits per byte (lower is better), mean ± std over seeds; CPU seconds on {results['threads']} thread(s)."), "",
+             ("| model | params | training steps | training CPU s | train range | held-out, frozen | "
+              "held-out, prequential (a step after each prediction) |"), "|---|---|---|---|---|---|---|"]
     for name, m in rows:
         lines.append(f"| {name} | {m['params']['mean']:,.0f} | {m['steps']['mean']:,.0f} | {pm(m['cpu_s'], 1, 1)} | "
                      f"{pm(m['bpb_train'], 1, 3)} | {pm(m['bpb_static'], 1, 3)} | {pm(m['bpb_dynamic'], 1, 3)} |")
     lines.append(f"| unigram of the training range | 256 | | | | {pm(results['unigram_bpb'], 1, 3)} | |")
     best = min(rows, key=lambda r: r[1]["bpb_dynamic"]["mean"])[0]
-    lines += ["", f"AUNN: {cfg['aunn_layers']} blocks, width {results['aunn']['d_model']}, mode {cfg['aunn_mode']}, "
-              f"{cfg['aunn_steps']} steps; GPT: the `{cfg['gpt_preset']}` preset, dynamic evaluation with one AdamW step "
-              f"(lr {cfg['gpt_eval_lr']}) per {cfg['gpt_segment']} bytes. Lower held-out prequential bits/byte: **{best}**.", ""]
+    lines += ["", (f"AUNN: {cfg['aunn_layers']} blocks, width {results['aunn']['d_model']}, mode {cfg['aunn_mode']}, "
+                   f"{cfg['aunn_steps']} steps; GPT: the `{cfg['gpt_preset']}` preset, dynamic evaluation with one AdamW "
+                   f"step (lr {cfg['gpt_eval_lr']}) per {cfg['gpt_segment']} bytes. "
+                   f"Lower held-out prequential bits/byte: **{best}**."), ""]
     return "\n".join(lines)
 
 
@@ -223,12 +224,7 @@ def figures(results: dict, out: Path) -> list[Path]:
         axes[0].plot(xs, m["curve_dynamic"], color=color, label=f"{name.upper()} prequential")
         axes[1].plot(m["loss_curve"]["cpu_s"], m["loss_curve"]["bits"], color=color, label=f"{name.upper()} (seed 0)")
     axes[0].axhline(results["unigram_bpb"]["mean"], color="grey", lw=0.8, label="unigram of the training range")
-    axes[0].set(xlabel="bytes into the held-out stretch", ylabel="running bits/byte", title="held-out text after the training range")
+    axes[0].set(xlabel="bytes into the held-out stretch", ylabel="running bits/byte",
+                title="held-out text after the training range")
     axes[1].set(xlabel="training CPU seconds", ylabel="training loss (bits/byte)", title="training (equal CPU time)")
-    for ax in axes:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out / "shakespeare.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return [path]
+    return save_figure(fig, out / "shakespeare.png")

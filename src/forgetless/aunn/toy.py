@@ -11,15 +11,16 @@ memorises it; then
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 from pathlib import Path
 
 import torch
 
-from forgetless.aunn.experiments import pm
+from forgetless.aunn.experiments import pm, save_figure
 from forgetless.aunn.model import AUNNConfig, size_overrides
 from forgetless.aunn.train import MODES, TrainConfig, build_learner, fit
-from forgetless.data.tokenizers import ByteTokenizer
 from forgetless.continual.two_domain import mean_std
+from forgetless.data.tokenizers import ByteTokenizer
 from forgetless.errors import ForgetlessError
 
 EDGES = [0, 16, 64, 256, 512, 1024, 4096, 16384, 65536]
@@ -89,7 +90,7 @@ def run_arm(cfg: Config, arm: str, letters: str, truth: torch.Tensor, seed: int)
     edges = [e for e in EDGES if e <= cfg.far]
     period = len(letters) * (cfg.run + 1)
     result = {"train_acc": hit[:n].mean().item(), "final_loss": curve["loss"][-1], "edges": edges,
-              "extrapolation": [hit[n + a:n + b].mean().item() for a, b in zip(edges, edges[1:])],
+              "extrapolation": [hit[n + a:n + b].mean().item() for a, b in pairwise(edges)],
               "truth_next": bytes(truth[n:n + 2 * period].tolist()).decode(),
               "pred_next": bytes(pred[n:n + 2 * period].tolist()).decode()}
     result["change"] = change_datum(learner, truth, n, letters, cfg)
@@ -134,7 +135,7 @@ def summarize(cfg: Config, runs: list[dict]) -> dict:
 
 def markdown(results: dict) -> str:
     cfg, edges = results["config"], results["edges"]
-    bins = [f"+{a}..{b}" for a, b in zip(edges, edges[1:])]
+    bins = [f"+{a}..{b}" for a, b in pairwise(edges)]
     lines = [f"# AUNN toy: memorise and extrapolate ({results['date']}, seeds {results['seeds']})", ""]
     for letters, arms in results["patterns"].items():
         unit = pattern_bytes(letters, cfg["run"], len(letters) * (cfg["run"] + 1)).decode()
@@ -143,15 +144,15 @@ def markdown(results: dict) -> str:
                   "| arm | train | " + " | ".join(bins) + " |", "|---|---|" + "---|" * len(bins)]
         lines += [f"| {arm} | {pm(m['train_acc'])} | " + " | ".join(pm(s) for s in m["extrapolation"]) + " |"
                   for arm, m in arms.items()]
-        lines += ["", "Change: steps on the first letter of the next run set to another letter. P(new) on the rest "
-                  "of that run, share of it whose argmax flips to the new letter, train accuracy (%).", "",
+        lines += ["", ("Change: steps on the first letter of the next run set to another letter. P(new) on the rest "
+                       "of that run, share of it whose argmax flips to the new letter, train accuracy (%)."), "",
                   "| arm | steps | P(new) at the changed index | P(new), rest of run | flipped | train acc |",
                   "|---|---|---|---|---|---|"]
         for arm, m in arms.items():
             lines += [f"| {arm} | {k} | {pm(c['p_new_at'])} | {pm(c['p_new_rest'])} | {pm(c['flipped_rest'])} | "
                       f"{pm(c['train_acc'])} |" for k, c in enumerate(m["change"])]
-        lines += ["", "Seed 0, two periods past the end (truth / prediction) and the period around the change after "
-                  "0, 1, ... steps:", "", "```"]
+        lines += ["", ("Seed 0, two periods past the end (truth / prediction) and the period around the change "
+                       "after 0, 1, ... steps:"), "", "```"]
         for arm, m in arms.items():
             s = m["samples"][0]
             lines += [f"{arm:>14}  truth {s['truth']}", f"{'':>14}  pred  {s['pred']}",
@@ -167,7 +168,7 @@ def figures(results: dict, out: Path) -> list[Path]:
     arms = list(next(iter(patterns.values())))
     color = colors(arms)
     edges = results["edges"]
-    mids = [(a + max(b - 1, a)) / 2 + 1 for a, b in zip(edges, edges[1:])]
+    mids = [(a + max(b - 1, a)) / 2 + 1 for a, b in pairwise(edges)]
     fig, axes = plt.subplots(2, len(patterns), figsize=(5 * len(patterns), 7.5), squeeze=False)
     for col, (letters, by_arm) in enumerate(patterns.items()):
         for arm, m in by_arm.items():
@@ -184,10 +185,4 @@ def figures(results: dict, out: Path) -> list[Path]:
         axes[1, col].set(ylim=(-3, 103), xlabel="gradient steps on the changed datum", xticks=list(ks),
                          ylabel="P(new), rest of run (solid); train acc. (dashed) %",
                          title=f"pattern {letters!r}: one changed datum")
-        for ax in axes[:, col]:
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out / "toy.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return [path]
+    return save_figure(fig, out / "toy.png")

@@ -10,8 +10,8 @@ the data, ready to predict the next index.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
@@ -24,13 +24,14 @@ MODES = ("batch", "serial", "anneal")
 
 @dataclass
 class TrainConfig:
-    mode: str = field(default="anneal", metadata={"help": "batch (random large batches), serial (batch 1 in order) or anneal (batch -> serial)"})
-    steps: int = field(default=2000, metadata={"help": "optimizer steps (serial: epochs x N to end each epoch at the last index)"})
+    mode: str = field(default="anneal", metadata={
+        "help": "batch (random large batches), serial (batch 1 in order) or anneal (batch -> serial)"})
+    steps: int = field(default=2000, metadata={"help": "optimizer steps (serial: epochs x N ends each epoch on the last index)"})
     batch_size: int = field(default=256, metadata={"help": "indices per random batch"})
-    lr: float = field(default=1e-3, metadata={"help": "learning rate (AdamW), kept after training for conditioning and generation"})
+    lr: float = field(default=1e-3, metadata={"help": "learning rate (AdamW), kept for conditioning and generation"})
     warmup: int = field(default=100, metadata={"help": "linear warmup steps"})
     weight_decay: float = field(default=0.0, metadata={"help": "AdamW weight decay on matrices"})
-    fast_lr_mult: float = field(default=10.0, metadata={"help": "learning-rate multiplier of the memory units (model.fast_units)"})
+    fast_lr_mult: float = field(default=10.0, metadata={"help": "lr multiplier of the memory units (model.fast_units)"})
     grad_clip: float = field(default=1.0, metadata={"help": "clip the gradient norm to this (0 = off)"})
     seed: int = field(default=0, metadata={"help": "seed of the initialisation and the batch order"})
 
@@ -46,7 +47,7 @@ class TrainConfig:
             raise ForgetlessError("train.warmup, train.weight_decay and train.grad_clip must not be negative")
 
 
-def build_learner(model_cfg: AUNNConfig, cfg: TrainConfig) -> "Learner":
+def build_learner(model_cfg: AUNNConfig, cfg: TrainConfig) -> Learner:
     """A fresh AUNN, initialised from `cfg.seed`, with its optimizer."""
     torch.manual_seed(cfg.seed)
     return Learner(AUNN(model_cfg), cfg)
@@ -59,9 +60,9 @@ class Learner:
     def __init__(self, model: AUNN, cfg: TrainConfig, position: int = 0):
         self.model, self.cfg, self.position, self.steps_done = model, cfg, position, 0
         fast = {id(p) for p in model.fast_parameters()}
-        params = [(n, p) for n, p in model.named_parameters() if id(p) not in fast]
-        groups = [{"params": [p for _, p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay, "lr_mult": 1.0},
-                  {"params": [p for _, p in params if p.dim() < 2], "weight_decay": 0.0, "lr_mult": 1.0},
+        slow = [p for p in model.parameters() if id(p) not in fast]
+        groups = [{"params": [p for p in slow if p.dim() >= 2], "weight_decay": cfg.weight_decay, "lr_mult": 1.0},
+                  {"params": [p for p in slow if p.dim() < 2], "weight_decay": 0.0, "lr_mult": 1.0},
                   {"params": model.fast_parameters(), "weight_decay": 0.0, "lr_mult": cfg.fast_lr_mult}]
         self.opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.99), fused=True)
 
@@ -139,7 +140,7 @@ def fit(learner: Learner, data: torch.Tensor, desc: str = "aunn train") -> dict:
     cfg = learner.cfg
     generator = torch.Generator().manual_seed(cfg.seed)
     every = max(1, cfg.steps // 200)
-    curve: dict = {"step": [], "loss": [], "serial": [], "cpu_s": []}
+    curve: dict = {"step": [], "loss": [], "cpu_s": []}
     t0 = time.process_time()
     window: list[float] = []
     with progress_task(desc, total=cfg.steps) as advance:
@@ -148,7 +149,6 @@ def fit(learner: Learner, data: torch.Tensor, desc: str = "aunn train") -> dict:
             if (step + 1) % every == 0:
                 curve["step"].append(step + 1)
                 curve["loss"].append(sum(window) / len(window))
-                curve["serial"].append(is_serial(step, cfg))
                 curve["cpu_s"].append(time.process_time() - t0)
                 advance(every, loss=curve["loss"][-1])
                 window = []
