@@ -4,6 +4,7 @@ The data list is `|aaa|ccc|aaa|ccc...` (runs of `run` copies of each letter, bet
 indices 0..N-1. Each arm (a training mode, optionally `+fast` memory units or `+fourier` encoding)
 memorises it; then
   - train accuracy, and accuracy of the argmax past the end, in bins of distance;
+  - generation past the end (predict, sample at temperature 1, one step on the sample, next index);
   - change: gradient steps, one at a time, on a changed datum past the end (the first letter of the
     next run set to another letter): the probability of the new letter on the rest of that run,
     whether the argmax there flips, and the train accuracy after (interference).
@@ -19,11 +20,13 @@ import torch
 from forgetless.aunn.experiments import pm, save_figure
 from forgetless.aunn.model import AUNNConfig, size_overrides
 from forgetless.aunn.train import MODES, TrainConfig, build_learner, fit
+from forgetless.aunn.use import generate
 from forgetless.continual.two_domain import mean_std
 from forgetless.data.tokenizers import ByteTokenizer
 from forgetless.errors import ForgetlessError
 
 EDGES = [0, 16, 64, 256, 512, 1024, 4096, 16384, 65536]
+GENERATE = 48  # bytes sampled past the end (predict, sample, one step, next index)
 
 
 @dataclass
@@ -93,7 +96,12 @@ def run_arm(cfg: Config, arm: str, letters: str, truth: torch.Tensor, seed: int)
               "extrapolation": [hit[n + a:n + b].mean().item() for a, b in pairwise(edges)],
               "truth_next": bytes(truth[n:n + 2 * period].tolist()).decode(),
               "pred_next": bytes(pred[n:n + 2 * period].tolist()).decode()}
-    result["change"] = change_datum(learner, truth, n, letters, cfg)
+    snap = learner.snapshot()
+    sampled = generate(learner, GENERATE, temperature=1.0, seed=seed)  # (GENERATE,)
+    learner.restore(snap)
+    result.update(generated=bytes(sampled.tolist()).decode(errors="replace"),
+                  generated_acc=(sampled == truth[n:n + GENERATE]).float().mean().item(),
+                  change=change_datum(learner, truth, n, letters, cfg))
     return result
 
 
@@ -124,11 +132,12 @@ def summarize(cfg: Config, runs: list[dict]) -> dict:
             arms = [r[letters][arm] for r in runs]
             summary.setdefault(letters, {})[arm] = {
                 "train_acc": mean_std([a["train_acc"] for a in arms]),
+                "generated_acc": mean_std([a["generated_acc"] for a in arms]),
                 "extrapolation": [mean_std(list(v)) for v in zip(*[a["extrapolation"] for a in arms])],
                 "change": [{key: mean_std([a["change"][k][key] for a in arms])
                             for key in ("p_new_at", "p_new_rest", "flipped_rest", "train_acc")}
                            for k in range(cfg.change_steps + 1)],
-                "samples": [{"truth": a["truth_next"], "pred": a["pred_next"],
+                "samples": [{"truth": a["truth_next"], "pred": a["pred_next"], "generated": a["generated"],
                              "after_change": [c["pred"] for c in a["change"]]} for a in arms]}
     return {"edges": [e for e in EDGES if e <= cfg.far], "patterns": summary}
 
@@ -140,10 +149,12 @@ def markdown(results: dict) -> str:
     for letters, arms in results["patterns"].items():
         unit = pattern_bytes(letters, cfg["run"], len(letters) * (cfg["run"] + 1)).decode()
         lines += [f"## pattern `{unit}` (period {len(unit)}), N = {cfg['length']}", "",
-                  "Accuracy % of the argmax: on the training range, then past the end by distance (indices).", "",
-                  "| arm | train | " + " | ".join(bins) + " |", "|---|---|" + "---|" * len(bins)]
-        lines += [f"| {arm} | {pm(m['train_acc'])} | " + " | ".join(pm(s) for s in m["extrapolation"]) + " |"
-                  for arm, m in arms.items()]
+                  ("Accuracy % of the argmax: on the training range, then past the end by distance (indices); "
+                   "last column: bytes generated past the end equal to the pattern."), "",
+                  "| arm | train | " + " | ".join(bins) + f" | generated (first {GENERATE}) |",
+                  "|---|---|" + "---|" * (len(bins) + 1)]
+        lines += [f"| {arm} | {pm(m['train_acc'])} | " + " | ".join(pm(s) for s in m["extrapolation"]) +
+                  f" | {pm(m['generated_acc'])} |" for arm, m in arms.items()]
         lines += ["", ("Change: steps on the first letter of the next run set to another letter. P(new) on the rest "
                        "of that run, share of it whose argmax flips to the new letter, train accuracy (%)."), "",
                   "| arm | steps | P(new) at the changed index | P(new), rest of run | flipped | train acc |",
@@ -151,11 +162,12 @@ def markdown(results: dict) -> str:
         for arm, m in arms.items():
             lines += [f"| {arm} | {k} | {pm(c['p_new_at'])} | {pm(c['p_new_rest'])} | {pm(c['flipped_rest'])} | "
                       f"{pm(c['train_acc'])} |" for k, c in enumerate(m["change"])]
-        lines += ["", ("Seed 0, two periods past the end (truth / prediction) and the period around the change "
-                       "after 0, 1, ... steps:"), "", "```"]
+        lines += ["", ("Seed 0: two periods past the end (truth, argmax prediction), the bytes generated past the "
+                       "end, and the period around the changed datum after 0, 1, ... steps:"), "", "```"]
         for arm, m in arms.items():
             s = m["samples"][0]
             lines += [f"{arm:>14}  truth {s['truth']}", f"{'':>14}  pred  {s['pred']}",
+                      f"{'':>14}  sampled {s['generated']!r}",
                       f"{'':>14}  after change steps: " + " / ".join(s["after_change"])]
         lines += ["```", ""]
     return "\n".join(lines)
