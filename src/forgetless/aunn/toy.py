@@ -192,6 +192,9 @@ def figures(results: dict, out: Path) -> list[Path]:
             axes[1, col].errorbar(ks, [100 * c["p_new_rest"]["mean"] for c in ch], [100 * c["p_new_rest"]["std"] for c in ch],
                                   marker="o", capsize=3, color=color[arm], label=f"{arm}: P(new), rest of run")
             axes[1, col].plot(ks, [100 * c["train_acc"]["mean"] for c in ch], ls="--", color=color[arm])
+        new_bit = 1 << (results["config"]["length"] - 1).bit_length()  # the first index with an unseen top bit
+        axes[0, col].axvline(new_bit - results["config"]["length"], color="grey", ls=":",
+                             label=f"index {new_bit}: a bit never set in training")
         axes[0, col].set(xscale="log", ylim=(-3, 103), xlabel="indices past the end of the data",
                          ylabel="accuracy of the argmax (%)", title=f"pattern {letters!r}: extrapolation")
         axes[1, col].set(ylim=(-3, 103), xlabel="gradient steps on the changed datum", xticks=list(ks),
