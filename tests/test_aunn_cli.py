@@ -73,6 +73,23 @@ def test_bad_input_is_one_line_with_the_fix(args, message, tmp_path, monkeypatch
     assert message in " ".join(result.output.split()) and "Traceback" not in result.output
 
 
+def test_train_reads_a_config_file_and_rejects_unknown_sections(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("abc|" * 50)
+    good = tmp_path / "good.yaml"
+    good.write_text("model:\n  d_model: 16\n  n_layer: 1\ntrain:\n  steps: 5\n  mode: serial\n")
+    result = aunn("train", "--data", text, "--out", tmp_path / "a.safetensors", "--config", good, "--train-lr", "0.01")
+    assert result.exit_code == 0, result.output
+    from forgetless.aunn.use import load_learner
+    learner, meta = load_learner(tmp_path / "a.safetensors")
+    assert learner.model.config.d_model == 16 and learner.cfg.mode == "serial" and learner.cfg.lr == 0.01
+    assert meta["data_bytes"] == 200 and learner.position == 200
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim:\n  lr: 1\n")
+    result = aunn("train", "--data", text, "--out", tmp_path / "b.safetensors", "--config", bad)
+    assert result.exit_code == 2 and "unknown config section 'optim'; valid: model, train" in result.output
+
+
 def test_generate_rejects_bad_length_and_temperature(checkpoint):
     for args, message in ((("--length", 0), "--length must be positive"), (("--temperature", -1), "temperature")):
         result = aunn("generate", "--checkpoint", checkpoint, *args)

@@ -90,10 +90,7 @@ def scores(static: torch.Tensor, dynamic: torch.Tensor) -> dict:
 def run(cfg: Config, seed: int) -> dict:
     tokens = load_text(cfg)
     n, held = cfg.train_bytes, tokens[cfg.train_bytes:cfg.train_bytes + cfg.eval_bytes]
-    gpt_cfg, _ = gpt_configs(cfg, 1, seed)
-    torch.manual_seed(seed)
-    gpt_params = GPT(gpt_cfg).num_params()
-    aunn = run_aunn(cfg, tokens[:n], held, gpt_params, seed)
+    aunn = run_aunn(cfg, tokens[:n], held, GPT(gpt_configs(cfg, 1, seed)[0]).num_params(), seed)
     gpt = run_gpt(cfg, tokens, held, aunn["cpu_s"], seed)
     counts = torch.bincount(tokens[:n], minlength=256).double() + 1
     unigram = -(counts / counts.sum()).log()[held].mean().item() / LN2
