@@ -322,5 +322,10 @@ def methods():
     out_console.print(table)
 
 
+from forgetless.aunn.cli import app as aunn_app  # noqa: E402  (the AUNN sub-app, kept beside its one use)
+
+app.add_typer(aunn_app, name="aunn")
+
+
 def main():
     app()

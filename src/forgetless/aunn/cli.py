@@ -1,0 +1,221 @@
+"""`forgetless aunn ...`: train an AUNN on a data list, condition it on a prompt, generate, run the experiments.
+
+Model and training flags (`--model-d-model`, `--train-mode`, ...) are generated from AUNNConfig
+and TrainConfig; experiment options are `--set KEY=VALUE` (`forgetless aunn experiments` lists them).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from forgetless.aunn.model import AUNNConfig, size_overrides
+from forgetless.aunn.train import TrainConfig
+from forgetless.config import field_types, from_dict, help_of, load_file
+from forgetless.errors import ForgetlessError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Absolute Unit NN: an MLP from an absolute index to the byte stored there.")
+SECTIONS = {"model": AUNNConfig, "train": TrainConfig}
+
+
+def friendly(fn):
+    """The main CLI's one-line errors (imported on call: forgetless.cli imports this module), with
+    the message escaped for rich so that e.g. `forgetless[aunn]` prints as written."""
+    def escaped(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ForgetlessError as e:
+            raise ForgetlessError(escape(str(e))) from None
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from forgetless.cli import friendly as one_line_errors
+        return one_line_errors(escaped)(*args, **kwargs)
+    return wrapper
+
+
+def say(text: str, **kwargs):
+    from forgetless.cli import out_console
+    out_console.print(text, **kwargs)
+
+
+def section_flags(fn):
+    """Give `fn` one `--<section>-<field>` option per field of SECTIONS; it receives `overrides`."""
+    flags = {f"{s}__{f.name}": (f, field_types(cls)[f.name]) for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
+    extra = [inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str], default=typer.Option(
+        None, "--" + key.replace("__", "-").replace("_", "-"), help=help_of(f), show_default=False,
+        metavar=typ.__name__.upper(), rich_help_panel=f"{key.split('__')[0]} config"))
+        for key, (f, typ) in flags.items()]
+
+    @functools.wraps(fn)
+    def wrapper(**kwargs):
+        overrides: dict = {}
+        for key in flags:
+            if kwargs[key] is not None:
+                section, name = key.split("__")
+                overrides.setdefault(section, {})[name] = kwargs[key]
+        return fn(overrides=overrides, **{k: v for k, v in kwargs.items() if k not in flags})
+    params = [p for p in inspect.signature(fn).parameters.values() if p.name != "overrides"]
+    wrapper.__signature__ = inspect.Signature(params + extra)
+    return wrapper
+
+
+def build_configs(size: str, config_file: Optional[Path], overrides: dict) -> tuple[AUNNConfig, TrainConfig]:
+    """Size preset < config file < flags."""
+    sections = load_file(config_file) if config_file else {}
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        raise ForgetlessError(f"unknown config section {unknown[0]!r}; valid: {', '.join(SECTIONS)}")
+    merged = {s: {**sections.get(s, {}), **overrides.get(s, {})} for s in SECTIONS}
+    return (from_dict(AUNNConfig, {**size_overrides(size), **merged["model"]}, "model"),
+            from_dict(TrainConfig, merged["train"], "train"))
+
+
+@app.callback()
+def threads_option(threads: int = typer.Option(1, help="torch CPU threads (CPU times are measured with this many); "
+                                               "small MLP steps run best on one")):
+    import torch
+
+    if threads <= 0:
+        raise typer.BadParameter(f"must be positive, got {threads}")
+    torch.set_num_threads(threads)
+
+
+SIZE = typer.Option("small", help="AUNN size preset: tiny, small, base or large (width and depth)")
+CONFIG = typer.Option(None, "--config", help="YAML/JSON file with sections model and train")
+
+
+@app.command()
+@friendly
+@section_flags
+def train(data: str = typer.Option(..., help="corpus spec or path: its bytes, in order, are the list"),
+          out: Path = typer.Option(..., help="checkpoint to write (.safetensors): model, optimizer, position"),
+          limit: Optional[int] = typer.Option(None, help="use only the first N bytes"),
+          size: str = SIZE, config_file: Optional[Path] = CONFIG, overrides: dict | None = None):
+    """Train an AUNN on a byte list (index i -> byte i)."""
+    from forgetless.aunn.train import build_learner, fit
+    from forgetless.aunn.use import save_learner
+    from forgetless.data.corpora import load_corpus
+    from forgetless.data.splits import join
+    from forgetless.data.tokenizers import ByteTokenizer
+
+    model_cfg, train_cfg = build_configs(size, config_file, overrides)
+    if out.exists():
+        raise ForgetlessError(f"{out} exists; choose another --out or delete it")
+    if limit is not None and limit <= 0:
+        raise ForgetlessError(f"--limit must be positive, got {limit}")
+    tokens = ByteTokenizer().encode(join(load_corpus(data).docs))[:limit]
+    learner = build_learner(model_cfg, train_cfg)
+    t0 = time.perf_counter()
+    curve = fit(learner, tokens)
+    save_learner(out, learner, data=data, data_bytes=len(tokens))
+    say(f"wrote {out} · {learner.model.num_params():,} parameters · {len(tokens):,} bytes · "
+                      f"final loss {curve['loss'][-1]:.3f} nats · {time.perf_counter() - t0:.1f} s")
+
+
+def show(learner, n: int) -> str:
+    """The argmax bytes at the next n indices, printable."""
+    import torch
+
+    from forgetless.data.tokenizers import ByteTokenizer
+    return ByteTokenizer().decode(learner.predict(torch.arange(learner.position, learner.position + n)).argmax(-1))
+
+
+@app.command("condition")
+@friendly
+def condition_cmd(checkpoint: Path = typer.Option(..., help="AUNN checkpoint"),
+                  prompt: str = typer.Option(..., help="text appended at the next indices"),
+                  steps: int = typer.Option(3, help="gradient steps on the prompt's (index, byte) pairs"),
+                  peek: int = typer.Option(32, help="bytes of the argmax prediction to print after the prompt"),
+                  out: Optional[Path] = typer.Option(None, help="write the conditioned checkpoint here")):
+    """Append a prompt at the next indices, take k gradient steps on it, show the predictions after it."""
+    from forgetless.aunn.use import condition, load_learner, save_learner
+    from forgetless.data.tokenizers import ByteTokenizer
+
+    learner, meta = load_learner(checkpoint)
+    data = ByteTokenizer().encode(prompt.encode())
+    if not len(data):
+        raise ForgetlessError("--prompt is empty; give the text to condition on")
+    start = learner.position
+    learner.position += len(data)
+    before = show(learner, peek)
+    learner.position = start
+    condition(learner, data, steps)
+    after = show(learner, peek)
+    if out:
+        save_learner(out, learner, **{k: meta[k] for k in ("data", "data_bytes") if k in meta})
+    say(f"prompt at indices {start}..{start + len(data) - 1}; next {peek} bytes (argmax)\n"
+                      f"  before: {before!r}\n  after {steps} step(s): {after!r}" + (f"\nwrote {out}" if out else ""),
+                      highlight=False, markup=False)
+
+
+@app.command()
+@friendly
+def generate(checkpoint: Path = typer.Option(..., help="AUNN checkpoint"),
+             length: int = typer.Option(200, help="bytes to generate"),
+             prompt: Optional[str] = typer.Option(None, help="condition on this text first"),
+             prompt_steps: int = typer.Option(3, help="gradient steps on the prompt"),
+             temperature: float = typer.Option(1.0, help="sampling temperature (0 = argmax)"),
+             seed: int = typer.Option(0, help="sampling seed (same seed and checkpoint -> same text)"),
+             out: Optional[Path] = typer.Option(None, help="write the checkpoint after generation here")):
+    """Predict the next index, sample, take one step on the sample, move on."""
+    from forgetless.aunn.use import condition, load_learner, save_learner
+    from forgetless.aunn.use import generate as run_generate
+    from forgetless.data.tokenizers import ByteTokenizer
+
+    if length <= 0:
+        raise ForgetlessError(f"--length must be positive, got {length}")
+    learner, meta = load_learner(checkpoint)
+    tok = ByteTokenizer()
+    if prompt:
+        condition(learner, tok.encode(prompt.encode()), prompt_steps)
+    text = tok.decode(run_generate(learner, length, temperature, seed))
+    if out:
+        save_learner(out, learner, **{k: meta[k] for k in ("data", "data_bytes") if k in meta})
+    typer.echo((prompt or "") + text)
+
+
+@app.command()
+@friendly
+def bench(experiment: str = typer.Argument(..., help="toy, shakespeare or digits (`forgetless aunn experiments`)"),
+          seeds: int = typer.Option(3, help="number of seeds (0..N-1); tables show mean ± std"),
+          out: Optional[Path] = typer.Option(None, help="output folder (default runs/aunn-<experiment>)"),
+          set_: Optional[list[str]] = typer.Option(None, "--set", help="an experiment option, KEY=VALUE (repeatable)"),
+          config_file: Optional[Path] = typer.Option(None, "--config", help="YAML/JSON file of experiment options")):
+    """Run one of the AUNN experiments; write results.json, results.md and figures."""
+    from forgetless.aunn.experiments import run_experiment
+
+    if seeds <= 0:
+        raise ForgetlessError(f"--seeds must be positive, got {seeds}")
+    options = load_file(config_file) if config_file else {}
+    for item in set_ or []:
+        key, eq, value = item.partition("=")
+        if not (eq and key):
+            raise ForgetlessError(f"--set {item!r}: write KEY=VALUE, e.g. --set tasks=5")
+        options[key] = value
+    out = out or Path("runs") / f"aunn-{experiment}"
+    _, files = run_experiment(experiment, options, list(range(seeds)), out)
+    typer.echo(files[1].read_text())
+    say("wrote " + ", ".join(str(f) for f in files))
+
+
+@app.command()
+@friendly
+def experiments():
+    """List the experiments and their options (set them with `bench --set KEY=VALUE`)."""
+    from forgetless.aunn.experiments import EXPERIMENTS, experiment
+
+    for name, (_, about) in EXPERIMENTS.items():
+        table = Table("option", "default", "about", title=f"{name}: {about}", title_justify="left")
+        for f in dataclasses.fields(experiment(name).Config):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            table.add_row(f.name, str(default), help_of(f))
+        say(table)
