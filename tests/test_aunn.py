@@ -6,7 +6,7 @@ import torch
 
 from forgetless.aunn.encoding import build_encoding
 from forgetless.aunn.model import AUNN, AUNNConfig, count_params, match_width
-from forgetless.aunn.train import Learner, TrainConfig, build_learner, fit, schedule
+from forgetless.aunn.train import Learner, AUNNTrainConfig, build_learner, fit, schedule
 from forgetless.aunn.use import condition, generate, load_learner, prequential, save_learner
 from forgetless.checkpoint import save_checkpoint
 from forgetless.errors import ForgetlessError
@@ -25,7 +25,7 @@ def one_thread():
 
 def trained(mode="batch", steps=60, n=96, **model) -> tuple[Learner, torch.Tensor]:
     data = torch.tensor(list(b"|aaa|ccc" * (n // 8)))
-    learner = build_learner(AUNNConfig(**{**TINY, **model}), TrainConfig(mode=mode, steps=steps, batch_size=32,
+    learner = build_learner(AUNNConfig(**{**TINY, **model}), AUNNTrainConfig(mode=mode, steps=steps, batch_size=32,
                                                                         lr=3e-3, warmup=5))
     fit(learner, data)
     return learner, data
@@ -57,25 +57,25 @@ def test_encoding_errors_name_the_fix():
     with pytest.raises(ForgetlessError, match="model.output"):
         AUNNConfig(output="pixels")
     with pytest.raises(ForgetlessError, match="train.mode"):
-        TrainConfig(mode="rnn")
+        AUNNTrainConfig(mode="rnn")
 
 
 def test_serial_mode_visits_indices_in_order_exactly_once_per_epoch():
     n = 17
-    steps = list(schedule(n, TrainConfig(mode="serial", steps=3 * n), torch.Generator().manual_seed(0)))
+    steps = list(schedule(n, AUNNTrainConfig(mode="serial", steps=3 * n), torch.Generator().manual_seed(0)))
     assert all(len(s) == 1 for s in steps)
     assert torch.cat(steps).tolist() == list(range(n)) * 3
 
 
 def test_batch_mode_covers_every_index_once_per_epoch():
     n = 50
-    steps = list(schedule(n, TrainConfig(mode="batch", steps=5, batch_size=10), torch.Generator().manual_seed(0)))
+    steps = list(schedule(n, AUNNTrainConfig(mode="batch", steps=5, batch_size=10), torch.Generator().manual_seed(0)))
     assert sorted(torch.cat(steps).tolist()) == list(range(n))
     assert torch.cat(steps).tolist() != list(range(n))  # random order
 
 
 def test_anneal_goes_from_batches_to_serial_and_ends_on_the_last_index():
-    n, cfg = 40, TrainConfig(mode="anneal", steps=200, batch_size=8)
+    n, cfg = 40, AUNNTrainConfig(mode="anneal", steps=200, batch_size=8)
     steps = list(schedule(n, cfg, torch.Generator().manual_seed(0)))
     serial = [i for i, s in enumerate(steps) if len(s) == 1]
     assert len(serial) == cfg.steps // 2
@@ -174,7 +174,7 @@ def test_fast_units_get_the_higher_learning_rate():
 
 def test_value_output_regresses_a_number():
     data = torch.arange(64).float() % 8 / 8
-    learner = build_learner(AUNNConfig(output="value", **TINY), TrainConfig(mode="batch", steps=200, batch_size=64,
+    learner = build_learner(AUNNConfig(output="value", **TINY), AUNNTrainConfig(mode="batch", steps=200, batch_size=64,
                                                                            lr=3e-3, warmup=5))
     curve = fit(learner, data)
     assert curve["loss"][-1] < 0.1 * curve["loss"][0]

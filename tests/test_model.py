@@ -34,7 +34,7 @@ def test_context_too_long():
 @pytest.mark.parametrize("field,value,msg", [
     ("n_layer", 0, "model.n_layer must be positive"), ("d_model", -8, "model.d_model must be positive"),
     ("n_head", 3, "divisible by model.n_head"), ("dropout", 1.5, "dropout must be in"),
-    ("ffn", "nope", "unknown FFN kind 'nope'; valid: apn, dense")])
+    ("ffn", "nope", "unknown FFN kind 'nope'; valid: apn, cms, dense")])
 def test_bad_sizes(field, value, msg):
     with pytest.raises(ForgetlessError, match=msg):
         tiny(**{field: value})

@@ -6,8 +6,6 @@ a YAML/JSON `--config` file takes the same sections. Precedence: preset < file <
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import json
 from pathlib import Path
 from typing import Optional
@@ -16,15 +14,13 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from forgetless.config import field_types, help_of, load_file
+from forgetless.aunn.cli import app as aunn_app
+from forgetless.cliutil import config_flags, friendly, out_console
+from forgetless.config import load_file
 from forgetless.errors import ForgetlessError
-from forgetless.progress import console
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Continual learning of Transformer LMs: methods against forgetting, benchmarked side by side.")
-out_console = console.__class__()  # stdout, for tables
-
-HIDDEN_FIELDS = {"vocab_size", "ffn_options"}
 
 
 def config_sections():
@@ -32,51 +28,7 @@ def config_sections():
     return SECTIONS
 
 
-def with_config_flags(fn):
-    """Add one `--<section>-<field>` option per config field; pass them on as `overrides`."""
-    sig = inspect.signature(fn)
-    extra = []
-    for section, cls in config_sections().items():
-        types = field_types(cls)
-        for f in dataclasses.fields(cls):
-            if f.name in HIDDEN_FIELDS:
-                continue
-            flag = f"--{section}-{f.name.replace('_', '-')}"
-            metavar = getattr(types[f.name], "__name__", "VALUE").upper()
-            option = typer.Option(None, flag, help=help_of(f), metavar=metavar, show_default=False,
-                                  rich_help_panel=f"{section} config (default: the preset's)")
-            extra.append(inspect.Parameter(f"{section}__{f.name}", inspect.Parameter.KEYWORD_ONLY,
-                                           default=option, annotation=Optional[str]))
-
-    @functools.wraps(fn)
-    def wrapper(**kwargs):
-        flags: dict = {}
-        for name in [k for k in kwargs if "__" in k]:
-            value = kwargs.pop(name)
-            if value is not None:
-                section, key = name.split("__", 1)
-                flags.setdefault(section, {})[key] = value
-        return fn(flags=flags, **kwargs)
-
-    params = [p for p in sig.parameters.values() if p.name != "flags"] + extra
-    wrapper.__signature__ = sig.replace(parameters=params)
-    wrapper.__annotations__ = {p.name: p.annotation for p in params}
-    return wrapper
-
-
-def friendly(fn):
-    """One-line errors (exit 2) instead of tracebacks for bad input."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except ForgetlessError as e:
-            console.print(f"[bold red]error:[/bold red] {e}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2)
-        except KeyboardInterrupt:
-            console.print("interrupted: run the same command again to resume from the last checkpoint")
-            raise typer.Exit(130)
-    return wrapper
+with_config_flags = config_flags(config_sections, "config (default: the preset's)")
 
 
 def merge_overrides(config_file: Optional[Path], flags: dict, sets: list[str]) -> dict:
@@ -321,8 +273,6 @@ def methods():
                       *about or [""])
     out_console.print(table)
 
-
-from forgetless.aunn.cli import app as aunn_app  # noqa: E402  (the AUNN sub-app, kept beside its one use)
 
 app.add_typer(aunn_app, name="aunn")
 

@@ -1,82 +1,39 @@
 """`forgetless aunn ...`: train an AUNN on a data list, condition it on a prompt, generate, run the experiments.
 
 Model and training flags (`--model-d-model`, `--train-mode`, ...) are generated from AUNNConfig
-and TrainConfig; experiment options are `--set KEY=VALUE` (`forgetless aunn experiments` lists them).
+and AUNNTrainConfig; experiment options are `--set KEY=VALUE` (`forgetless aunn experiments` lists them).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import time
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from forgetless.aunn.model import AUNNConfig, size_overrides
-from forgetless.aunn.train import TrainConfig
-from forgetless.config import field_types, from_dict, help_of, load_file
+from forgetless.aunn.train import AUNNTrainConfig
+from forgetless.cliutil import config_flags, friendly, out_console
+from forgetless.config import from_dict, help_of, load_file
 from forgetless.errors import ForgetlessError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Absolute Unit NN: an MLP from an absolute index to the byte stored there.")
-SECTIONS = {"model": AUNNConfig, "train": TrainConfig}
+SECTIONS = {"model": AUNNConfig, "train": AUNNTrainConfig}
+section_flags = config_flags(lambda: SECTIONS)
 
 
-def friendly(fn):
-    """The main CLI's one-line errors (imported on call: forgetless.cli imports this module), with
-    the message escaped for rich so that e.g. `forgetless[aunn]` prints as written."""
-    def escaped(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except ForgetlessError as e:
-            raise ForgetlessError(escape(str(e))) from None
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        from forgetless.cli import friendly as one_line_errors
-        return one_line_errors(escaped)(*args, **kwargs)
-    return wrapper
-
-
-def say(text: str, **kwargs):
-    from forgetless.cli import out_console
-    out_console.print(text, **kwargs)
-
-
-def section_flags(fn):
-    """Give `fn` one `--<section>-<field>` option per field of SECTIONS; it receives `overrides`."""
-    flags = {f"{s}__{f.name}": (f, field_types(cls)[f.name]) for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)}
-    extra = [inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str], default=typer.Option(
-        None, "--" + key.replace("__", "-").replace("_", "-"), help=help_of(f), show_default=False,
-        metavar=typ.__name__.upper(), rich_help_panel=f"{key.split('__')[0]} config"))
-        for key, (f, typ) in flags.items()]
-
-    @functools.wraps(fn)
-    def wrapper(**kwargs):
-        overrides: dict = {}
-        for key in flags:
-            if kwargs[key] is not None:
-                section, name = key.split("__")
-                overrides.setdefault(section, {})[name] = kwargs[key]
-        return fn(overrides=overrides, **{k: v for k, v in kwargs.items() if k not in flags})
-    params = [p for p in inspect.signature(fn).parameters.values() if p.name != "overrides"]
-    wrapper.__signature__ = inspect.Signature(params + extra)
-    return wrapper
-
-
-def build_configs(size: str, config_file: Optional[Path], overrides: dict) -> tuple[AUNNConfig, TrainConfig]:
+def build_configs(size: str, config_file: Optional[Path], flags: dict) -> tuple[AUNNConfig, AUNNTrainConfig]:
     """Size preset < config file < flags."""
     sections = load_file(config_file) if config_file else {}
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         raise ForgetlessError(f"unknown config section {unknown[0]!r}; valid: {', '.join(SECTIONS)}")
-    merged = {s: {**sections.get(s, {}), **overrides.get(s, {})} for s in SECTIONS}
+    merged = {s: {**sections.get(s, {}), **flags.get(s, {})} for s in SECTIONS}
     return (from_dict(AUNNConfig, {**size_overrides(size), **merged["model"]}, "model"),
-            from_dict(TrainConfig, merged["train"], "train"))
+            from_dict(AUNNTrainConfig, merged["train"], "train"))
 
 
 @app.callback()
@@ -99,7 +56,7 @@ CONFIG = typer.Option(None, "--config", help="YAML/JSON file with sections model
 def train(data: str = typer.Option(..., help="corpus spec or path: its bytes, in order, are the list"),
           out: Path = typer.Option(..., help="checkpoint to write (.safetensors): model, optimizer, position"),
           limit: Optional[int] = typer.Option(None, help="use only the first N bytes"),
-          size: str = SIZE, config_file: Optional[Path] = CONFIG, overrides: dict | None = None):
+          size: str = SIZE, config_file: Optional[Path] = CONFIG, flags: dict | None = None):
     """Train an AUNN on a byte list (index i -> byte i)."""
     from forgetless.aunn.train import build_learner, fit
     from forgetless.aunn.use import save_learner
@@ -107,7 +64,7 @@ def train(data: str = typer.Option(..., help="corpus spec or path: its bytes, in
     from forgetless.data.splits import join
     from forgetless.data.tokenizers import ByteTokenizer
 
-    model_cfg, train_cfg = build_configs(size, config_file, overrides)
+    model_cfg, train_cfg = build_configs(size, config_file, flags)
     if out.exists():
         raise ForgetlessError(f"{out} exists; choose another --out or delete it")
     if limit is not None and limit <= 0:
@@ -117,7 +74,7 @@ def train(data: str = typer.Option(..., help="corpus spec or path: its bytes, in
     t0 = time.perf_counter()
     curve = fit(learner, tokens)
     save_learner(out, learner, data=data, data_bytes=len(tokens))
-    say(f"wrote {out} · {learner.model.num_params():,} parameters · {len(tokens):,} bytes · "
+    out_console.print(f"wrote {out} · {learner.model.num_params():,} parameters · {len(tokens):,} bytes · "
                       f"final loss {curve['loss'][-1]:.3f} nats · {time.perf_counter() - t0:.1f} s")
 
 
@@ -152,7 +109,7 @@ def condition_cmd(checkpoint: Path = typer.Option(..., help="AUNN checkpoint"),
     after = show(learner, peek)
     if out:
         save_learner(out, learner, **{k: meta[k] for k in ("data", "data_bytes") if k in meta})
-    say(f"prompt at indices {start}..{start + len(data) - 1}; next {peek} bytes (argmax)\n"
+    out_console.print(f"prompt at indices {start}..{start + len(data) - 1}; next {peek} bytes (argmax)\n"
                       f"  before: {before!r}\n  after {steps} step(s): {after!r}" + (f"\nwrote {out}" if out else ""),
                       highlight=False, markup=False)
 
@@ -204,7 +161,7 @@ def bench(experiment: str = typer.Argument(..., help="toy, shakespeare or digits
     out = out or Path("runs") / f"aunn-{experiment}"
     _, files = run_experiment(experiment, options, list(range(seeds)), out)
     typer.echo(files[1].read_text())
-    say("wrote " + ", ".join(str(f) for f in files))
+    out_console.print("wrote " + ", ".join(str(f) for f in files))
 
 
 @app.command()
@@ -218,4 +175,4 @@ def experiments():
         for f in dataclasses.fields(experiment(name).Config):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             table.add_row(f.name, str(default), help_of(f))
-        say(table)
+        out_console.print(table)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from forgetless.aunn.experiments import pm, save_figure
 from forgetless.aunn.model import AUNNConfig, size_overrides
-from forgetless.aunn.train import TrainConfig, build_learner
+from forgetless.aunn.train import AUNNTrainConfig, build_learner
 from forgetless.aunn.use import condition
 from forgetless.continual.metrics import sequence_metrics
 from forgetless.continual.two_domain import mean_std
@@ -74,7 +74,7 @@ class AUNNClassifier:
 
     def __init__(self, cfg: Config, seed: int, fast: bool = False):
         model_cfg = AUNNConfig(**size_overrides(cfg.size), fast_units=cfg.fast_units if fast else 0)
-        self.learner = build_learner(model_cfg, TrainConfig(lr=cfg.lr, warmup=10, seed=seed))
+        self.learner = build_learner(model_cfg, AUNNTrainConfig(lr=cfg.lr, warmup=10, seed=seed))
         self.pixel_steps = cfg.pixel_steps
         self.label_index: list[int] = []
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from forgetless.aunn.experiments import pm, save_figure
 from forgetless.aunn.model import AUNNConfig, match_width
-from forgetless.aunn.train import MODES, TrainConfig, build_learner, fit
+from forgetless.aunn.train import MODES, AUNNTrainConfig, build_learner, fit
 from forgetless.aunn.use import prequential
 from forgetless.config import from_dict
 from forgetless.continual.evaluate import evaluate, training_loss
@@ -32,7 +32,7 @@ from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPT, GPTConfig
 from forgetless.presets import PRESETS
 from forgetless.progress import progress_task
-from forgetless.train import TrainConfig as GPTTrainConfig
+from forgetless.train import TrainConfig
 from forgetless.train import train
 
 LN2 = math.log(2)
@@ -70,10 +70,10 @@ def load_text(cfg: Config) -> torch.Tensor:
     return tokens
 
 
-def gpt_configs(cfg: Config, steps: int, seed: int) -> tuple[GPTConfig, GPTTrainConfig]:
+def gpt_configs(cfg: Config, steps: int, seed: int) -> tuple[GPTConfig, TrainConfig]:
     preset = PRESETS[cfg.gpt_preset]
     return (from_dict(GPTConfig, preset["model"], "model"),
-            from_dict(GPTTrainConfig, {**preset["pretrain"], "steps": steps, "seed": seed}, "pretrain"))
+            from_dict(TrainConfig, {**preset["pretrain"], "steps": steps, "seed": seed}, "pretrain"))
 
 
 def running_bits(losses: torch.Tensor, points: int = 64) -> list[float]:
@@ -99,7 +99,7 @@ def run(cfg: Config, seed: int) -> dict:
 
 def run_aunn(cfg: Config, data: torch.Tensor, held: torch.Tensor, target_params: int, seed: int) -> dict:
     model_cfg = match_width(AUNNConfig(n_layer=cfg.aunn_layers), target_params)
-    train_cfg = TrainConfig(mode=cfg.aunn_mode, steps=cfg.aunn_steps, batch_size=cfg.aunn_batch, lr=cfg.aunn_lr,
+    train_cfg = AUNNTrainConfig(mode=cfg.aunn_mode, steps=cfg.aunn_steps, batch_size=cfg.aunn_batch, lr=cfg.aunn_lr,
                             warmup=cfg.aunn_warmup, seed=seed)
     learner = build_learner(model_cfg, train_cfg)
     t0 = time.process_time()
@@ -116,7 +116,7 @@ def run_aunn(cfg: Config, data: torch.Tensor, held: torch.Tensor, target_params:
             "loss_curve": {"cpu_s": curve["cpu_s"], "bits": [v / LN2 for v in curve["loss"]]}}
 
 
-def gpt_steps_for(seconds: float, model: GPT, data: torch.Tensor, cfg: GPTTrainConfig, probe_steps: int = 10) -> int:
+def gpt_steps_for(seconds: float, model: GPT, data: torch.Tensor, cfg: TrainConfig, probe_steps: int = 10) -> int:
     """Steps that fill `seconds` of CPU time, timed on a throwaway copy of the model."""
     probe = copy.deepcopy(model)
     sampler = Sampler(data, cfg.batch_size, probe.config.block_size, cfg.seed)

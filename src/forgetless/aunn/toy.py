@@ -19,7 +19,7 @@ import torch
 
 from forgetless.aunn.experiments import pm, save_figure
 from forgetless.aunn.model import AUNNConfig, size_overrides
-from forgetless.aunn.train import MODES, TrainConfig, build_learner, fit
+from forgetless.aunn.train import MODES, AUNNTrainConfig, build_learner, fit
 from forgetless.aunn.use import generate
 from forgetless.continual.two_domain import mean_std
 from forgetless.data.tokenizers import ByteTokenizer
@@ -58,7 +58,7 @@ class Config:
             raise ForgetlessError("toy.run, toy.length, toy.change_steps and toy.far must be positive")
 
 
-def arm_config(cfg: Config, arm: str) -> tuple[AUNNConfig, TrainConfig]:
+def arm_config(cfg: Config, arm: str) -> tuple[AUNNConfig, AUNNTrainConfig]:
     mode, *extras = arm.split("+")
     if mode not in MODES or not set(extras) <= {"fast", "fourier"}:
         raise ForgetlessError(f"toy.arms: {arm!r} is not MODE[+fast][+fourier] with MODE one of {', '.join(MODES)}")
@@ -66,7 +66,7 @@ def arm_config(cfg: Config, arm: str) -> tuple[AUNNConfig, TrainConfig]:
     if "fourier" in extras:
         model.update(encoding="fourier", bits=cfg.fourier_bits)
     steps = {"batch": cfg.batch_steps, "anneal": cfg.anneal_steps, "serial": cfg.serial_epochs * cfg.length}[mode]
-    return AUNNConfig(**model), TrainConfig(mode=mode, steps=steps, batch_size=cfg.batch_size, lr=cfg.lr)
+    return AUNNConfig(**model), AUNNTrainConfig(mode=mode, steps=steps, batch_size=cfg.batch_size, lr=cfg.lr)
 
 
 def pattern_bytes(letters: str, run: int, n: int) -> bytes:

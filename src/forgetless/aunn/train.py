@@ -23,7 +23,7 @@ MODES = ("batch", "serial", "anneal")
 
 
 @dataclass
-class TrainConfig:
+class AUNNTrainConfig:
     mode: str = field(default="anneal", metadata={
         "help": "batch (random large batches), serial (batch 1 in order) or anneal (batch -> serial)"})
     steps: int = field(default=2000, metadata={"help": "optimizer steps (serial: epochs x N ends each epoch on the last index)"})
@@ -47,7 +47,7 @@ class TrainConfig:
             raise ForgetlessError("train.warmup, train.weight_decay and train.grad_clip must not be negative")
 
 
-def build_learner(model_cfg: AUNNConfig, cfg: TrainConfig) -> Learner:
+def build_learner(model_cfg: AUNNConfig, cfg: AUNNTrainConfig) -> Learner:
     """A fresh AUNN, initialised from `cfg.seed`, with its optimizer."""
     torch.manual_seed(cfg.seed)
     return Learner(AUNN(model_cfg), cfg)
@@ -57,7 +57,7 @@ class Learner:
     """An AUNN with its optimizer and the next free index: training, conditioning and generation
     are all `step`s on (index, datum) pairs."""
 
-    def __init__(self, model: AUNN, cfg: TrainConfig, position: int = 0):
+    def __init__(self, model: AUNN, cfg: AUNNTrainConfig, position: int = 0):
         self.model, self.cfg, self.position, self.steps_done = model, cfg, position, 0
         fast = {id(p) for p in model.fast_parameters()}
         slow = [p for p in model.parameters() if id(p) not in fast]
@@ -105,11 +105,11 @@ class Learner:
         self.position, self.steps_done = snap["position"], snap["steps_done"]
 
 
-def serial_steps(cfg: TrainConfig) -> int:
+def serial_steps(cfg: AUNNTrainConfig) -> int:
     return cfg.steps if cfg.mode == "serial" else cfg.steps // 2 if cfg.mode == "anneal" else 0
 
 
-def is_serial(step: int, cfg: TrainConfig) -> bool:
+def is_serial(step: int, cfg: AUNNTrainConfig) -> bool:
     """Anneal: serial iff the cumulative serial share t^2 / 2T passes an integer at this step."""
     if cfg.mode != "anneal":
         return cfg.mode == "serial"
@@ -117,7 +117,7 @@ def is_serial(step: int, cfg: TrainConfig) -> bool:
     return (step + 1) ** 2 // (2 * T) > step ** 2 // (2 * T)
 
 
-def schedule(n: int, cfg: TrainConfig, generator: torch.Generator) -> Iterator[torch.Tensor]:
+def schedule(n: int, cfg: AUNNTrainConfig, generator: torch.Generator) -> Iterator[torch.Tensor]:
     """The index batch of every step, (B,) int64, for data of length n."""
     if n <= 0:
         raise ForgetlessError("cannot train on empty data")

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from forgetless.aunn.model import AUNN, AUNNConfig
-from forgetless.aunn.train import Learner, TrainConfig
+from forgetless.aunn.train import AUNNTrainConfig, Learner
 from forgetless.checkpoint import load_checkpoint, load_optimizer, optimizer_tensors, save_checkpoint
 from forgetless.config import from_dict
 from forgetless.errors import ForgetlessError
@@ -86,7 +86,7 @@ def load_learner(path: str | Path) -> tuple[Learner, dict]:
                               "make one with `forgetless aunn train`")
     model = AUNN(from_dict(AUNNConfig, meta["model"], "model"))
     model.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
-    learner = Learner(model, from_dict(TrainConfig, meta["train"], "train"), meta["position"])
+    learner = Learner(model, from_dict(AUNNTrainConfig, meta["train"], "train"), meta["position"])
     load_optimizer(learner.opt, tensors, meta["optim_groups"])
     learner.steps_done = meta["steps_done"]
     return learner, meta

@@ -1,0 +1,69 @@
+"""What the command-line apps share: one-line errors, config flags generated from dataclasses, and
+the stdout console for tables."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from typing import Callable, Optional
+
+import typer
+from rich.markup import escape
+
+from forgetless.config import field_types, help_of
+from forgetless.errors import ForgetlessError
+from forgetless.progress import console
+
+out_console = console.__class__()  # stdout, for tables
+
+HIDDEN_FIELDS = {"vocab_size", "ffn_options"}
+
+
+def config_flags(sections: Callable[[], dict], panel: str = "config"):
+    """Decorator factory: one `--<section>-<field>` option per field of the dataclasses that
+    `sections()` returns ({section: class}); the command receives them as `flags` ({section: {field: text}})."""
+    def decorate(fn):
+        sig = inspect.signature(fn)
+        extra = []
+        for section, cls in sections().items():
+            types = field_types(cls)
+            for f in dataclasses.fields(cls):
+                if f.name in HIDDEN_FIELDS:
+                    continue
+                flag = f"--{section}-{f.name.replace('_', '-')}"
+                metavar = getattr(types[f.name], "__name__", "VALUE").upper()
+                option = typer.Option(None, flag, help=help_of(f), metavar=metavar, show_default=False,
+                                      rich_help_panel=f"{section} {panel}")
+                extra.append(inspect.Parameter(f"{section}__{f.name}", inspect.Parameter.KEYWORD_ONLY,
+                                               default=option, annotation=Optional[str]))
+
+        @functools.wraps(fn)
+        def wrapper(**kwargs):
+            flags: dict = {}
+            for name in [k for k in kwargs if "__" in k]:
+                value = kwargs.pop(name)
+                if value is not None:
+                    section, key = name.split("__", 1)
+                    flags.setdefault(section, {})[key] = value
+            return fn(flags=flags, **kwargs)
+
+        params = [p for p in sig.parameters.values() if p.name != "flags"] + extra
+        wrapper.__signature__ = sig.replace(parameters=params)
+        wrapper.__annotations__ = {p.name: p.annotation for p in params}
+        return wrapper
+    return decorate
+
+
+def friendly(fn):
+    """One-line errors (exit 2) instead of tracebacks for bad input."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ForgetlessError as e:  # escaped: messages name specs such as lora[r=16] or forgetless[aunn]
+            console.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2)
+        except KeyboardInterrupt:
+            console.print("interrupted: run the same command again to resume from the last checkpoint")
+            raise typer.Exit(130)
+    return wrapper
