@@ -223,8 +223,20 @@ def test_bench_optimizers_compares_pretraining_and_adaptation(tmp_path):
     assert "Pretraining on A with each optimizer" in (tmp_path / "results.md").read_text()
 
 
+def test_bench_optimizers_across_learning_rates(tmp_path):
+    result = invoke("bench", "--preset", "smoke", "--seeds", 1, "--optimizers", "adamw,delta", "--lrs", "1e-3,3e-3",
+                    "--out", tmp_path)
+    assert result.exit_code == 0, result.output
+    methods = json.loads((tmp_path / "results.json").read_text())["methods"]
+    assert list(methods) == ["full", "full[lr=3e-3]", "full[optimizer=delta]", "full[optimizer=delta;lr=3e-3]"]
+    assert methods["full[optimizer=delta;lr=3e-3]"]["options"]["lr"] == 3e-3   # smoke adapts at 1e-3: plain names
+    assert (tmp_path / "optimizer_frontier.png").stat().st_size > 1000
+
+
 @pytest.mark.parametrize("args, message", [
     (["--optimizers", "adamw,adam"], "unknown optimizer 'adam' in --optimizers; valid: adamw"),
+    (["--lrs", "1e-3"], "--lrs goes with --optimizers"),
+    (["--optimizers", "adamw", "--lrs", "fast"], "--lrs takes numbers"),
     (["--optimizers", "adamw", "--protocol", "sequence"], "--optimizers runs the two-domain protocol"),
     (["--methods", "lora[r=4]", "--optimizers", "adamw"], "give plain method names"),
     (["--adapt-optimizer", "sgd"], "unknown optimizer 'sgd'"),

@@ -72,6 +72,8 @@ def bench(preset: str = PRESET,
                                                    "a base pretrained with each (loss curves), and every method "
                                                    "(default: full) adapted with each (two-domain)"),
           pretrain_seeds: int = typer.Option(1, help="with --optimizers: pretraining runs per optimizer"),
+          lrs: Optional[str] = typer.Option(None, "--lrs", help="with --optimizers: adapt at each of these learning "
+                                            "rates too, e.g. 1e-4,3e-4,1e-3 (trade-off curves per optimizer)"),
           config_file: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET, flags: dict = None):
     """Pretrain (cached), adapt every method, write results.json/csv/md and figures."""
     from forgetless.continual.optimizers import run_optimizers
@@ -94,12 +96,15 @@ def bench(preset: str = PRESET,
         if value:
             flags.setdefault("data", {})[key] = value
     cfg = run_config(preset, config_file, flags, set_)
+    if lrs and not optimizers:
+        raise ForgetlessError("--lrs goes with --optimizers (e.g. --optimizers adamw,muon --lrs 1e-4,3e-4)")
     if optimizers:
         if protocol != "two-domain" or pretrain_seeds <= 0:
             raise ForgetlessError("--optimizers runs the two-domain protocol with --pretrain-seeds >= 1")
         names = ["full"] if methods == "all" else methods.split(",")
         out = out or Path("runs") / f"optimizers-{preset}"
-        results = run_optimizers(cfg, names, optimizers.split(","), list(range(seeds)), out, preset, pretrain_seeds)
+        results = run_optimizers(cfg, names, optimizers.split(","), list(range(seeds)), out, preset, pretrain_seeds,
+                                 lrs.split(",") if lrs else None)
     else:
         names = method_names(protocol) if methods == "all" else [methods]
         out = out or Path("runs") / f"{protocol}-{preset}"

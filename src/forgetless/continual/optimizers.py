@@ -4,7 +4,8 @@
    training-loss and held-out PPL_A curves are compared (results.json `pretraining`);
 2. adaptation: the two-domain protocol with one arm per (method, optimizer), all from the default
    base (pretrained with `pretrain.optimizer`), so only the adaptation optimizer differs. The arm
-   with the protocol's own optimizer keeps the plain method name; the others are METHOD[optimizer=O].
+   with the protocol's own optimizer keeps the plain method name; the others are METHOD[optimizer=O]
+   (and METHOD[...;lr=LR] for each learning rate of `--lrs` other than the method's own).
 """
 from __future__ import annotations
 
@@ -16,23 +17,37 @@ from forgetless.continual.base_model import cached_base, load_base
 from forgetless.continual.two_domain import band, mean_std, run_two_domain
 from forgetless.data.domains import load_domains
 from forgetless.errors import ForgetlessError
+from forgetless.methods import build_method
 from forgetless.optim import OPTIMIZERS
 from forgetless.presets import RunConfig
 
 
 def run_optimizers(cfg: RunConfig, methods: list[str], optimizers: list[str], seeds: list[int], out: Path,
-                   preset: str, pretrain_seeds: int = 1) -> dict:
+                   preset: str, pretrain_seeds: int = 1, lrs: list[str] | None = None) -> dict:
+    """`lrs` (e.g. ["1e-4", "3e-4"]): adapt with each optimizer at each learning rate, so that the
+    optimizers can be compared along their retention/adaptation trade-off rather than at one lr."""
     unknown = [o for o in optimizers if o not in OPTIMIZERS]
     if unknown or not optimizers:
         raise ForgetlessError(f"unknown optimizer {unknown[0] if unknown else '(none)'!r} in --optimizers; "
                               f"valid: {', '.join(OPTIMIZERS)}")
     if any("[" in m for m in methods):
         raise ForgetlessError("--optimizers makes one arm per method and optimizer: give plain method names, e.g. full,ffn")
-    specs = [m if o == cfg.adapt.optimizer else f"{m}[optimizer={o}]" for m in methods for o in optimizers]
+    specs = [arm_spec(cfg, m, o, lr) for m in methods for o in optimizers for lr in lrs or [None]]
     results = run_two_domain(cfg, specs, seeds, out, preset)
     results["optimizers"] = list(optimizers)
     results["pretraining"] = pretraining_runs(cfg, optimizers, list(range(pretrain_seeds)))
     return results
+
+
+def arm_spec(cfg: RunConfig, method: str, optimizer: str, lr: str | None) -> str:
+    """METHOD, or METHOD[optimizer=O;lr=LR] for what differs from the method's defaults in this run."""
+    try:
+        own_lr = build_method(method, cfg.methods.get(method)).cfg.lr or cfg.adapt.lr
+        other_lr = lr is not None and float(lr) != own_lr
+    except ValueError:
+        raise ForgetlessError(f"--lrs takes numbers, e.g. 1e-4,3e-4,1e-3; got {lr!r}") from None
+    options = ([f"optimizer={optimizer}"] if optimizer != cfg.adapt.optimizer else []) + ([f"lr={lr}"] if other_lr else [])
+    return f"{method}[{';'.join(options)}]" if options else method
 
 
 def pretraining_runs(cfg: RunConfig, optimizers: list[str], seeds: list[int]) -> dict:

@@ -224,6 +224,37 @@ def pretraining_curves(results: dict, path: Path) -> bool:
     return True
 
 
+def optimizer_frontier(results: dict, path: Path) -> bool:
+    """Optimizer comparison with `--lrs`: forgetting vs PPL_B of every arm, one line per optimizer
+    through its learning rates (each point labelled with its lr)."""
+    if not results.get("optimizers"):
+        return False
+    adapt = results["config"]["adapt"]
+    lines: dict[str, list] = {}
+    for name, m in results["methods"].items():
+        opts = m["options"]
+        key = f"{name.split('[')[0]}, {opts.get('optimizer') or adapt['optimizer']}"
+        lines.setdefault(key, []).append((opts.get("lr") or adapt["lr"], m["forgetting"], m["ppl_b_after"]))
+    if all(len(points) < 2 for points in lines.values()):
+        return False
+    color = colors(list(lines))
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for key, points in lines.items():
+        points.sort()
+        xs, ys = [100 * f["mean"] for _, f, _ in points], [b["mean"] for _, _, b in points]
+        ax.errorbar(xs, ys, xerr=[100 * f["std"] for _, f, _ in points], yerr=[b["std"] for _, _, b in points],
+                    marker="o", color=color[key], capsize=2, label=key)
+        for lr, x, y in zip([p[0] for p in points], xs, ys):
+            ax.annotate(f"{lr:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color[key])
+    positive = all(f["mean"] > 0 for points in lines.values() for _, f, _ in points)
+    ax.set(xscale="log" if positive else "linear", xlabel="forgetting F on A (% rise of PPL_A)  ← better",
+           ylabel="PPL on B after adaptation  ↓ better",
+           title=f"Retention vs adaptation by optimizer, across learning rates ({len(results['seeds'])} seed(s))")
+    ax.legend(fontsize=8)
+    save(fig, path)
+    return True
+
+
 def level_changes(results: dict, path: Path) -> bool:
     """CMS arms: how far each level (by update period) moved during adaptation, relative to its size."""
     arms = reported(results, "level_change")
@@ -252,7 +283,8 @@ def write_figures(results: dict, folder: Path) -> list[Path]:
     loss_curves(results, paths[3])
     for name, draw in (("routing_monitors.png", monitor_curves), ("routing_overlap.png", routing_histograms),
                        ("gates.png", gate_histograms), ("mix_sweep.png", mix_sweep),
-                       ("pretraining_curves.png", pretraining_curves), ("level_change.png", level_changes)):
+                       ("pretraining_curves.png", pretraining_curves), ("level_change.png", level_changes),
+                       ("optimizer_frontier.png", optimizer_frontier)):
         if draw(results, folder / name):
             paths.append(folder / name)
     return paths
