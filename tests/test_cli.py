@@ -219,6 +219,7 @@ def test_bench_optimizers_compares_pretraining_and_adaptation(tmp_path):
         loss = run["loss"]["mean"]
         assert len(loss) == 30 and loss[-1] < loss[0], name      # the smoke preset pretrains 30 steps
         assert run["final_ppl_a"]["mean"] == run["ppl_a"]["mean"][-1]
+    assert results["pretraining"]["adamw"]["bases"] == [results["bases"]["dense"]["path"]]  # the arms' base
     assert (tmp_path / "pretraining_curves.png").stat().st_size > 1000
     assert "Pretraining on A with each optimizer" in (tmp_path / "results.md").read_text()
 

@@ -51,18 +51,21 @@ def arm_spec(cfg: RunConfig, method: str, optimizer: str, lr: str | None) -> str
 
 
 def pretraining_runs(cfg: RunConfig, optimizers: list[str], seeds: list[int]) -> dict:
-    """Per optimizer: mean ± std over seeds of the pretraining loss and held-out PPL_A curves."""
-    (a,), tokenizer = load_domains([cfg.data.domain_a], cfg.data.tokenizer, cfg.model.block_size,
-                                   cfg.data.val_fraction, cfg.data.eval_windows)
+    """Per optimizer: mean ± std over seeds of the pretraining loss and held-out PPL_A curves. A is
+    loaded beside B, as the protocol does (works in both are split between them), so the base of the
+    protocol's own optimizer is the one the adaptation arms start from."""
+    (a, _), tokenizer = load_domains([cfg.data.domain_a, cfg.data.domain_b], cfg.data.tokenizer, cfg.model.block_size,
+                                     cfg.data.val_fraction, cfg.data.eval_windows)
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
     out = {}
     for name in optimizers:
-        metas = [load_base(cached_base(model_cfg, dataclasses.replace(cfg.pretrain, optimizer=name, seed=s),
-                                       a, tokenizer))[2] for s in seeds]
+        paths = [cached_base(model_cfg, dataclasses.replace(cfg.pretrain, optimizer=name, seed=s), a, tokenizer)
+                 for s in seeds]
+        metas = [load_base(path)[2] for path in paths]
         losses = list(zip(*[[v for _, v in m["history"]["loss"]] for m in metas]))
         ppl = list(zip(*[[e["ppl_a"] for e in m["history"]["evals"]] for m in metas]))
         out[name] = {
-            "seeds": seeds,
+            "seeds": seeds, "bases": [str(p) for p in paths],
             "loss": {"step": [s for s, _ in metas[0]["history"]["loss"]], **band(losses)},
             "ppl_a": {"step": [e["step"] for e in metas[0]["history"]["evals"]], **band(ppl)},
             "final_ppl_a": mean_std([m["history"]["evals"][-1]["ppl_a"] for m in metas]),

@@ -245,7 +245,15 @@ def optimizer_frontier(results: dict, path: Path) -> bool:
         ax.errorbar(xs, ys, xerr=[100 * f["std"] for _, f, _ in points], yerr=[b["std"] for _, _, b in points],
                     marker="o", color=color[key], capsize=2, label=key)
         for lr, x, y in zip([p[0] for p in points], xs, ys):
-            ax.annotate(f"{lr:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color[key])
+            ax.annotate(f"{lr:.0e}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color[key])
+    before = next(iter(results["methods"].values()))["ppl_b_before"]["mean"]
+    worse = [f"{key} at {lr:.0e}: {b['mean']:.2f}" for key, points in lines.items() for lr, _, b in points
+             if b["mean"] > before]
+    if worse:  # an arm that ends worse on B than the base would squash the rest: leave it off the axes
+        low = min(b["mean"] - b["std"] for points in lines.values() for _, _, b in points)
+        ax.set_ylim(low - 0.05 * (before - low), before)
+        ax.text(0.99, 0.98, "above the base's PPL_B (off the axes):\n" + "\n".join(worse), transform=ax.transAxes,
+                ha="right", va="top", fontsize=7)
     positive = all(f["mean"] > 0 for points in lines.values() for _, f, _ in points)
     ax.set(xscale="log" if positive else "linear", xlabel="forgetting F on A (% rise of PPL_A)  ← better",
            ylabel="PPL on B after adaptation  ↓ better",
