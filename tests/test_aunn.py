@@ -86,6 +86,13 @@ def test_anneal_goes_from_batches_to_serial_and_ends_on_the_last_index():
     assert all((b - a) % n == 1 for a, b in pairwise(visited))  # in order, wrapping
 
 
+def test_loss_curve_reaches_the_last_step():
+    learner = build_learner(AUNNConfig(**TINY), AUNNTrainConfig(mode="batch", steps=403, batch_size=8, warmup=5))
+    curve = fit(learner, torch.tensor(list(b"|aaa|ccc" * 4)))
+    assert curve["step"][-1] == 403 and curve["step"][:2] == [2, 4]
+    assert len(curve["loss"]) == len(curve["cpu_s"]) == 202
+
+
 def test_training_memorises_and_moves_the_position():
     learner, data = trained(steps=150)
     assert learner.position == len(data)
