@@ -51,9 +51,12 @@ def test_encoding_errors_name_the_fix():
     with pytest.raises(ForgetlessError, match="raise --model-bits"):
         build_encoding("binary", bits=8, features=0, seed=0)(torch.tensor([256]))
     with pytest.raises(ForgetlessError, match="valid: binary, fourier"):
-        build_encoding("onehot", bits=8, features=0, seed=0)
+        AUNNConfig(encoding="onehot")
     with pytest.raises(ForgetlessError, match="even"):
-        build_encoding("fourier", bits=8, features=7, seed=0)
+        AUNNConfig(encoding="fourier", fourier_features=7)
+    with pytest.raises(ForgetlessError, match=r"model.bits must be in \[1, 62\]"):
+        AUNNConfig(bits=0)
+    AUNNConfig(fourier_features=0)  # unused by the binary code
     with pytest.raises(ForgetlessError, match="model.output"):
         AUNNConfig(output="pixels")
     with pytest.raises(ForgetlessError, match="train.mode"):

@@ -61,8 +61,9 @@ def test_generate_is_reproducible_through_the_cli(checkpoint):
     (("bench", "toy", "--set", "arms=batch+wings"), "MODE[+fast][+fourier]"),
     (("bench", "digits", "--set", "early=7"), "contain digits.early"),
     (("bench", "digits", "--set", "learners=aunn,svm"), "digits.learners must be some of"),
-    (("train", "--data", "tinyshakespeare", "--out", "x.safetensors", "--model-encoding", "onehot"), "valid: binary, fourier"),
-    (("train", "--data", "tinyshakespeare", "--out", "x.safetensors", "--size", "huge"), "unknown size 'huge'"),
+    (("train", "--data", "no/such/file.txt", "--out", "x.safetensors", "--model-encoding", "onehot"),
+     "valid: binary, fourier"),  # before the data is read: no such file
+    (("train", "--data", "no/such/file.txt", "--out", "x.safetensors", "--size", "huge"), "unknown size 'huge'"),
     (("train", "--data", "no/such/file.txt", "--out", "x.safetensors"), "unknown corpus"),
     (("generate", "--checkpoint", "missing.safetensors"), "does not exist"),
 ])
