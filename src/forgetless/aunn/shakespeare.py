@@ -105,10 +105,8 @@ def run_aunn(cfg: Config, data: torch.Tensor, held: torch.Tensor, target_params:
     t0 = time.process_time()
     curve = fit(learner, data, desc=f"AUNN ({cfg.aunn_mode}) seed {seed}")
     cpu_s = time.process_time() - t0
-    with torch.no_grad():
-        sample = torch.randint(len(data), (8192,), generator=torch.Generator().manual_seed(seed))
-        learner.model.eval()
-        bpb_train = learner.model.item_losses(sample, data[sample]).mean().item() / LN2
+    sample = torch.randint(len(data), (8192,), generator=torch.Generator().manual_seed(seed))
+    bpb_train = learner.losses(sample, data[sample]).mean().item() / LN2
     static = prequential(learner, held, learn=False)
     dynamic = prequential(learner, held, desc=f"AUNN prequential seed {seed}")
     return {"params": learner.model.num_params(), "d_model": model_cfg.d_model, "steps": cfg.aunn_steps,

@@ -89,6 +89,12 @@ class Learner:
         self.model.eval()
         return self.model(idx)
 
+    @torch.no_grad()
+    def losses(self, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Each pair's loss (B,) under the current weights, without a step."""
+        self.model.eval()
+        return self.model.item_losses(idx, target)
+
     def snapshot(self) -> dict:
         """Copies of the weights, the optimizer state and the position (cheap enough to take per example)."""
         return {"params": [p.detach().clone() for p in self.model.parameters()],
