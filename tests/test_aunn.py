@@ -4,12 +4,15 @@ from itertools import pairwise
 import pytest
 import torch
 
+from forgetless.aunn import shakespeare
 from forgetless.aunn.encoding import build_encoding
 from forgetless.aunn.model import AUNN, AUNNConfig, count_params, match_width
 from forgetless.aunn.train import Learner, AUNNTrainConfig, build_learner, fit, schedule
 from forgetless.aunn.use import condition, generate, load_learner, prequential, save_learner
 from forgetless.checkpoint import save_checkpoint
 from forgetless.errors import ForgetlessError
+from forgetless.models.gpt import GPT, GPTConfig
+from forgetless.train import TrainConfig
 
 TINY = {"d_model": 32, "n_layer": 2}
 
@@ -197,3 +200,28 @@ def test_param_count_and_width_matching():
         assert count_params(cfg) == AUNN(cfg).num_params()
     matched = match_width(AUNNConfig(n_layer=4), 842_496)
     assert abs(count_params(matched) / 842_496 - 1) < 0.05
+
+
+def test_gpt_prequential_scores_in_eval_mode_and_needs_the_context():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, d_model=16, dropout=0.5))
+    tokens = torch.randint(256, (64,))
+    static = shakespeare.gpt_prequential(model, tokens, 32, 16, segment=8, lr=0.0)
+    dynamic = shakespeare.gpt_prequential(model, tokens, 32, 16, segment=8, lr=1e-2)
+    assert torch.equal(dynamic[:8], static[:8])  # scored before any step, and without dropout
+    assert not torch.equal(dynamic[8:], static[8:])
+    with pytest.raises(ForgetlessError, match="context"):
+        shakespeare.gpt_prequential(model, tokens, 14, 2, segment=8, lr=0.0)  # 16 bytes before the end < 17
+
+
+def test_gpt_step_budget_leaves_out_the_warm_up(monkeypatch):
+    clock = [0.0]
+
+    def fake_train(model, params, sampler, cfg, loss_fn, desc):
+        for _ in range(cfg.steps):
+            clock[0] += 5.0 if clock[0] == 0 else 0.1  # a slow first step, then 0.1 CPU s per step
+
+    monkeypatch.setattr(shakespeare, "train", fake_train)
+    monkeypatch.setattr(shakespeare.time, "process_time", lambda: clock[0])
+    model = GPT(GPTConfig(block_size=8, n_layer=1, n_head=1, d_model=8))
+    assert shakespeare.gpt_steps_for(10.0, model, torch.zeros(64, dtype=torch.long), TrainConfig(batch_size=2)) == 100
