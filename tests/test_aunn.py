@@ -4,7 +4,7 @@ from itertools import pairwise
 import pytest
 import torch
 
-from forgetless.aunn import shakespeare
+from forgetless.aunn import shakespeare, toy
 from forgetless.aunn.encoding import build_encoding
 from forgetless.aunn.model import AUNN, AUNNConfig, count_params, match_width
 from forgetless.aunn.train import Learner, AUNNTrainConfig, build_learner, fit, schedule
@@ -225,3 +225,12 @@ def test_gpt_step_budget_leaves_out_the_warm_up(monkeypatch):
     monkeypatch.setattr(shakespeare.time, "process_time", lambda: clock[0])
     model = GPT(GPTConfig(block_size=8, n_layer=1, n_head=1, d_model=8))
     assert shakespeare.gpt_steps_for(10.0, model, torch.zeros(64, dtype=torch.long), TrainConfig(batch_size=2)) == 100
+
+
+def test_an_under_trained_toy_run_reports_whatever_bytes_it_predicts():
+    cfg = toy.Config(patterns=["ac"], arms=["batch"], length=64, batch_steps=5, batch_size=32, far=64, change_steps=1)
+    arm = toy.run(cfg, seed=0)["ac"]["batch"]  # seed 0 predicts bytes that are not UTF-8
+    assert arm["truth_next"] == "|aaa|ccc|aaa|ccc"
+    assert all(isinstance(arm[k], str) and arm[k] for k in ("pred_next", "generated"))
+    assert len(arm["extrapolation"]) == 2 and all(0 <= v <= 1 for v in [arm["train_acc"], *arm["extrapolation"]])
+    assert [c["steps"] for c in arm["change"]] == [0, 1] and all(0 <= c["p_new_rest"] <= 1 for c in arm["change"])
