@@ -64,6 +64,9 @@ def test_generate_is_reproducible_through_the_cli(checkpoint):
     (("bench", "toy", "--set", "patterns=aé"), "two or more distinct ASCII letters"),
     (("bench", "digits", "--set", "early=7"), "contain digits.early"),
     (("bench", "digits", "--set", "learners=aunn,svm"), "digits.learners must be some of"),
+    (("bench", "digits", "--set", "pixel_steps=-1"), "digits.pixel_steps must not be negative"),
+    (("bench", "digits", "--set", "baseline_hidden=0"), "digits.baseline_hidden and digits.baseline_lr must be positive"),
+    (("bench", "digits", "--set", "baseline_lr=-1e-3"), "digits.baseline_hidden and digits.baseline_lr must be positive"),
     (("train", "--data", "no/such/file.txt", "--out", "x.safetensors", "--model-encoding", "onehot"),
      "valid: binary, fourier"),  # before the data is read: no such file
     (("train", "--data", "no/such/file.txt", "--out", "x.safetensors", "--size", "huge"), "unknown size 'huge'"),
