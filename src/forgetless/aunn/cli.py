@@ -15,8 +15,8 @@ from rich.table import Table
 
 from forgetless.aunn.model import AUNNConfig, size_overrides
 from forgetless.aunn.train import AUNNTrainConfig
-from forgetless.cliutil import config_flags, friendly, out_console
-from forgetless.config import from_dict, help_of, load_file
+from forgetless.cliutil import config_flags, friendly, merge_overrides, out_console
+from forgetless.config import from_dict, help_of
 from forgetless.errors import ForgetlessError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -27,13 +27,12 @@ section_flags = config_flags(lambda: SECTIONS)
 
 def build_configs(size: str, config_file: Optional[Path], flags: dict) -> tuple[AUNNConfig, AUNNTrainConfig]:
     """Size preset < config file < flags."""
-    sections = load_file(config_file) if config_file else {}
+    sections = merge_overrides(config_file, flags)
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         raise ForgetlessError(f"unknown config section {unknown[0]!r}; valid: {', '.join(SECTIONS)}")
-    merged = {s: {**sections.get(s, {}), **flags.get(s, {})} for s in SECTIONS}
-    return (from_dict(AUNNConfig, {**size_overrides(size), **merged["model"]}, "model"),
-            from_dict(AUNNTrainConfig, merged["train"], "train"))
+    return (from_dict(AUNNConfig, {**size_overrides(size), **sections.get("model", {})}, "model"),
+            from_dict(AUNNTrainConfig, sections.get("train", {}), "train"))
 
 
 @app.callback()
@@ -152,12 +151,7 @@ def bench(experiment: str = typer.Argument(..., help="toy, shakespeare or digits
 
     if seeds <= 0:
         raise ForgetlessError(f"--seeds must be positive, got {seeds}")
-    options = load_file(config_file) if config_file else {}
-    for item in set_ or []:
-        key, eq, value = item.partition("=")
-        if not (eq and key):
-            raise ForgetlessError(f"--set {item!r}: write KEY=VALUE, e.g. --set tasks=5")
-        options[key] = value
+    options = merge_overrides(config_file, {}, set_, example="tasks=5")
     out = out or Path("runs") / f"aunn-{experiment}"
     _, files = run_experiment(experiment, options, list(range(seeds)), out)
     typer.echo(files[1].read_text())
