@@ -1,5 +1,6 @@
 """`forgetless aunn ...` end to end: train, condition, generate, the three experiments at toy sizes, errors."""
 import json
+import shutil
 import subprocess
 import sys
 
@@ -45,6 +46,20 @@ def test_condition_shows_predictions_and_writes_a_checkpoint(checkpoint, tmp_pat
     before, _ = load_learner(checkpoint)
     after, _ = load_learner(tmp_path / "c.safetensors")
     assert after.position == before.position + len("JULIET:")
+
+
+def test_out_overwrites_only_the_checkpoint_it_updates(checkpoint, tmp_path):
+    own, other = tmp_path / "own.safetensors", tmp_path / "other.txt"
+    shutil.copy(checkpoint, own)
+    other.write_text("keep")
+    for args in (("condition", "--prompt", "JULIET:"), ("generate", "--length", 4)):
+        result = aunn(*args, "--checkpoint", own, "--out", other)
+        assert result.exit_code == 2, result.output
+        assert "or pass --out equal to --checkpoint to update it" in " ".join(result.output.split())
+    assert other.read_text() == "keep"
+    assert aunn("generate", "--checkpoint", own, "--length", 4, "--out", own).exit_code == 0
+    from forgetless.aunn.use import load_learner
+    assert load_learner(own)[0].position == load_learner(checkpoint)[0].position + 4
 
 
 def test_generate_is_reproducible_through_the_cli(checkpoint):
