@@ -118,6 +118,20 @@ def test_generate_rejects_bad_length_and_temperature(checkpoint):
         assert result.exit_code == 2 and message in result.output
 
 
+def test_ctrl_c_says_resume_only_where_a_command_resumes(monkeypatch, tmp_path):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("forgetless.aunn.train.fit", interrupt)
+    monkeypatch.setattr("forgetless.aunn.experiments.run_experiment", interrupt)
+    text = tmp_path / "t.txt"
+    text.write_text("abc|" * 50)
+    result = aunn("train", "--data", text, "--out", tmp_path / "a.safetensors", "--size", "tiny")
+    assert result.exit_code == 130 and result.output.strip() == "interrupted"
+    result = aunn("bench", "toy", "--out", tmp_path)
+    assert result.exit_code == 130 and "run the same command again to resume from the finished seeds" in result.output
+
+
 def test_digits_without_scikit_learn_names_the_install(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "sklearn", None)
     monkeypatch.setitem(sys.modules, "sklearn.datasets", None)

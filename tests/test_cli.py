@@ -108,6 +108,15 @@ def test_bad_input_is_one_line(args, message):
     assert len(lines) == 1 and message in lines[0].replace("\n", " "), result.output
 
 
+def test_ctrl_c_in_pretrain_names_resume(monkeypatch, tmp_path, text_file):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("forgetless.continual.base_model.pretrain", interrupt)
+    result = invoke("pretrain", "--preset", "smoke", "--domain-a", text_file, "--out", tmp_path / "b.safetensors")
+    assert result.exit_code == 130 and "run the same command with --resume" in result.output
+
+
 def test_overrides_file_then_flags_then_sets(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("adapt:\n  lr: 1\n  steps: 5\nmethods:\n  lora:\n    r: 4\n")

@@ -41,7 +41,7 @@ SET = typer.Option(None, "--set", help="a method option, METHOD.OPTION=VALUE (re
 
 
 @app.command()
-@friendly
+@friendly(resume="run the same command again to resume from the finished arms and the last base checkpoint")
 @with_config_flags
 def bench(preset: str = PRESET,
           protocol: str = typer.Option("two-domain", help="two-domain, or sequence (base on --domain-a, then --tasks)"),
@@ -110,7 +110,7 @@ def bench(preset: str = PRESET,
 
 
 @app.command()
-@friendly
+@friendly(resume="run the same command with --resume to continue from the last checkpoint")
 @with_config_flags
 def pretrain(out: Path = typer.Option(..., help="base checkpoint to write (.safetensors)"),
              preset: str = PRESET,
@@ -139,7 +139,7 @@ def pretrain(out: Path = typer.Option(..., help="base checkpoint to write (.safe
 
 
 @app.command()
-@friendly
+@friendly(resume="run the same command again to resume from the last checkpoint")
 @with_config_flags
 def adapt(base: Path = typer.Option(..., help="base checkpoint from `forgetless pretrain`"),
           method: str = typer.Option(..., help="method name (see `forgetless methods`)"),

@@ -74,8 +74,12 @@ def merge_overrides(config_file: Optional[Path], flags: dict, sets: Optional[lis
     return overrides
 
 
-def friendly(fn):
-    """One-line errors (exit 2) instead of tracebacks for bad input."""
+def friendly(fn=None, *, resume: str = ""):
+    """One-line errors (exit 2) instead of tracebacks for bad input; on Ctrl-C (exit 130), `resume`
+    says how to go on, for the commands that can (`@friendly(resume=...)`)."""
+    if fn is None:
+        return functools.partial(friendly, resume=resume)
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
@@ -84,6 +88,6 @@ def friendly(fn):
             console.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2)
         except KeyboardInterrupt:
-            console.print("interrupted: run the same command again to resume from the last checkpoint")
+            console.print("interrupted" + (f": {resume}" if resume else ""))
             raise typer.Exit(130)
     return wrapper

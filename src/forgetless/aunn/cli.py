@@ -153,7 +153,7 @@ def generate(checkpoint: Path = typer.Option(..., help="AUNN checkpoint"),
 
 
 @app.command()
-@friendly
+@friendly(resume="run the same command again to resume from the finished seeds")
 def bench(experiment: str = typer.Argument(..., help="toy, shakespeare or digits (`forgetless aunn experiments`)"),
           seeds: int = typer.Option(3, help="number of seeds (0..N-1); tables show mean ± std"),
           out: Optional[Path] = typer.Option(None, help="output folder (default runs/aunn-<experiment>)"),
