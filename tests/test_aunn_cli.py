@@ -164,20 +164,35 @@ def test_each_experiment_runs_and_reports(name, tmp_path):
             assert 0 < results[model]["bpb_dynamic"]["mean"] < 12 and results[model]["cpu_s"]["mean"] > 0
         assert abs(results["aunn"]["params"]["mean"] / results["gpt"]["params"]["mean"] - 1) < 0.2
     if name == "digits":
+        assert set(results["methods"]) == {"aunn", "aunn+fast", "mlp"}
         for m in results["methods"].values():
             assert len(m["r_matrix"]) == 2 and all(0 <= v <= 100 for row in m["r_matrix"] for v in row)
+            assert [len(c) for c in m["curves"]] == [3, 3] and all(0 <= v <= 100 for c in m["curves"] for v in c)
+            assert 0 <= m["online_acc"]["mean"] <= 100 and len(m["early_by_task"]) == 2
     if name == "toy":
+        assert results["edges"] == [0, 16, 64, 256]
         arms = results["patterns"]["ac"]
         assert set(arms) == {"batch", "anneal+fast", "serial+fourier"}
-        assert len(arms["batch"]["change"]) == 3
+        for m in arms.values():
+            stats = [m["train_acc"], m["generated_acc"], *m["extrapolation"], *[v for c in m["change"] for v in c.values()]]
+            assert len(m["extrapolation"]) == 3 and len(m["change"]) == 3
+            assert all(0 <= s["mean"] <= 1 for s in stats)
+            assert [s["truth"] for s in m["samples"]] == ["|ccc|aaa|ccc|aaa"] * 2  # bytes 100..115
+            assert all(len(s["after_change"]) == 3 and s["generated"] for s in m["samples"])
 
 
-def test_rerun_reuses_finished_seeds(tmp_path):
+def test_rerun_reuses_finished_seeds(tmp_path, monkeypatch):
     sets = [a for s in SMOKE["toy"] for a in ("--set", s)]
     assert aunn("bench", "toy", "--seeds", 1, "--out", tmp_path, *sets).exit_code == 0
-    first = json.loads((tmp_path / "seeds" / "seed0.json").read_text())
-    assert aunn("bench", "toy", "--seeds", 1, "--out", tmp_path, *sets).exit_code == 0
-    assert json.loads((tmp_path / "seeds" / "seed0.json").read_text()) == first
+
+    def rerun(cfg, seed):
+        raise AssertionError(f"seed {seed} ran again")
+
+    monkeypatch.setattr("forgetless.aunn.toy.run", rerun)
+    result = aunn("bench", "toy", "--seeds", 1, "--out", tmp_path, *sets)
+    assert result.exit_code == 0, result.exception
+    result = aunn("bench", "toy", "--seeds", 2, "--out", tmp_path, *sets)  # seed 1 is new: it runs
+    assert isinstance(result.exception, AssertionError) and "seed 1 ran again" in str(result.exception)
 
 
 def test_experiments_are_listed_with_their_options():
