@@ -104,7 +104,8 @@ def condition_cmd(checkpoint: Path = typer.Option(..., help="AUNN checkpoint"),
                   prompt: str = typer.Option(..., help="text appended at the next indices"),
                   steps: int = typer.Option(3, help="gradient steps on the prompt's (index, byte) pairs"),
                   peek: int = typer.Option(32, help="bytes of the argmax prediction to print after the prompt"),
-                  out: Optional[Path] = typer.Option(None, help="write the conditioned checkpoint here")):
+                  out: Optional[Path] = typer.Option(None, help="write the conditioned checkpoint here "
+                                                     "(a new file, or --checkpoint itself)")):
     """Append a prompt at the next indices, take k gradient steps on it, show the predictions after it."""
     from forgetless.aunn.use import condition, load_learner
     from forgetless.data.tokenizers import ByteTokenizer
@@ -133,7 +134,8 @@ def generate(checkpoint: Path = typer.Option(..., help="AUNN checkpoint"),
              prompt_steps: int = typer.Option(3, help="gradient steps on the prompt"),
              temperature: float = typer.Option(1.0, help="sampling temperature (0 = argmax)"),
              seed: int = typer.Option(0, help="sampling seed (same seed and checkpoint -> same text)"),
-             out: Optional[Path] = typer.Option(None, help="write the checkpoint after generation here")):
+             out: Optional[Path] = typer.Option(None, help="write the checkpoint after generation here "
+                                                "(a new file, or --checkpoint itself)")):
     """Predict the next index, sample, take one step on the sample, move on."""
     from forgetless.aunn.use import condition, load_learner
     from forgetless.aunn.use import generate as run_generate
