@@ -4,12 +4,15 @@ from itertools import pairwise
 import pytest
 import torch
 
+from forgetless.aunn import shakespeare, toy
 from forgetless.aunn.encoding import build_encoding
 from forgetless.aunn.model import AUNN, AUNNConfig, count_params, match_width
 from forgetless.aunn.train import Learner, AUNNTrainConfig, build_learner, fit, schedule
 from forgetless.aunn.use import condition, generate, load_learner, prequential, save_learner
 from forgetless.checkpoint import save_checkpoint
 from forgetless.errors import ForgetlessError
+from forgetless.models.gpt import GPT, GPTConfig
+from forgetless.train import TrainConfig
 
 TINY = {"d_model": 32, "n_layer": 2}
 
@@ -51,9 +54,12 @@ def test_encoding_errors_name_the_fix():
     with pytest.raises(ForgetlessError, match="raise --model-bits"):
         build_encoding("binary", bits=8, features=0, seed=0)(torch.tensor([256]))
     with pytest.raises(ForgetlessError, match="valid: binary, fourier"):
-        build_encoding("onehot", bits=8, features=0, seed=0)
+        AUNNConfig(encoding="onehot")
     with pytest.raises(ForgetlessError, match="even"):
-        build_encoding("fourier", bits=8, features=7, seed=0)
+        AUNNConfig(encoding="fourier", fourier_features=7)
+    with pytest.raises(ForgetlessError, match=r"model.bits must be in \[1, 62\]"):
+        AUNNConfig(bits=0)
+    AUNNConfig(fourier_features=0)  # unused by the binary code
     with pytest.raises(ForgetlessError, match="model.output"):
         AUNNConfig(output="pixels")
     with pytest.raises(ForgetlessError, match="train.mode"):
@@ -84,6 +90,13 @@ def test_anneal_goes_from_batches_to_serial_and_ends_on_the_last_index():
     visited = torch.cat([steps[i] for i in serial]).tolist()
     assert visited[-1] == n - 1
     assert all((b - a) % n == 1 for a, b in pairwise(visited))  # in order, wrapping
+
+
+def test_loss_curve_reaches_the_last_step():
+    learner = build_learner(AUNNConfig(**TINY), AUNNTrainConfig(mode="batch", steps=403, batch_size=8, warmup=5))
+    curve = fit(learner, torch.tensor(list(b"|aaa|ccc" * 4)))
+    assert curve["step"][-1] == 403 and curve["step"][:2] == [2, 4]
+    assert len(curve["loss"]) == len(curve["cpu_s"]) == 202
 
 
 def test_training_memorises_and_moves_the_position():
@@ -187,3 +200,37 @@ def test_param_count_and_width_matching():
         assert count_params(cfg) == AUNN(cfg).num_params()
     matched = match_width(AUNNConfig(n_layer=4), 842_496)
     assert abs(count_params(matched) / 842_496 - 1) < 0.05
+
+
+def test_gpt_prequential_scores_in_eval_mode_and_needs_the_context():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=16, n_layer=1, n_head=2, d_model=16, dropout=0.5))
+    tokens = torch.randint(256, (64,))
+    static = shakespeare.gpt_prequential(model, tokens, 32, 16, segment=8, lr=0.0)
+    dynamic = shakespeare.gpt_prequential(model, tokens, 32, 16, segment=8, lr=1e-2)
+    assert torch.equal(dynamic[:8], static[:8])  # scored before any step, and without dropout
+    assert not torch.equal(dynamic[8:], static[8:])
+    with pytest.raises(ForgetlessError, match="context"):
+        shakespeare.gpt_prequential(model, tokens, 14, 2, segment=8, lr=0.0)  # 16 bytes before the end < 17
+
+
+def test_gpt_step_budget_leaves_out_the_warm_up(monkeypatch):
+    clock = [0.0]
+
+    def fake_train(model, params, sampler, cfg, loss_fn, desc):
+        for _ in range(cfg.steps):
+            clock[0] += 5.0 if clock[0] == 0 else 0.1  # a slow first step, then 0.1 CPU s per step
+
+    monkeypatch.setattr(shakespeare, "train", fake_train)
+    monkeypatch.setattr(shakespeare.time, "process_time", lambda: clock[0])
+    model = GPT(GPTConfig(block_size=8, n_layer=1, n_head=1, d_model=8))
+    assert shakespeare.gpt_steps_for(10.0, model, torch.zeros(64, dtype=torch.long), TrainConfig(batch_size=2)) == 100
+
+
+def test_an_under_trained_toy_run_reports_whatever_bytes_it_predicts():
+    cfg = toy.Config(patterns=["ac"], arms=["batch"], length=64, batch_steps=5, batch_size=32, far=64, change_steps=1)
+    arm = toy.run(cfg, seed=0)["ac"]["batch"]  # seed 0 predicts bytes that are not UTF-8
+    assert arm["truth_next"] == "|aaa|ccc|aaa|ccc"
+    assert all(isinstance(arm[k], str) and arm[k] for k in ("pred_next", "generated"))
+    assert len(arm["extrapolation"]) == 2 and all(0 <= v <= 1 for v in [arm["train_acc"], *arm["extrapolation"]])
+    assert [c["steps"] for c in arm["change"]] == [0, 1] and all(0 <= c["p_new_rest"] <= 1 for c in arm["change"])

@@ -1,5 +1,6 @@
 """`forgetless aunn ...` end to end: train, condition, generate, the three experiments at toy sizes, errors."""
 import json
+import shutil
 import subprocess
 import sys
 
@@ -47,6 +48,20 @@ def test_condition_shows_predictions_and_writes_a_checkpoint(checkpoint, tmp_pat
     assert after.position == before.position + len("JULIET:")
 
 
+def test_out_overwrites_only_the_checkpoint_it_updates(checkpoint, tmp_path):
+    own, other = tmp_path / "own.safetensors", tmp_path / "other.txt"
+    shutil.copy(checkpoint, own)
+    other.write_text("keep")
+    for args in (("condition", "--prompt", "JULIET:"), ("generate", "--length", 4)):
+        result = aunn(*args, "--checkpoint", own, "--out", other)
+        assert result.exit_code == 2, result.output
+        assert "or pass --out equal to --checkpoint to update it" in " ".join(result.output.split())
+    assert other.read_text() == "keep"
+    assert aunn("generate", "--checkpoint", own, "--length", 4, "--out", own).exit_code == 0
+    from forgetless.aunn.use import load_learner
+    assert load_learner(own)[0].position == load_learner(checkpoint)[0].position + 4
+
+
 def test_generate_is_reproducible_through_the_cli(checkpoint):
     outs = [aunn("generate", "--checkpoint", checkpoint, "--length", 16, "--seed", s, "--prompt", "ROMEO:")
             for s in (5, 5)]
@@ -59,10 +74,17 @@ def test_generate_is_reproducible_through_the_cli(checkpoint):
     (("bench", "toy", "--set", "bogus=1"), "unknown config key toy.bogus"),
     (("bench", "toy", "--set", "arms"), "write KEY=VALUE"),
     (("bench", "toy", "--set", "arms=batch+wings"), "MODE[+fast][+fourier]"),
+    (("bench", "toy", "--set", "far=32"), "toy.far must be at least 48"),
+    (("bench", "toy", "--set", "patterns=ab", "--set", "run=30", "--set", "far=48"), "toy.far must be at least 124"),
+    (("bench", "toy", "--set", "patterns=aé"), "two or more distinct ASCII letters"),
     (("bench", "digits", "--set", "early=7"), "contain digits.early"),
     (("bench", "digits", "--set", "learners=aunn,svm"), "digits.learners must be some of"),
-    (("train", "--data", "tinyshakespeare", "--out", "x.safetensors", "--model-encoding", "onehot"), "valid: binary, fourier"),
-    (("train", "--data", "tinyshakespeare", "--out", "x.safetensors", "--size", "huge"), "unknown size 'huge'"),
+    (("bench", "digits", "--set", "pixel_steps=-1"), "digits.pixel_steps must not be negative"),
+    (("bench", "digits", "--set", "baseline_hidden=0"), "digits.baseline_hidden and digits.baseline_lr must be positive"),
+    (("bench", "digits", "--set", "baseline_lr=-1e-3"), "digits.baseline_hidden and digits.baseline_lr must be positive"),
+    (("train", "--data", "no/such/file.txt", "--out", "x.safetensors", "--model-encoding", "onehot"),
+     "valid: binary, fourier"),  # before the data is read: no such file
+    (("train", "--data", "no/such/file.txt", "--out", "x.safetensors", "--size", "huge"), "unknown size 'huge'"),
     (("train", "--data", "no/such/file.txt", "--out", "x.safetensors"), "unknown corpus"),
     (("generate", "--checkpoint", "missing.safetensors"), "does not exist"),
 ])
@@ -94,6 +116,20 @@ def test_generate_rejects_bad_length_and_temperature(checkpoint):
     for args, message in ((("--length", 0), "--length must be positive"), (("--temperature", -1), "temperature")):
         result = aunn("generate", "--checkpoint", checkpoint, *args)
         assert result.exit_code == 2 and message in result.output
+
+
+def test_ctrl_c_says_resume_only_where_a_command_resumes(monkeypatch, tmp_path):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("forgetless.aunn.train.fit", interrupt)
+    monkeypatch.setattr("forgetless.aunn.experiments.run_experiment", interrupt)
+    text = tmp_path / "t.txt"
+    text.write_text("abc|" * 50)
+    result = aunn("train", "--data", text, "--out", tmp_path / "a.safetensors", "--size", "tiny")
+    assert result.exit_code == 130 and result.output.strip() == "interrupted"
+    result = aunn("bench", "toy", "--out", tmp_path)
+    assert result.exit_code == 130 and "run the same command again to resume from the finished seeds" in result.output
 
 
 def test_digits_without_scikit_learn_names_the_install(monkeypatch, tmp_path):
@@ -128,20 +164,35 @@ def test_each_experiment_runs_and_reports(name, tmp_path):
             assert 0 < results[model]["bpb_dynamic"]["mean"] < 12 and results[model]["cpu_s"]["mean"] > 0
         assert abs(results["aunn"]["params"]["mean"] / results["gpt"]["params"]["mean"] - 1) < 0.2
     if name == "digits":
+        assert set(results["methods"]) == {"aunn", "aunn+fast", "mlp"}
         for m in results["methods"].values():
             assert len(m["r_matrix"]) == 2 and all(0 <= v <= 100 for row in m["r_matrix"] for v in row)
+            assert [len(c) for c in m["curves"]] == [3, 3] and all(0 <= v <= 100 for c in m["curves"] for v in c)
+            assert 0 <= m["online_acc"]["mean"] <= 100 and len(m["early_by_task"]) == 2
     if name == "toy":
+        assert results["edges"] == [0, 16, 64, 256]
         arms = results["patterns"]["ac"]
         assert set(arms) == {"batch", "anneal+fast", "serial+fourier"}
-        assert len(arms["batch"]["change"]) == 3
+        for m in arms.values():
+            stats = [m["train_acc"], m["generated_acc"], *m["extrapolation"], *[v for c in m["change"] for v in c.values()]]
+            assert len(m["extrapolation"]) == 3 and len(m["change"]) == 3
+            assert all(0 <= s["mean"] <= 1 for s in stats)
+            assert [s["truth"] for s in m["samples"]] == ["|ccc|aaa|ccc|aaa"] * 2  # bytes 100..115
+            assert all(len(s["after_change"]) == 3 and s["generated"] for s in m["samples"])
 
 
-def test_rerun_reuses_finished_seeds(tmp_path):
+def test_rerun_reuses_finished_seeds(tmp_path, monkeypatch):
     sets = [a for s in SMOKE["toy"] for a in ("--set", s)]
     assert aunn("bench", "toy", "--seeds", 1, "--out", tmp_path, *sets).exit_code == 0
-    first = json.loads((tmp_path / "seeds" / "seed0.json").read_text())
-    assert aunn("bench", "toy", "--seeds", 1, "--out", tmp_path, *sets).exit_code == 0
-    assert json.loads((tmp_path / "seeds" / "seed0.json").read_text()) == first
+
+    def rerun(cfg, seed):
+        raise AssertionError(f"seed {seed} ran again")
+
+    monkeypatch.setattr("forgetless.aunn.toy.run", rerun)
+    result = aunn("bench", "toy", "--seeds", 1, "--out", tmp_path, *sets)
+    assert result.exit_code == 0, result.exception
+    result = aunn("bench", "toy", "--seeds", 2, "--out", tmp_path, *sets)  # seed 1 is new: it runs
+    assert isinstance(result.exception, AssertionError) and "seed 1 ran again" in str(result.exception)
 
 
 def test_experiments_are_listed_with_their_options():

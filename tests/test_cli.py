@@ -8,6 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from forgetless.cli import app
+from forgetless.cliutil import merge_overrides
+from forgetless.errors import ForgetlessError
 
 runner = CliRunner()
 CONTRACT_KEYS = {"ppl_a_before", "ppl_b_before", "ppl_a_after", "ppl_b_after", "acc_a_after", "acc_b_after",
@@ -104,6 +106,27 @@ def test_bad_input_is_one_line(args, message):
     assert result.exit_code == 2
     lines = [l for l in result.output.splitlines() if l.strip()]
     assert len(lines) == 1 and message in lines[0].replace("\n", " "), result.output
+
+
+def test_ctrl_c_in_pretrain_names_resume(monkeypatch, tmp_path, text_file):
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("forgetless.continual.base_model.pretrain", interrupt)
+    result = invoke("pretrain", "--preset", "smoke", "--domain-a", text_file, "--out", tmp_path / "b.safetensors")
+    assert result.exit_code == 130 and "run the same command with --resume" in result.output
+
+
+def test_overrides_file_then_flags_then_sets(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("adapt:\n  lr: 1\n  steps: 5\nmethods:\n  lora:\n    r: 4\n")
+    method_sets = (("methods",), "METHOD.OPTION", "lora.r=16")
+    merged = merge_overrides(cfg, {"adapt": {"lr": "2"}}, ["lora.r=8", "ewc.lam=1e4"], *method_sets)
+    assert merged == {"adapt": {"lr": "2", "steps": 5}, "methods": {"lora": {"r": "8"}, "ewc": {"lam": "1e4"}}}
+    assert merge_overrides(None, {}, ["tasks=5"]) == {"tasks": "5"}
+    for bad in ("lora", "lora.r.x=1", ".r=1", "lora.=1"):
+        with pytest.raises(ForgetlessError, match="write METHOD.OPTION=VALUE, e.g. --set lora.r=16"):
+            merge_overrides(None, {}, [bad], *method_sets)
 
 
 def test_unknown_config_file_key(tmp_path):

@@ -15,8 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from forgetless.aunn.cli import app as aunn_app
-from forgetless.cliutil import config_flags, friendly, out_console
-from forgetless.config import load_file
+from forgetless.cliutil import config_flags, friendly, merge_overrides, out_console
 from forgetless.errors import ForgetlessError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -31,22 +30,9 @@ def config_sections():
 with_config_flags = config_flags(config_sections, "config (default: the preset's)")
 
 
-def merge_overrides(config_file: Optional[Path], flags: dict, sets: list[str]) -> dict:
-    overrides = load_file(config_file) if config_file else {}
-    for section, values in flags.items():
-        overrides.setdefault(section, {}).update(values)
-    for item in sets or []:
-        key, eq, value = item.partition("=")
-        method, dot, option = key.partition(".")
-        if not (eq and dot):
-            raise ForgetlessError(f"--set {item!r}: write METHOD.OPTION=VALUE, e.g. --set lora.r=16")
-        overrides.setdefault("methods", {}).setdefault(method, {})[option] = value
-    return overrides
-
-
 def run_config(preset: str, config_file, flags, sets):
     from forgetless.presets import build_config
-    return build_config(preset, merge_overrides(config_file, flags, sets))
+    return build_config(preset, merge_overrides(config_file, flags, sets, ("methods",), "METHOD.OPTION", "lora.r=16"))
 
 
 PRESET = typer.Option("quick", help="smoke (seconds), quick (minutes on a laptop CPU), paper (GPU)")
@@ -55,7 +41,7 @@ SET = typer.Option(None, "--set", help="a method option, METHOD.OPTION=VALUE (re
 
 
 @app.command()
-@friendly
+@friendly(resume="run the same command again to resume from the finished arms and the last base checkpoint")
 @with_config_flags
 def bench(preset: str = PRESET,
           protocol: str = typer.Option("two-domain", help="two-domain, or sequence (base on --domain-a, then --tasks)"),
@@ -124,7 +110,7 @@ def bench(preset: str = PRESET,
 
 
 @app.command()
-@friendly
+@friendly(resume="run the same command with --resume to continue from the last checkpoint")
 @with_config_flags
 def pretrain(out: Path = typer.Option(..., help="base checkpoint to write (.safetensors)"),
              preset: str = PRESET,
@@ -153,7 +139,7 @@ def pretrain(out: Path = typer.Option(..., help="base checkpoint to write (.safe
 
 
 @app.command()
-@friendly
+@friendly(resume="run the same command again to resume from the last checkpoint")
 @with_config_flags
 def adapt(base: Path = typer.Option(..., help="base checkpoint from `forgetless pretrain`"),
           method: str = typer.Option(..., help="method name (see `forgetless methods`)"),

@@ -1,16 +1,17 @@
-"""What the command-line apps share: one-line errors, config flags generated from dataclasses, and
-the stdout console for tables."""
+"""What the command-line apps share: one-line errors, config flags generated from dataclasses, their
+merge with a config file and `--set` items, and the stdout console for tables."""
 from __future__ import annotations
 
 import dataclasses
 import functools
 import inspect
+from pathlib import Path
 from typing import Callable, Optional
 
 import typer
 from rich.markup import escape
 
-from forgetless.config import field_types, help_of
+from forgetless.config import field_types, help_of, load_file
 from forgetless.errors import ForgetlessError
 from forgetless.progress import console
 
@@ -54,8 +55,31 @@ def config_flags(sections: Callable[[], dict], panel: str = "config"):
     return decorate
 
 
-def friendly(fn):
-    """One-line errors (exit 2) instead of tracebacks for bad input."""
+def merge_overrides(config_file: Optional[Path], flags: dict, sets: Optional[list[str]] = None, into: tuple = (),
+                    form: str = "KEY", example: str = "") -> dict:
+    """Config file < `--<section>-<field>` flags < `--set FORM=VALUE` items, placed under the keys
+    `into` + FORM split at dots (`lora.r=16` into ("methods",) -> {"methods": {"lora": {"r": "16"}}})."""
+    overrides = load_file(config_file) if config_file else {}
+    for section, values in flags.items():
+        overrides.setdefault(section, {}).update(values)
+    for item in sets or []:
+        key, eq, value = item.partition("=")
+        parts = key.split(".")
+        if not (eq and all(parts)) or len(parts) != form.count(".") + 1:
+            raise ForgetlessError(f"--set {item!r}: write {form}=VALUE, e.g. --set {example}")
+        target = overrides
+        for part in (*into, *parts[:-1]):
+            target = target.setdefault(part, {})
+        target[parts[-1]] = value
+    return overrides
+
+
+def friendly(fn=None, *, resume: str = ""):
+    """One-line errors (exit 2) instead of tracebacks for bad input; on Ctrl-C (exit 130), `resume`
+    says how to go on, for the commands that can (`@friendly(resume=...)`)."""
+    if fn is None:
+        return functools.partial(friendly, resume=resume)
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
@@ -64,6 +88,6 @@ def friendly(fn):
             console.print(f"[bold red]error:[/bold red] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2)
         except KeyboardInterrupt:
-            console.print("interrupted: run the same command again to resume from the last checkpoint")
+            console.print("interrupted" + (f": {resume}" if resume else ""))
             raise typer.Exit(130)
     return wrapper

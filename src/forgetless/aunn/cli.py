@@ -15,8 +15,8 @@ from rich.table import Table
 
 from forgetless.aunn.model import AUNNConfig, size_overrides
 from forgetless.aunn.train import AUNNTrainConfig
-from forgetless.cliutil import config_flags, friendly, out_console
-from forgetless.config import from_dict, help_of, load_file
+from forgetless.cliutil import config_flags, friendly, merge_overrides, out_console
+from forgetless.config import from_dict, help_of
 from forgetless.errors import ForgetlessError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -27,13 +27,12 @@ section_flags = config_flags(lambda: SECTIONS)
 
 def build_configs(size: str, config_file: Optional[Path], flags: dict) -> tuple[AUNNConfig, AUNNTrainConfig]:
     """Size preset < config file < flags."""
-    sections = load_file(config_file) if config_file else {}
+    sections = merge_overrides(config_file, flags)
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown:
         raise ForgetlessError(f"unknown config section {unknown[0]!r}; valid: {', '.join(SECTIONS)}")
-    merged = {s: {**sections.get(s, {}), **flags.get(s, {})} for s in SECTIONS}
-    return (from_dict(AUNNConfig, {**size_overrides(size), **merged["model"]}, "model"),
-            from_dict(AUNNTrainConfig, merged["train"], "train"))
+    return (from_dict(AUNNConfig, {**size_overrides(size), **sections.get("model", {})}, "model"),
+            from_dict(AUNNTrainConfig, sections.get("train", {}), "train"))
 
 
 @app.callback()
@@ -44,6 +43,20 @@ def threads_option(threads: int = typer.Option(1, help="torch CPU threads (CPU t
     if threads <= 0:
         raise typer.BadParameter(f"must be positive, got {threads}")
     torch.set_num_threads(threads)
+
+
+def check_out(out: Optional[Path], checkpoint: Optional[Path] = None):
+    """Refuse to overwrite an existing --out, unless it is the --checkpoint being updated."""
+    if out and out.exists() and not (checkpoint and out.resolve() == checkpoint.resolve()):
+        also = ", or pass --out equal to --checkpoint to update it" if checkpoint else ""
+        raise ForgetlessError(f"{out} exists; choose another --out or delete it{also}")
+
+
+def save_updated(out: Path, learner, meta: dict):
+    """Write a conditioned learner, keeping the name and size of the data it was trained on."""
+    from forgetless.aunn.use import save_learner
+
+    save_learner(out, learner, **{k: meta[k] for k in ("data", "data_bytes") if k in meta})
 
 
 SIZE = typer.Option("small", help="AUNN size preset: tiny, small, base or large (width and depth)")
@@ -65,8 +78,7 @@ def train(data: str = typer.Option(..., help="corpus spec or path: its bytes, in
     from forgetless.data.tokenizers import ByteTokenizer
 
     model_cfg, train_cfg = build_configs(size, config_file, flags)
-    if out.exists():
-        raise ForgetlessError(f"{out} exists; choose another --out or delete it")
+    check_out(out)
     if limit is not None and limit <= 0:
         raise ForgetlessError(f"--limit must be positive, got {limit}")
     tokens = ByteTokenizer().encode(join(load_corpus(data).docs))[:limit]
@@ -78,12 +90,12 @@ def train(data: str = typer.Option(..., help="corpus spec or path: its bytes, in
                       f"final loss {curve['loss'][-1]:.3f} nats · {time.perf_counter() - t0:.1f} s")
 
 
-def show(learner, n: int) -> str:
-    """The argmax bytes at the next n indices, printable."""
+def show(learner, start: int, n: int) -> str:
+    """The argmax bytes at indices start..start+n-1, printable."""
     import torch
 
     from forgetless.data.tokenizers import ByteTokenizer
-    return ByteTokenizer().decode(learner.predict(torch.arange(learner.position, learner.position + n)).argmax(-1))
+    return ByteTokenizer().decode(learner.predict(torch.arange(start, start + n)).argmax(-1))
 
 
 @app.command("condition")
@@ -92,23 +104,23 @@ def condition_cmd(checkpoint: Path = typer.Option(..., help="AUNN checkpoint"),
                   prompt: str = typer.Option(..., help="text appended at the next indices"),
                   steps: int = typer.Option(3, help="gradient steps on the prompt's (index, byte) pairs"),
                   peek: int = typer.Option(32, help="bytes of the argmax prediction to print after the prompt"),
-                  out: Optional[Path] = typer.Option(None, help="write the conditioned checkpoint here")):
+                  out: Optional[Path] = typer.Option(None, help="write the conditioned checkpoint here "
+                                                     "(a new file, or --checkpoint itself)")):
     """Append a prompt at the next indices, take k gradient steps on it, show the predictions after it."""
-    from forgetless.aunn.use import condition, load_learner, save_learner
+    from forgetless.aunn.use import condition, load_learner
     from forgetless.data.tokenizers import ByteTokenizer
 
+    check_out(out, checkpoint)
     learner, meta = load_learner(checkpoint)
     data = ByteTokenizer().encode(prompt.encode())
     if not len(data):
         raise ForgetlessError("--prompt is empty; give the text to condition on")
     start = learner.position
-    learner.position += len(data)
-    before = show(learner, peek)
-    learner.position = start
+    before = show(learner, start + len(data), peek)
     condition(learner, data, steps)
-    after = show(learner, peek)
+    after = show(learner, learner.position, peek)
     if out:
-        save_learner(out, learner, **{k: meta[k] for k in ("data", "data_bytes") if k in meta})
+        save_updated(out, learner, meta)
     out_console.print(f"prompt at indices {start}..{start + len(data) - 1}; next {peek} bytes (argmax)\n"
                       f"  before: {before!r}\n  after {steps} step(s): {after!r}" + (f"\nwrote {out}" if out else ""),
                       highlight=False, markup=False)
@@ -122,26 +134,28 @@ def generate(checkpoint: Path = typer.Option(..., help="AUNN checkpoint"),
              prompt_steps: int = typer.Option(3, help="gradient steps on the prompt"),
              temperature: float = typer.Option(1.0, help="sampling temperature (0 = argmax)"),
              seed: int = typer.Option(0, help="sampling seed (same seed and checkpoint -> same text)"),
-             out: Optional[Path] = typer.Option(None, help="write the checkpoint after generation here")):
+             out: Optional[Path] = typer.Option(None, help="write the checkpoint after generation here "
+                                                "(a new file, or --checkpoint itself)")):
     """Predict the next index, sample, take one step on the sample, move on."""
-    from forgetless.aunn.use import condition, load_learner, save_learner
+    from forgetless.aunn.use import condition, load_learner
     from forgetless.aunn.use import generate as run_generate
     from forgetless.data.tokenizers import ByteTokenizer
 
     if length <= 0:
         raise ForgetlessError(f"--length must be positive, got {length}")
+    check_out(out, checkpoint)
     learner, meta = load_learner(checkpoint)
     tok = ByteTokenizer()
     if prompt:
         condition(learner, tok.encode(prompt.encode()), prompt_steps)
     text = tok.decode(run_generate(learner, length, temperature, seed))
     if out:
-        save_learner(out, learner, **{k: meta[k] for k in ("data", "data_bytes") if k in meta})
+        save_updated(out, learner, meta)
     typer.echo((prompt or "") + text)
 
 
 @app.command()
-@friendly
+@friendly(resume="run the same command again to resume from the finished seeds")
 def bench(experiment: str = typer.Argument(..., help="toy, shakespeare or digits (`forgetless aunn experiments`)"),
           seeds: int = typer.Option(3, help="number of seeds (0..N-1); tables show mean ± std"),
           out: Optional[Path] = typer.Option(None, help="output folder (default runs/aunn-<experiment>)"),
@@ -152,12 +166,7 @@ def bench(experiment: str = typer.Argument(..., help="toy, shakespeare or digits
 
     if seeds <= 0:
         raise ForgetlessError(f"--seeds must be positive, got {seeds}")
-    options = load_file(config_file) if config_file else {}
-    for item in set_ or []:
-        key, eq, value = item.partition("=")
-        if not (eq and key):
-            raise ForgetlessError(f"--set {item!r}: write KEY=VALUE, e.g. --set tasks=5")
-        options[key] = value
+    options = merge_overrides(config_file, {}, set_, example="tasks=5")
     out = out or Path("runs") / f"aunn-{experiment}"
     _, files = run_experiment(experiment, options, list(range(seeds)), out)
     typer.echo(files[1].read_text())

@@ -57,6 +57,10 @@ class Config:
         size_overrides(self.size)
         if not self.learners or not set(self.learners) <= set(LEARNERS):
             raise ForgetlessError(f"digits.learners must be some of {', '.join(LEARNERS)}, got {self.learners}")
+        if self.pixel_steps < 0:
+            raise ForgetlessError(f"digits.pixel_steps must not be negative, got {self.pixel_steps}")
+        if self.baseline_hidden <= 0 or not self.baseline_lr > 0:
+            raise ForgetlessError("digits.baseline_hidden and digits.baseline_lr must be positive")
 
 
 def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,8 +125,6 @@ class MLPClassifier:
     @torch.no_grad()
     def accuracy(self, X: torch.Tensor, y: torch.Tensor) -> float:
         return (self.net(X.float() / 16).argmax(-1) == y).float().mean().item()
-
-
 
 
 def make_tasks(cfg: Config, seed: int) -> list[dict]:

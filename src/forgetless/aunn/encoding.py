@@ -38,8 +38,6 @@ class BinaryEncoding(nn.Module):
 class FourierEncoding(nn.Module):
     def __init__(self, bits: int, features: int, seed: int):
         super().__init__()
-        if features <= 0 or features % 2:
-            raise ForgetlessError(f"model.fourier_features must be a positive even number, got {features}")
         self.bits, self.dim = bits, features
         g = torch.Generator().manual_seed(seed)
         log_periods = torch.rand(features // 2, generator=g, dtype=torch.float64) * (bits - 1) + 1  # log2 in [1, bits)
@@ -51,11 +49,9 @@ class FourierEncoding(nn.Module):
         return torch.cat([angle.sin(), angle.cos()], dim=1).float()
 
 
+ENCODINGS = ("binary", "fourier")
+
+
 def build_encoding(kind: str, bits: int, features: int, seed: int) -> nn.Module:
-    if not 1 <= bits <= 62:
-        raise ForgetlessError(f"model.bits must be in [1, 62], got {bits}")
-    if kind == "binary":
-        return BinaryEncoding(bits)
-    if kind == "fourier":
-        return FourierEncoding(bits, features, seed)
-    raise ForgetlessError(f"unknown encoding {kind!r}; valid: binary, fourier")
+    """The encoding of an AUNNConfig (which validates the arguments)."""
+    return BinaryEncoding(bits) if kind == "binary" else FourierEncoding(bits, features, seed)

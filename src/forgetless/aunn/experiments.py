@@ -28,19 +28,19 @@ EXPERIMENTS = {
 
 def pm(stat: dict, scale: float = 100.0, digits: int = 1) -> str:
     """`mean ± std` of a {"mean", "std"} stat, scaled (default: as %)."""
-    return f"{scale * stat['mean']:.{digits}f} ± {scale * stat['std']:.{digits}f}"
+    from forgetless.report.tables import cell
+
+    return cell({"mean": scale * stat["mean"], "std": scale * stat["std"]}, f"{{:.{digits}f}}", with_std=True)
 
 
 def save_figure(fig, path: Path) -> list[Path]:
-    """Legend every labelled panel, lay out, write a small PNG, close."""
-    from forgetless.report.figures import plt
+    """Legend every labelled panel, then write a small PNG."""
+    from forgetless.report.figures import save
 
     for ax in fig.axes:
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save(fig, path, dpi=90)
     return [path]
 
 

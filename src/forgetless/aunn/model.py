@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from forgetless.aunn.encoding import build_encoding
+from forgetless.aunn.encoding import ENCODINGS, build_encoding
 from forgetless.errors import ForgetlessError
 
 OUTPUTS = {"bytes": 256, "value": 1}
@@ -39,6 +39,12 @@ class AUNNConfig:
                 raise ForgetlessError(f"model.{name} must be positive, got {getattr(self, name)}")
         if self.fast_units < 0:
             raise ForgetlessError(f"model.fast_units must not be negative, got {self.fast_units}")
+        if self.encoding not in ENCODINGS:
+            raise ForgetlessError(f"unknown model.encoding {self.encoding!r}; valid: {', '.join(ENCODINGS)}")
+        if not 1 <= self.bits <= 62:
+            raise ForgetlessError(f"model.bits must be in [1, 62], got {self.bits}")
+        if self.encoding == "fourier" and (self.fourier_features <= 0 or self.fourier_features % 2):
+            raise ForgetlessError(f"model.fourier_features must be a positive even number, got {self.fourier_features}")
         if self.output not in OUTPUTS:
             raise ForgetlessError(f"unknown model.output {self.output!r}; valid: {', '.join(OUTPUTS)}")
 

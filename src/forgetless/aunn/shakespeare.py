@@ -32,8 +32,7 @@ from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPT, GPTConfig
 from forgetless.presets import PRESETS
 from forgetless.progress import progress_task
-from forgetless.train import TrainConfig
-from forgetless.train import train
+from forgetless.train import TrainConfig, train
 
 LN2 = math.log(2)
 
@@ -70,10 +69,10 @@ def load_text(cfg: Config) -> torch.Tensor:
     return tokens
 
 
-def gpt_configs(cfg: Config, steps: int, seed: int) -> tuple[GPTConfig, TrainConfig]:
+def gpt_configs(cfg: Config, seed: int) -> tuple[GPTConfig, TrainConfig]:
     preset = PRESETS[cfg.gpt_preset]
     return (from_dict(GPTConfig, preset["model"], "model"),
-            from_dict(TrainConfig, {**preset["pretrain"], "steps": steps, "seed": seed}, "pretrain"))
+            from_dict(TrainConfig, {**preset["pretrain"], "seed": seed}, "pretrain"))
 
 
 def running_bits(losses: torch.Tensor, points: int = 64) -> list[float]:
@@ -90,7 +89,7 @@ def scores(static: torch.Tensor, dynamic: torch.Tensor) -> dict:
 def run(cfg: Config, seed: int) -> dict:
     tokens = load_text(cfg)
     n, held = cfg.train_bytes, tokens[cfg.train_bytes:cfg.train_bytes + cfg.eval_bytes]
-    aunn = run_aunn(cfg, tokens[:n], held, GPT(gpt_configs(cfg, 1, seed)[0]).num_params(), seed)
+    aunn = run_aunn(cfg, tokens[:n], held, GPT(gpt_configs(cfg, seed)[0]).num_params(), seed)
     gpt = run_gpt(cfg, tokens, held, aunn["cpu_s"], seed)
     counts = torch.bincount(tokens[:n], minlength=256).double() + 1
     unigram = -(counts / counts.sum()).log()[held].mean().item() / LN2
@@ -102,33 +101,36 @@ def run_aunn(cfg: Config, data: torch.Tensor, held: torch.Tensor, target_params:
     train_cfg = AUNNTrainConfig(mode=cfg.aunn_mode, steps=cfg.aunn_steps, batch_size=cfg.aunn_batch, lr=cfg.aunn_lr,
                             warmup=cfg.aunn_warmup, seed=seed)
     learner = build_learner(model_cfg, train_cfg)
-    t0 = time.process_time()
     curve = fit(learner, data, desc=f"AUNN ({cfg.aunn_mode}) seed {seed}")
-    cpu_s = time.process_time() - t0
-    with torch.no_grad():
-        sample = torch.randint(len(data), (8192,), generator=torch.Generator().manual_seed(seed))
-        learner.model.eval()
-        bpb_train = learner.model.item_losses(sample, data[sample]).mean().item() / LN2
+    sample = torch.randint(len(data), (8192,), generator=torch.Generator().manual_seed(seed))
+    bpb_train = learner.losses(sample, data[sample]).mean().item() / LN2
     static = prequential(learner, held, learn=False)
     dynamic = prequential(learner, held, desc=f"AUNN prequential seed {seed}")
     return {"params": learner.model.num_params(), "d_model": model_cfg.d_model, "steps": cfg.aunn_steps,
-            "cpu_s": cpu_s, "bpb_train": bpb_train, **scores(static, dynamic),
+            "cpu_s": curve["cpu_s"][-1], "bpb_train": bpb_train, **scores(static, dynamic),
             "loss_curve": {"cpu_s": curve["cpu_s"], "bits": [v / LN2 for v in curve["loss"]]}}
 
 
-def gpt_steps_for(seconds: float, model: GPT, data: torch.Tensor, cfg: TrainConfig, probe_steps: int = 10) -> int:
-    """Steps that fill `seconds` of CPU time, timed on a throwaway copy of the model."""
+def gpt_steps_for(seconds: float, model: GPT, data: torch.Tensor, cfg: TrainConfig, probe_steps: int = 10,
+                  warmup_steps: int = 2) -> int:
+    """Steps that fill `seconds` of CPU time, timed on a throwaway copy of the model after
+    `warmup_steps` untimed ones (the first steps allocate and run slower)."""
     probe = copy.deepcopy(model)
     sampler = Sampler(data, cfg.batch_size, probe.config.block_size, cfg.seed)
+
+    def run(steps: int):
+        train(probe, list(probe.named_parameters()), sampler, replace(cfg, steps=steps), training_loss,
+              desc="GPT step timing")
+
+    run(warmup_steps)
     t0 = time.process_time()
-    train(probe, list(probe.named_parameters()), sampler, replace(cfg, steps=probe_steps), training_loss,
-          desc="GPT step timing")
+    run(probe_steps)
     return max(1, round(seconds * probe_steps / (time.process_time() - t0)))
 
 
 def run_gpt(cfg: Config, tokens: torch.Tensor, held: torch.Tensor, seconds: float, seed: int) -> dict:
     n = cfg.train_bytes
-    model_cfg, train_cfg = gpt_configs(cfg, 1, seed)
+    model_cfg, train_cfg = gpt_configs(cfg, seed)
     torch.manual_seed(seed)
     model = GPT(model_cfg)
     train_cfg = replace(train_cfg, steps=gpt_steps_for(seconds, model, tokens[:n], train_cfg))
@@ -147,27 +149,32 @@ def run_gpt(cfg: Config, tokens: torch.Tensor, held: torch.Tensor, seconds: floa
                            "bits": [v / LN2 for _, v in history.loss[::every]]}}
 
 
+def last_losses(model: GPT, window: torch.Tensor, s: int) -> torch.Tensor:
+    """Loss (nats) of each of the last `s` bytes of `window` (T+1,), predicted from the bytes before it: (s,)."""
+    return F.cross_entropy(model(window[None, :-1])[0, -s:], window[-s:], reduction="none")
+
+
 def gpt_prequential(model: GPT, tokens: torch.Tensor, start: int, length: int, segment: int, lr: float) -> torch.Tensor:
     """Loss (nats) of each byte in tokens[start:start+length], predicted from the `block_size` bytes
-    before it; with lr > 0, one AdamW step on each segment after scoring it (dynamic evaluation)."""
+    before it (eval mode); with lr > 0, one AdamW step (train mode) on each segment after scoring it
+    (dynamic evaluation)."""
     T = model.config.block_size
-    if start + segment < T + 1:
+    if start + min(segment, length) < T + 1:
         raise ForgetlessError(f"the training range must hold at least the GPT's context ({T} bytes)")
     model = copy.deepcopy(model) if lr else model
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0) if lr else None
-    model.train(bool(lr))
     losses = []
     with progress_task(f"GPT {'dynamic' if lr else 'static'} evaluation", total=length) as advance:
         for q in range(start, start + length, segment):
             s = min(segment, start + length - q)
             window = tokens[q + s - T - 1:q + s]  # (T+1,): the segment's bytes and the context before them
-            with torch.set_grad_enabled(bool(lr)):
-                logits = model(window[None, :-1])[0, -s:]  # (s, V)
-                loss = F.cross_entropy(logits, window[-s:], reduction="none")
-            losses.append(loss.detach())
+            model.eval()
+            with torch.no_grad():
+                losses.append(last_losses(model, window, s))
             if opt is not None:
+                model.train()
                 opt.zero_grad(set_to_none=True)
-                loss.mean().backward()
+                last_losses(model, window, s).mean().backward()
                 opt.step()
             advance(s)
     return torch.cat(losses)

@@ -50,12 +50,21 @@ class Config:
 
     def __post_init__(self):
         for p in self.patterns:
-            if len(p) < 2 or "|" in p or len(set(p)) != len(p):
-                raise ForgetlessError(f"toy.patterns: {p!r} must be two or more distinct letters, without '|'")
+            if len(p) < 2 or "|" in p or len(set(p)) != len(p) or not p.isascii():
+                raise ForgetlessError(f"toy.patterns: {p!r} must be two or more distinct ASCII letters, without '|'")
         for arm in self.arms:
             arm_config(self, arm)
-        if min(self.run, self.length, self.change_steps, self.far) <= 0:
-            raise ForgetlessError("toy.run, toy.length, toy.change_steps and toy.far must be positive")
+        if min(self.run, self.length, self.change_steps) <= 0:
+            raise ForgetlessError("toy.run, toy.length and toy.change_steps must be positive")
+        need = max([GENERATE] + [2 * period(p, self.run) for p in self.patterns])
+        if self.far < need:
+            raise ForgetlessError(f"toy.far must be at least {need} (the {GENERATE} bytes generated and two periods "
+                                  f"past the end), got {self.far}; raise it")
+
+    @property
+    def edges(self) -> list[int]:
+        """Bin edges of the extrapolation accuracy (distance past the end), up to `far`."""
+        return [e for e in EDGES if e <= self.far]
 
 
 def arm_config(cfg: Config, arm: str) -> tuple[AUNNConfig, AUNNTrainConfig]:
@@ -67,6 +76,10 @@ def arm_config(cfg: Config, arm: str) -> tuple[AUNNConfig, AUNNTrainConfig]:
         model.update(encoding="fourier", bits=cfg.fourier_bits)
     steps = {"batch": cfg.batch_steps, "anneal": cfg.anneal_steps, "serial": cfg.serial_epochs * cfg.length}[mode]
     return AUNNConfig(**model), AUNNTrainConfig(mode=mode, steps=steps, batch_size=cfg.batch_size, lr=cfg.lr)
+
+
+def period(letters: str, run: int) -> int:
+    return len(letters) * (run + 1)
 
 
 def pattern_bytes(letters: str, run: int, n: int) -> bytes:
@@ -90,16 +103,15 @@ def run_arm(cfg: Config, arm: str, letters: str, truth: torch.Tensor, seed: int)
     curve = fit(learner, truth[:n], desc=f"toy {letters} {arm} seed {seed}")
     pred = learner.predict(torch.arange(len(truth))).argmax(-1)  # (N + far,)
     hit = (pred == truth).float()
-    edges = [e for e in EDGES if e <= cfg.far]
-    period = len(letters) * (cfg.run + 1)
-    result = {"train_acc": hit[:n].mean().item(), "final_loss": curve["loss"][-1], "edges": edges,
-              "extrapolation": [hit[n + a:n + b].mean().item() for a, b in pairwise(edges)],
-              "truth_next": bytes(truth[n:n + 2 * period].tolist()).decode(),
-              "pred_next": bytes(pred[n:n + 2 * period].tolist()).decode()}
+    p = period(letters, cfg.run)
+    tok = ByteTokenizer()
+    result = {"train_acc": hit[:n].mean().item(), "final_loss": curve["loss"][-1],
+              "extrapolation": [hit[n + a:n + b].mean().item() for a, b in pairwise(cfg.edges)],
+              "truth_next": tok.decode(truth[n:n + 2 * p]), "pred_next": tok.decode(pred[n:n + 2 * p])}
     snap = learner.snapshot()
     sampled = generate(learner, GENERATE, temperature=1.0, seed=seed)  # (GENERATE,)
     learner.restore(snap)
-    result.update(generated=bytes(sampled.tolist()).decode(errors="replace"),
+    result.update(generated=tok.decode(sampled),
                   generated_acc=(sampled == truth[n:n + GENERATE]).float().mean().item(),
                   change=change_datum(learner, truth, n, letters, cfg))
     return result
@@ -109,19 +121,16 @@ def change_datum(learner, truth: torch.Tensor, n: int, letters: str, cfg: Config
     """Steps on (c, new letter), c = the first run start past the end; readings after 0..k steps."""
     c = next(i for i in range(n, len(truth)) if truth[i - 1] == ord("|"))
     new = ord(letters[(letters.index(chr(truth[c])) + 1) % len(letters)])
-    rest = torch.arange(c + 1, c + cfg.run)
-    period = len(letters) * (cfg.run + 1)
     readings = []
     for k in range(cfg.change_steps + 1):
         if k:
             learner.step(torch.tensor([c]), torch.tensor([new]))
-        probs = learner.predict(torch.arange(c - 1, c - 1 + period)).softmax(-1)  # (period, 256)
+        probs = learner.predict(torch.arange(c - 1, c - 1 + period(letters, cfg.run))).softmax(-1)  # (period, 256)
         train = learner.predict(torch.arange(n)).argmax(-1)
         readings.append({"steps": k, "p_new_at": probs[1, new].item(), "p_new_rest": probs[2:cfg.run + 1, new].mean().item(),
                          "flipped_rest": (probs[2:cfg.run + 1].argmax(-1) == new).float().mean().item(),
                          "train_acc": (train == truth[:n]).float().mean().item(),
-                         "pred": bytes(probs.argmax(-1).tolist()).decode(), "new": chr(new), "index": c,
-                         "rest": rest.tolist()})
+                         "pred": ByteTokenizer().decode(probs.argmax(-1))})
     return readings
 
 
@@ -139,7 +148,7 @@ def summarize(cfg: Config, runs: list[dict]) -> dict:
                            for k in range(cfg.change_steps + 1)],
                 "samples": [{"truth": a["truth_next"], "pred": a["pred_next"], "generated": a["generated"],
                              "after_change": [c["pred"] for c in a["change"]]} for a in arms]}
-    return {"edges": [e for e in EDGES if e <= cfg.far], "patterns": summary}
+    return {"edges": cfg.edges, "patterns": summary}
 
 
 def markdown(results: dict) -> str:
@@ -147,7 +156,7 @@ def markdown(results: dict) -> str:
     bins = [f"+{a}..{b}" for a, b in pairwise(edges)]
     lines = [f"# AUNN toy: memorise and extrapolate ({results['date']}, seeds {results['seeds']})", ""]
     for letters, arms in results["patterns"].items():
-        unit = pattern_bytes(letters, cfg["run"], len(letters) * (cfg["run"] + 1)).decode()
+        unit = pattern_bytes(letters, cfg["run"], period(letters, cfg["run"])).decode()
         lines += [f"## pattern `{unit}` (period {len(unit)}), N = {cfg['length']}", "",
                   ("Accuracy % of the argmax: on the training range, then past the end by distance (indices); "
                    "last column: bytes generated past the end equal to the pattern."), "",
@@ -179,8 +188,8 @@ def figures(results: dict, out: Path) -> list[Path]:
     patterns = results["patterns"]
     arms = list(next(iter(patterns.values())))
     color = colors(arms)
-    edges = results["edges"]
-    mids = [(a + max(b - 1, a)) / 2 + 1 for a, b in pairwise(edges)]
+    n = results["config"]["length"]
+    mids = [(a + b + 1) / 2 for a, b in pairwise(results["edges"])]  # bin [a, b) at distance + 1: 1 = index N
     fig, axes = plt.subplots(2, len(patterns), figsize=(5 * len(patterns), 7.5), squeeze=False)
     for col, (letters, by_arm) in enumerate(patterns.items()):
         for arm, m in by_arm.items():
@@ -192,10 +201,9 @@ def figures(results: dict, out: Path) -> list[Path]:
             axes[1, col].errorbar(ks, [100 * c["p_new_rest"]["mean"] for c in ch], [100 * c["p_new_rest"]["std"] for c in ch],
                                   marker="o", capsize=3, color=color[arm], label=f"{arm}: P(new), rest of run")
             axes[1, col].plot(ks, [100 * c["train_acc"]["mean"] for c in ch], ls="--", color=color[arm])
-        new_bit = 1 << (results["config"]["length"] - 1).bit_length()  # the first index with an unseen top bit
-        axes[0, col].axvline(new_bit - results["config"]["length"], color="grey", ls=":",
-                             label=f"index {new_bit}: a bit never set in training")
-        axes[0, col].set(xscale="log", ylim=(-3, 103), xlabel="indices past the end of the data",
+        new_bit = 1 << (n - 1).bit_length()  # the first index with an unseen top bit
+        axes[0, col].axvline(new_bit - n + 1, color="grey", ls=":", label=f"index {new_bit}: a bit never set in training")
+        axes[0, col].set(xscale="log", ylim=(-3, 103), xlabel="index − N + 1 (1: the first index past the data)",
                          ylabel="accuracy of the argmax (%)", title=f"pattern {letters!r}: extrapolation")
         axes[1, col].set(ylim=(-3, 103), xlabel="gradient steps on the changed datum", xticks=list(ks),
                          ylabel="P(new), rest of run (solid); train acc. (dashed) %",

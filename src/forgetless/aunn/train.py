@@ -64,7 +64,7 @@ class Learner:
         groups = [{"params": [p for p in slow if p.dim() >= 2], "weight_decay": cfg.weight_decay, "lr_mult": 1.0},
                   {"params": [p for p in slow if p.dim() < 2], "weight_decay": 0.0, "lr_mult": 1.0},
                   {"params": model.fast_parameters(), "weight_decay": 0.0, "lr_mult": cfg.fast_lr_mult}]
-        self.opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.99), fused=True)
+        self.opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(0.9, 0.99))
 
     def step(self, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """One optimizer step on the pairs (idx (B,), target (B,)); returns each pair's loss before it."""
@@ -88,6 +88,12 @@ class Learner:
     def predict(self, idx: torch.Tensor) -> torch.Tensor:  # (B,) -> (B, 256) logits or (B,) values
         self.model.eval()
         return self.model(idx)
+
+    @torch.no_grad()
+    def losses(self, idx: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """Each pair's loss (B,) under the current weights, without a step."""
+        self.model.eval()
+        return self.model.item_losses(idx, target)
 
     def snapshot(self) -> dict:
         """Copies of the weights, the optimizer state and the position (cheap enough to take per example)."""
@@ -146,12 +152,11 @@ def fit(learner: Learner, data: torch.Tensor, desc: str = "aunn train") -> dict:
     with progress_task(desc, total=cfg.steps) as advance:
         for step, idx in enumerate(schedule(len(data), cfg, generator)):
             window.append(learner.step(idx, data[idx]).mean().item())
-            if (step + 1) % every == 0:
+            if (step + 1) % every == 0 or step + 1 == cfg.steps:
                 curve["step"].append(step + 1)
                 curve["loss"].append(sum(window) / len(window))
                 curve["cpu_s"].append(time.process_time() - t0)
-                advance(every, loss=curve["loss"][-1])
+                advance(len(window), loss=curve["loss"][-1])
                 window = []
-        advance(cfg.steps % every)
     learner.position = max(learner.position, len(data))
     return curve

@@ -38,9 +38,7 @@ def prequential(learner: Learner, data: torch.Tensor, learn: bool = True, desc: 
     """
     idx = torch.arange(learner.position, learner.position + len(data))
     if not learn:
-        with torch.no_grad():
-            learner.model.eval()
-            return torch.cat([learner.model.item_losses(i, d) for i, d in zip(idx.split(4096), data.split(4096))])
+        return torch.cat([learner.losses(i, d) for i, d in zip(idx.split(4096), data.split(4096))])
     losses = []
     with progress_task(desc, total=len(data)) as advance:
         for k in range(len(data)):
