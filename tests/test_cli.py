@@ -57,6 +57,19 @@ def test_bench_rerun_reuses_finished_arms(smoke_run):
     after = json.loads((out / "results.json").read_text())["methods"]
     assert after["lora"]["ppl_b_after"] == before["lora"]["ppl_b_after"]
     assert after["full"]["wall_s"] == before["full"]["wall_s"]  # not re-run
+    assert "other forgetless code" not in again.output
+
+
+def test_rerun_with_other_code_warns_and_reuses(smoke_run, monkeypatch):
+    out, _ = smoke_run
+    before = json.loads((out / "results.json").read_text())["methods"]
+    monkeypatch.setattr("forgetless.continual.base_model.code_fingerprint", lambda: "0ther0c0de000")
+    again = invoke("bench", "--preset", "smoke", "--seeds", 2, "--out", out)
+    assert again.exit_code == 0, again.output
+    lines = [line for line in again.output.splitlines() if "other forgetless code" in line]
+    assert any("cached base" in line for line in lines) and any("arms" in line for line in lines)
+    assert all("now 0ther0c0de000" in line for line in lines)
+    assert json.loads((out / "results.json").read_text())["methods"]["full"]["wall_s"] == before["full"]["wall_s"]
 
 
 def test_report_regenerates(smoke_run):

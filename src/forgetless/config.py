@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import types
@@ -83,6 +84,19 @@ def load_file(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise ForgetlessError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
     return data
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """Short hash of the package sources that compute results (all but the CLI, reports and aunn/),
+    recorded with cached bases and bench arms so that reusing one made by other code is flagged."""
+    root = Path(__file__).parent
+    sources = sorted(f for f in root.rglob("*.py")
+                     if f.relative_to(root).parts[0] not in ("report", "aunn") and not f.name.startswith("cli"))
+    digest = hashlib.sha256()
+    for f in sources:
+        digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def stable_hash(obj, n: int = 12) -> str:

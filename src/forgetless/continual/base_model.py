@@ -5,9 +5,10 @@ import time
 from pathlib import Path
 
 import torch
+from rich.markup import escape
 
 from forgetless.checkpoint import load_checkpoint, save_checkpoint
-from forgetless.config import stable_hash
+from forgetless.config import code_fingerprint, stable_hash
 from forgetless.continual.evaluate import evaluate, module_stats, training_loss
 from forgetless.data.corpora import cache_dir
 from forgetless.data.domains import Domain
@@ -15,6 +16,7 @@ from forgetless.data.splits import Sampler
 from forgetless.data.tokenizers import tokenizer_from_dict
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPT, GPTConfig
+from forgetless.progress import console
 from forgetless.train import TrainConfig, train
 
 
@@ -32,7 +34,7 @@ def pretrain(model_cfg: GPTConfig, cfg: TrainConfig, domain: Domain, tokenizer, 
                     ckpt_path=ckpt_path, run_config=run_config, desc=desc)
     meta = {"kind": "base", "model_config": model_cfg.to_dict(), "tokenizer": tokenizer.to_dict(),
             "domain": domain.spec, "train_config": cfg.__dict__, "history": history.__dict__,
-            "wall_s": time.perf_counter() - t0}
+            "wall_s": time.perf_counter() - t0, "code": code_fingerprint()}
     save_checkpoint(out, {f"model.{k}": v for k, v in model.state_dict().items()}, meta)
     return meta
 
@@ -59,8 +61,18 @@ def cached_base(model_cfg: GPTConfig, cfg: TrainConfig, domain: Domain, tokenize
                        "tokenizer": tokenizer.to_dict(), "windows": domain.windows.shape[0]})
     folder = cache_dir() / "bases" / f"{base_label(model_cfg)}-{key}"
     path = folder / "base.safetensors"
-    if not path.exists():
+    if path.exists():
+        warn_if_other_code(load_checkpoint(path)[1].get("code"), f"cached base {folder}",
+                           "delete that folder to pretrain it again")
+    else:
         ckpt = folder / "training.safetensors"
         pretrain(model_cfg, cfg, domain, tokenizer, path, ckpt_path=ckpt, desc=f"pretrain {base_label(model_cfg)} base")
         ckpt.unlink(missing_ok=True)
     return path
+
+
+def warn_if_other_code(saved: str | None, what: str, fix: str):
+    """One line on stderr when a reused result was made by other forgetless sources than these."""
+    if saved != code_fingerprint():
+        console.print(f"[yellow]warning:[/yellow] {escape(what)} was made by other forgetless code "
+                      f"({saved or 'not recorded'}, now {code_fingerprint()}); {fix}", highlight=False, soft_wrap=True)

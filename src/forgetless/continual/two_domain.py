@@ -14,9 +14,9 @@ import statistics
 from pathlib import Path
 
 from forgetless.checkpoint import write_json
-from forgetless.config import stable_hash
+from forgetless.config import code_fingerprint, stable_hash
 from forgetless.continual.arm import run_arm
-from forgetless.continual.base_model import base_label, cached_base, load_base
+from forgetless.continual.base_model import base_label, cached_base, load_base, warn_if_other_code
 from forgetless.data.domains import load_domains
 from forgetless.methods import build_method
 from forgetless.methods.base import parse_method_specs
@@ -100,9 +100,11 @@ def run_or_reuse_arm(arm_path: Path, run_config: dict, run) -> dict:
     if arm_path.exists():
         saved = json.loads(arm_path.read_text())
         if saved.get("config_hash") == key:
+            warn_if_other_code(saved.get("code"), f"arm {arm_path}", "delete it to run the arm again")
             return saved
     result = run(arm_path.parent)
     result["config_hash"] = key
+    result["code"] = code_fingerprint()
     write_json(arm_path, result)
     return result
 
