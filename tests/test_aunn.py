@@ -12,7 +12,7 @@ from forgetless.aunn.use import condition, generate, load_learner, prequential, 
 from forgetless.checkpoint import save_checkpoint
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPT, GPTConfig
-from forgetless.train import TrainConfig
+from forgetless.train import PretrainConfig
 
 TINY = {"d_model": 32, "n_layer": 2}
 
@@ -224,7 +224,7 @@ def test_gpt_step_budget_leaves_out_the_warm_up(monkeypatch):
     monkeypatch.setattr(shakespeare, "train", fake_train)
     monkeypatch.setattr(shakespeare.time, "process_time", lambda: clock[0])
     model = GPT(GPTConfig(block_size=8, n_layer=1, n_head=1, d_model=8))
-    assert shakespeare.gpt_steps_for(10.0, model, torch.zeros(64, dtype=torch.long), TrainConfig(batch_size=2)) == 100
+    assert shakespeare.gpt_steps_for(10.0, model, torch.zeros(64, dtype=torch.long), PretrainConfig(batch_size=2)) == 100
 
 
 def test_an_under_trained_toy_run_reports_whatever_bytes_it_predicts():

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from forgetless.cli import app
@@ -92,10 +93,33 @@ def test_pretrain_adapt_eval_chain(tmp_path, text_file):
     assert r.exit_code == 0, r.output
     metrics = json.loads((tmp_path / "arm" / "metrics.json").read_text())
     assert metrics["method"] == "lora" and metrics["ppl_b_after"] < metrics["ppl_b_before"]
-    r = invoke("eval", "--checkpoint", base, "--corpus", other, "--method", "lora",
-               "--method-state", tmp_path / "arm" / "seed0.safetensors")
+    r = invoke("eval", "--checkpoint", base, "--corpus", other, "--method-state", tmp_path / "arm" / "seed0")
     assert r.exit_code == 0, r.output
     assert f"{metrics['ppl_b_after']:.4f}" in r.output  # the saved LoRA tensors reproduce the arm's PPL
+    from forgetless.checkpoint import load_checkpoint, save_checkpoint  # a method file of earlier versions
+    save_checkpoint(tmp_path / "old.safetensors", load_checkpoint(tmp_path / "arm" / "seed0" / "adapter_model.safetensors")[0],
+                    {"kind": "method", "options": metrics_options(tmp_path)})
+    r = invoke("eval", "--checkpoint", base, "--corpus", other, "--method", "lora", "--method-state", tmp_path / "old.safetensors")
+    assert r.exit_code == 0 and f"{metrics['ppl_b_after']:.4f}" in r.output, r.output
+    r = invoke("adapt", "--base", base, "--method", "cms[periods=1,1,1,1]", "--domain-b", other, "--out", tmp_path / "cms")
+    assert r.exit_code == 2 and "method cms needs a base with ffn=cms (this base: dense)" in r.output, r.output
+    assert not (tmp_path / "cms").exists()  # refused before any work
+    r = invoke("adapt", "--base", base, "--method", "lora", "--domain-b", other, "--out", text_file)
+    assert r.exit_code == 2 and "is a file; give a folder" in r.output, r.output
+
+
+def metrics_options(tmp_path):
+    return json.loads((tmp_path / "arm" / "seed0" / "forgetless_config.json").read_text())["options"]
+
+
+def test_out_naming_a_file_and_unavailable_devices_are_one_line_errors(tmp_path, text_file):
+    r = invoke("bench", "--preset", "smoke", "--out", text_file)
+    assert r.exit_code == 2 and f"--out {text_file} is a file" in " ".join(r.output.split()), r.output
+    if not torch.cuda.is_available():
+        r = invoke("bench", "--preset", "smoke", "--device", "cuda", "--out", tmp_path / "x")
+        assert r.exit_code == 2 and "device cuda is not available on this machine" in r.output, r.output
+    r = invoke("bench", "--preset", "smoke", "--device", "tpu", "--out", tmp_path / "x")
+    assert r.exit_code == 2 and "unknown device 'tpu'" in r.output, r.output
 
 
 @pytest.mark.parametrize("args,message", [

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from forgetless.continual.arm import freeze_all_but
+from forgetless import attach
 from forgetless.continual.evaluate import training_loss
 from forgetless.data.splits import Sampler
 from forgetless.errors import ForgetlessError
@@ -48,7 +48,7 @@ class Recorder(StepHooks):
     def flat(level):
         return torch.cat([p.detach().flatten() for p in level.parameters()]).clone()
 
-    def after_step(self, model, optimizer, step):
+    def after_step(self, model, optimizer, step, last):
         for i, level in enumerate(self.levels):
             now = self.flat(level)
             if not torch.equal(now, self.last[i]):
@@ -104,21 +104,23 @@ def test_cms_arms_train_their_levels_and_report_how_far_each_moved():
     dense_params = GPT(GPTConfig(**TINY)).num_params()
     assert abs(GPT(model_cfg).num_params() / dense_params - 1) < 0.05   # levels split the dense width
 
-    fast = build_method("cms-fast")
-    model = fast.attach(GPT(model_cfg))
+    adapted = attach(GPT(model_cfg), "cms-fast")
+    fast, model = adapted.method, adapted.model
     trained = {n for n, _ in fast.trainable_parameters(model)}
     assert trained and all(".levels.0." in n or ".levels.1." in n for n in trained)  # periods 1 and 4
     assert trained < {n for n, _ in method.trainable_parameters(model)}
-    params = freeze_all_but(model, fast)
-    train(model, params, Sampler(torch.arange(2000) % 7, 4, 8, seed=0), TrainConfig(steps=8, batch_size=4, lr=1e-2),
-          training_loss)
+    train(model, adapted.trainable_parameters(), Sampler(torch.arange(2000) % 7, 4, 8, seed=0),
+          TrainConfig(steps=8, batch_size=4, lr=1e-2), lambda m, batch: adapted.losses(batch), hooks=fast)
     change = dict(zip(*fast.report(model, None, None).values()))
     assert change[1] > 0 and change[4] > 0 and change[32] == 0 and change[128] == 0
 
 
 def test_cms_errors_name_the_fix():
-    with pytest.raises(ForgetlessError, match="needs a CMS base"):
-        build_method("cms").attach(GPT(GPTConfig(**TINY)))
+    with pytest.raises(ForgetlessError, match=r"method cms needs a base with ffn=cms \(this base: dense\)"):
+        attach(GPT(GPTConfig(**TINY)), "cms")
+    default_base = GPT(build_method("cms").base_config(GPTConfig(**TINY)))
+    with pytest.raises(ForgetlessError, match=r"periods=\[1, 1, 1, 1\] \(this base: \[1, 4, 32, 128\]\)"):
+        attach(default_base, "cms[periods=1,1,1,1]")  # the one-frequency control needs its own base
     with pytest.raises(ForgetlessError, match="cms.periods must be positive"):
         GPT(GPTConfig(**TINY, ffn="cms", ffn_options={"periods": [1, 0]}))
     with pytest.raises(ForgetlessError, match="cms.accumulate must be one of grads, updates"):

@@ -2,14 +2,14 @@
 import pytest
 import torch
 
+from forgetless import attach
 from forgetless.checkpoint import load_checkpoint, save_checkpoint
 from forgetless.continual.arm import adapt_task
 from forgetless.data.domains import Domain
 from forgetless.errors import ForgetlessError
-from forgetless.methods import build_method, method_names
+from forgetless.methods import METHODS, method_names
 from forgetless.models.gpt import logits_of
 from forgetless.presets import AdaptConfig
-from forgetless.report.figures import atom_maps
 from tiny_models import hf_gpt2, ours
 
 
@@ -23,35 +23,36 @@ def domain(seed: int) -> Domain:
 CFG = AdaptConfig(steps=6, batch_size=4, lr=1e-2, warmup=1, eval_every=100, ckpt_every=100)
 
 
-def run_tasks(method, model, n_tasks: int):
+def run_tasks(adapted, n_tasks: int):
     tasks = [domain(i) for i in range(n_tasks + 1)]
     for t in range(1, n_tasks + 1):
-        adapt_task(model, method, tasks[t], tasks[0], CFG, seed=0, task_index=t, sampler_seed=t)
-    return model
+        adapt_task(adapted, tasks[t], tasks[0], CFG, task_index=t, sampler_seed=t)
+    return adapted
 
 
-def atoms(method, model) -> dict:
-    return {k: v.clone() for k, v in method.state_dict(model).items()}
+def atoms(adapted) -> dict:
+    return {k: v.clone() for k, v in adapted.method_state().items()}
 
 
 def attached(name: str, make):
     """The method attached to a fresh model, an input and the model's logits on it."""
-    method = build_method(name)
-    model = method.attach(make())
+    model = make()
     x = torch.randint(0, 256, (2, 12))
-    return method, model, x, logits_of(model.eval(), x)
+    before = logits_of(model.eval(), x)
+    return attach(model, name), x, before
 
 
 @pytest.mark.parametrize("make", [ours, hf_gpt2], ids=["ours", "hf-gpt2"])
 @pytest.mark.parametrize("name", ["moram", "moe-lora"])
 def test_old_task_tensors_stay_bit_identical(make, name):
-    method, model, x, before = attached(name, make)
-    run_tasks(method, model, 1)
-    after_one = atoms(method, model)
+    adapted, x, before = attached(name, make)
+    model = adapted.model
+    run_tasks(adapted, 1)
+    after_one = atoms(adapted)
     assert any(v.abs().sum() > 0 for k, v in after_one.items() if ".values." in k or ".up." in k)  # it trained
     assert not torch.allclose(logits_of(model.eval(), x), before)
-    adapt_task(model, method, domain(2), domain(0), CFG, seed=0, task_index=2, sampler_seed=2)
-    after_two = atoms(method, model)
+    adapt_task(adapted, domain(2), domain(0), CFG, task_index=2, sampler_seed=2)
+    after_two = atoms(adapted)
     first_task = [k for k in after_one if k.endswith(".0") and ".router." not in k]
     assert first_task and all(torch.equal(after_one[k], after_two[k]) for k in first_task)
     second_values = [k for k in after_two if k.endswith(".1") and (".values." in k or ".up." in k)]
@@ -61,57 +62,59 @@ def test_old_task_tensors_stay_bit_identical(make, name):
 @pytest.mark.parametrize("make", [ours, hf_gpt2], ids=["ours", "hf-gpt2"])
 @pytest.mark.parametrize("name", ["moram", "moe-lora"])
 def test_new_task_starts_neutral(make, name):
-    method, model, x, before = attached(name, make)
-    method.on_task_start(model, 1)
-    assert torch.allclose(logits_of(model.eval(), x), before, atol=1e-6)  # values / expert B start at zero
+    adapted, x, before = attached(name, make)
+    assert adapted.trainable_parameters()  # task 1's bank comes with attach
+    assert torch.allclose(logits_of(adapted.eval(), x), before, atol=1e-6)  # values / expert B start at zero
+    adapted.start_task(2)  # task 2's values / expert B start at zero too (routing over the union changes)
+    new = [p for n, p in adapted.trainable_parameters() if n.endswith((".values.1", ".up.1"))]
+    assert new and all(p.abs().sum() == 0 for p in new)
 
 
 def test_moe_lora_router_keeps_training_over_all_experts():
-    method = build_method("moe-lora")
-    model = run_tasks(method, method.attach(ours()), 2)
-    names = [n for n, _ in method.trainable_parameters(model)]
+    adapted = run_tasks(attach(ours(), "moe-lora"), 2)
+    names = [n for n, _ in adapted.trainable_parameters()]
     assert any(n.endswith("router.0") for n in names) and any(n.endswith("router.1") for n in names)
     assert not any(n.endswith("down.0") or n.endswith("up.0") for n in names)
 
 
 def test_three_task_bank_saves_and_rebuilds_any_prefix(tmp_path):
-    method = build_method("moram")
-    model = method.attach(ours())
+    adapted = attach(ours(), "moram")
     x = torch.randint(0, 256, (2, 12))
     tasks = [domain(i) for i in range(4)]
     outputs = []
     for t in range(1, 4):
-        adapt_task(model, method, tasks[t], tasks[0], CFG, seed=0, task_index=t, sampler_seed=t)
-        outputs.append(logits_of(model.eval(), x))
-    save_checkpoint(tmp_path / "bank.safetensors", method.state_dict(model), {"kind": "method"})
+        adapt_task(adapted, tasks[t], tasks[0], CFG, task_index=t, sampler_seed=t)
+        outputs.append(logits_of(adapted.eval(), x))
+    save_checkpoint(tmp_path / "bank.safetensors", adapted.method_state(), {"kind": "method"})
     tensors, _ = load_checkpoint(tmp_path / "bank.safetensors")
     assert {k.rsplit(".", 1)[1] for k in tensors} == {"0", "1", "2"}  # one tensor per task and layer
     for n_tasks in (3, 2, 1):
         prefix = {k: v for k, v in tensors.items() if int(k.rsplit(".", 1)[1]) < n_tasks}
-        fresh = build_method("moram")
-        rebuilt = fresh.attach(ours())
-        fresh.load_state_dict(rebuilt, prefix)
+        rebuilt = attach(ours(), "moram")
+        rebuilt.method.load_state_dict(rebuilt.model, prefix)
         assert torch.equal(logits_of(rebuilt.eval(), x), outputs[n_tasks - 1])
     with pytest.raises(ForgetlessError, match="more tasks than the saved state"):
-        method.load_state_dict(model, {k: v for k, v in tensors.items() if k.endswith(".0")})
+        adapted.method.load_state_dict(adapted.model, {k: v for k, v in tensors.items() if k.endswith(".0")})
 
 
 def test_moram_needs_linear_targets():
     with pytest.raises(ForgetlessError, match="wraps linear layers, but transformer.h.0.mlp is a"):
-        build_method("moram", {"target_modules": "mlp"}).attach(ours())
+        attach(ours(), "moram", target_modules="mlp")
 
 
-def test_lora_merges_per_task_and_seq_lora_keeps_one_adapter():
+def test_lora_merges_per_task_and_seq_lora_keeps_one_adapter(tmp_path):
     x = torch.randint(0, 256, (2, 12))
-    lora, seq = build_method("lora"), build_method("seq-lora")
-    a, b = run_tasks(lora, lora.attach(ours()), 1), run_tasks(seq, seq.attach(ours()), 1)
+    a, b = run_tasks(attach(ours(), "lora"), 1), run_tasks(attach(ours(), "seq-lora"), 1)
     assert torch.equal(logits_of(a.eval(), x), logits_of(b.eval(), x))  # one task: the same method
     before = logits_of(a.eval(), x)
-    lora.on_task_start(a, 2)   # merges: same function, adapter reset (B = 0), base weights moved
+    a.start_task(2)   # merges: same function, adapter reset (B = 0), base weights moved
     assert torch.allclose(logits_of(a.eval(), x), before, atol=1e-5)
     assert all(p.abs().sum() == 0 for n, p in a.named_parameters() if "lora_B" in n)
+    a.save_pretrained(tmp_path / "lora")  # the merged base weights are part of the method's state
+    from forgetless import from_pretrained
+    assert torch.equal(logits_of(from_pretrained(ours(), tmp_path / "lora").eval(), x), logits_of(a.eval(), x))
     kept = {n: p.clone() for n, p in b.named_parameters() if "lora_B" in n}
-    seq.on_task_start(b, 2)
+    b.start_task(2)
     assert all(torch.equal(p, kept[n]) for n, p in b.named_parameters() if "lora_B" in n)
 
 
@@ -123,13 +126,13 @@ def test_default_sets_per_protocol():
 
 
 def test_atom_map_report_and_figure(tmp_path):
-    method = build_method("moram")
-    model = run_tasks(method, method.attach(ours()), 2)
+    adapted = run_tasks(attach(ours(), "moram"), 2)
     windows = [domain(i).windows for i in range(3)]
-    report = method.task_report(model, windows)
+    report = adapted.method.task_report(adapted.model, windows)
     assert report["atom_task"] == [1] * 8 + [2] * 8
     weights = torch.tensor(report["atom_weights"])             # (inputs, atoms)
     assert weights.shape == (3, 16) and (weights >= 0).all() and (weights.sum(-1) <= 1 + 1e-5).all()
     results = {"methods": {"moram": {"task_reports": [report, report]}, "full": {}}}
-    assert atom_maps(results, tmp_path / "map.png") and (tmp_path / "map.png").stat().st_size > 1000
-    assert not atom_maps({"methods": {"full": {}}}, tmp_path / "none.png")
+    assert METHODS["moram"].figures(results, ["moram"], tmp_path) == [tmp_path / "atom_map.png"]
+    assert (tmp_path / "atom_map.png").stat().st_size > 1000
+    assert METHODS["moram"].figures({"methods": {"full": {}}}, ["full"], tmp_path / "none") == []

@@ -2,10 +2,11 @@
 import pytest
 import torch
 
+from forgetless import attach
 from forgetless.data.splits import Batch, Sampler
 from forgetless.errors import ForgetlessError
 from forgetless.methods import build_method
-from forgetless.methods.ewc import empirical_fisher
+from forgetless.methods.ewc import empirical_fisher, random_windows
 from forgetless.models.gpt import logits_of
 from forgetless.nn.neutral import GatedAdapter, NeutralConfig
 from tiny_models import ours
@@ -22,8 +23,7 @@ def test_attached_model_equals_the_base_before_training(options):
     model = ours().eval()
     x = torch.randint(0, 256, (2, 12))
     before = logits_of(model, x)
-    method = build_method("neutral", options)
-    model = method.attach(model).eval()
+    model = attach(model, "neutral", **options).eval()
     assert torch.equal(logits_of(model, x), before)  # W_o = 0: the residue is exactly zero
 
 
@@ -110,8 +110,10 @@ def test_ewc_penalty_zero_at_the_anchor_and_positive_away():
     tokens = torch.randint(0, 256, (2000,), generator=torch.Generator().manual_seed(0))
     learned = Domain("a", tokens, tokens, tokens[:17 * 4].view(4, 17), [], "fp")
     method = build_method("ewc", {"lam": 10.0, "fisher_samples": 8})
-    model = method.attach(ours())
-    method.remember(model, learned)
+    model = ours()
+    with pytest.raises(ForgetlessError, match="call start_task\\(task, previous="):
+        attach(model, method).start_task(1)   # without what it protects EWC would be plain full fine-tuning
+    attach(model, method).start_task(1, previous=learned)
     b = batch([False, False])
     assert method.extra_loss(model, b).item() == 0.0
     assert all((f >= 0).all() for f in method.fisher.values()) and any(f.sum() > 0 for f in method.fisher.values())
@@ -128,7 +130,7 @@ def test_ewc_penalty_zero_at_the_anchor_and_positive_away():
 def test_fisher_is_the_mean_squared_window_gradient():
     model = ours(d=16, n_layer=1)
     tokens = torch.randint(0, 256, (500,), generator=torch.Generator().manual_seed(1))
-    fisher = empirical_fisher(model, tokens, 12, samples=3, seed=5)
+    fisher = empirical_fisher(model, random_windows(tokens, 12, 3, seed=5))
     starts = torch.randint(len(tokens) - 13, (3,), generator=torch.Generator().manual_seed(5)).tolist()
     w = dict(model.named_parameters())["lm_head.weight" if "lm_head.weight" in dict(model.named_parameters())
                                        else "transformer.wte.weight"]
@@ -143,9 +145,9 @@ def test_fisher_is_the_mean_squared_window_gradient():
 
 
 def test_gate_report_and_figure(tmp_path):
-    from forgetless.report.figures import gate_histograms
-    method = build_method("neutral")
-    model = method.attach(ours())
+    from forgetless.methods import METHODS
+    adapted = attach(ours(), "neutral")
+    method, model = adapted.method, adapted.model
     wa, wb = torch.randint(0, 128, (4, 13)), torch.randint(128, 256, (4, 13))
     report = method.report(model, wa, wb)
     assert len(report["gate_hist_a"]) == 2 and len(report["gate_bins"]) == 41
@@ -153,7 +155,9 @@ def test_gate_report_and_figure(tmp_path):
     assert all(0 <= c <= 1 for c in report["gate_closed_a"])
     assert build_method("neutral", {"gate": "none"}).report(model, wa, wb) == {}
     results = {"methods": {"neutral": {"report": {"before": report, "after": report}}, "full": {}}}
-    assert gate_histograms(results, tmp_path / "g.png") and (tmp_path / "g.png").stat().st_size > 1000
+    assert METHODS["neutral"].figures(results, ["neutral"], tmp_path) == [tmp_path / "gates.png"]
+    assert (tmp_path / "gates.png").stat().st_size > 1000
+    assert adapted.figures(tmp_path / "api", wa, wb) == [tmp_path / "api" / "gates.png"]
 
 
 def test_mix_sweep_figure_needs_three_ratios(tmp_path):

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from forgetless.continual.two_domain import run_two_domain
 from forgetless.methods import METHODS, MethodConfig
 from forgetless.methods.base import Method, find_modules
-from forgetless.models.gpt import FFN_KINDS, DenseFFN
+from forgetless.models.gpt import FFN_KINDS, DenseFFN, FFNKind
 from forgetless.presets import build_config
 
 
@@ -33,7 +33,7 @@ class NarrowMethod(Method):
 
 
 def test_architecture_changing_method_gets_its_own_base(tmp_path, monkeypatch):
-    monkeypatch.setitem(FFN_KINDS, "narrow", NarrowFFN)
+    monkeypatch.setitem(FFN_KINDS, "narrow", FFNKind(NarrowFFN))
     monkeypatch.setitem(METHODS, "narrow", NarrowMethod)
     cfg = build_config("smoke", {"data": {"domain_a": "tinyshakespeare", "domain_b": "renamed:tinyshakespeare"}})
     results = run_two_domain(cfg, ["full", "narrow"], [0], tmp_path, "smoke")

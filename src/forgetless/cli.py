@@ -36,6 +36,9 @@ def run_config(preset: str, config_file, flags, sets):
 
 
 PRESET = typer.Option("quick", help="smoke (seconds), quick (minutes on a laptop CPU), paper (GPU)")
+DEVICE = typer.Option("auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:N or mps")
+PRECISION = typer.Option(None, help="fp32, bf16 or fp16 (autocast; fp16 on CUDA only) for pretraining and "
+                         "adaptation (default: the config's, fp32)")
 CONFIG = typer.Option(None, "--config", help="YAML/JSON file with sections model, pretrain, adapt, data, methods")
 SET = typer.Option(None, "--set", help="a method option, METHOD.OPTION=VALUE (repeatable), e.g. lora.r=16")
 
@@ -60,12 +63,14 @@ def bench(preset: str = PRESET,
           pretrain_seeds: int = typer.Option(1, help="with --optimizers: pretraining runs per optimizer"),
           lrs: Optional[str] = typer.Option(None, "--lrs", help="with --optimizers: adapt at each of these learning "
                                             "rates too, e.g. 1e-4,3e-4,1e-3 (trade-off curves per optimizer)"),
+          device: str = DEVICE, precision: Optional[str] = PRECISION,
           config_file: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET, flags: dict = None):
     """Pretrain (cached), adapt every method, write results.json/csv/md and figures."""
     from forgetless.continual.optimizers import run_optimizers
     from forgetless.continual.sequence import run_sequence
     from forgetless.continual.two_domain import run_two_domain
-    from forgetless.methods import method_names
+    from forgetless.methods import MethodSpec, method_names
+    from forgetless.methods.base import parse_method_specs
     from forgetless.report import write_report
     from forgetless.report.tables import sequence_rows, terminal_rows
 
@@ -81,6 +86,7 @@ def bench(preset: str = PRESET,
     for key, value in (("domain_a", domain_a), ("domain_b", domain_b)):
         if value:
             flags.setdefault("data", {})[key] = value
+    set_precision(flags, precision)
     cfg = run_config(preset, config_file, flags, set_)
     if lrs and not optimizers:
         raise ForgetlessError("--lrs goes with --optimizers (e.g. --optimizers adamw,muon --lrs 1e-4,3e-4)")
@@ -88,13 +94,13 @@ def bench(preset: str = PRESET,
         if protocol != "two-domain" or pretrain_seeds <= 0:
             raise ForgetlessError("--optimizers runs the two-domain protocol with --pretrain-seeds >= 1")
         names = ["full"] if methods == "all" else methods.split(",")
-        out = out or Path("runs") / f"optimizers-{preset}"
+        out = writable(out or Path("runs") / f"optimizers-{preset}")
         results = run_optimizers(cfg, names, optimizers.split(","), list(range(seeds)), out, preset, pretrain_seeds,
-                                 lrs.split(",") if lrs else None)
+                                 lrs.split(",") if lrs else None, device)
     else:
-        names = method_names(protocol) if methods == "all" else [methods]
-        out = out or Path("runs") / f"{protocol}-{preset}"
-        results = protocols[protocol](cfg, names, list(range(seeds)), out, preset)
+        specs = [MethodSpec(n) for n in method_names(protocol)] if methods == "all" else parse_method_specs(methods)
+        out = writable(out or Path("runs") / f"{protocol}-{preset}")
+        results = protocols[protocol](cfg, specs, list(range(seeds)), out, preset, device)
     files = write_report(results, out)
     where = f"A={cfg.data.domain_a} → B={cfg.data.domain_b}" if protocol == "two-domain" else \
         " → ".join([cfg.data.domain_a, *cfg.data.tasks])
@@ -116,13 +122,16 @@ def pretrain(out: Path = typer.Option(..., help="base checkpoint to write (.safe
              preset: str = PRESET,
              domain_a: Optional[str] = typer.Option(None, "--domain-a", help="corpus to pretrain on"),
              resume: bool = typer.Option(False, help="continue an interrupted run from its checkpoint"),
+             device: str = DEVICE, precision: Optional[str] = PRECISION,
              config_file: Optional[Path] = CONFIG, flags: dict = None):
     """Pretrain a base GPT on one corpus (checkpointed; --resume continues exactly)."""
+    from forgetless.adapted import resolve_device
     from forgetless.continual.base_model import pretrain as run_pretrain
     from forgetless.data.domains import load_domains
 
     if domain_a:
         flags.setdefault("data", {})["domain_a"] = domain_a
+    set_precision(flags, precision)
     cfg = run_config(preset, config_file, flags, None)
     if out.exists():
         raise ForgetlessError(f"{out} exists; choose another --out or delete it")
@@ -132,7 +141,7 @@ def pretrain(out: Path = typer.Option(..., help="base checkpoint to write (.safe
     (a,), tok = load_domains([cfg.data.domain_a], cfg.data.tokenizer, cfg.model.block_size,
                              cfg.data.val_fraction, cfg.data.eval_windows)
     cfg.model.vocab_size = tok.vocab_size
-    meta = run_pretrain(cfg.model, cfg.pretrain, a, tok, out, ckpt_path=ckpt)
+    meta = run_pretrain(cfg.model, cfg.pretrain, a, tok, out, ckpt_path=ckpt, device=resolve_device(device))
     ckpt.unlink(missing_ok=True)
     last = meta["history"]["evals"][-1]
     out_console.print(f"wrote {out} · val PPL on {a.spec}: {last['ppl_a']:.3f} · {meta['wall_s']:.1f} s")
@@ -145,24 +154,29 @@ def adapt(base: Path = typer.Option(..., help="base checkpoint from `forgetless 
           method: str = typer.Option(..., help="method name (see `forgetless methods`)"),
           domain_b: str = typer.Option(..., "--domain-b", help="corpus to adapt to"),
           domain_a: Optional[str] = typer.Option(None, "--domain-a", help="corpus to measure retention on (default: the base's)"),
-          out: Path = typer.Option(..., help="folder for metrics.json and the method's tensors"),
-          seed: int = 0, preset: str = PRESET,
+          out: Path = typer.Option(..., help="folder for metrics.json and the method (seed<N>/, loaded by "
+                                   "forgetless.from_pretrained or `eval --method-state`)"),
+          seed: int = 0, preset: str = PRESET, device: str = DEVICE, precision: Optional[str] = PRECISION,
           config_file: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET, flags: dict = None):
-    """Adapt a base on B with one method; report retention on A and adaptation on B."""
+    """Adapt a base on B with one method (NAME or NAME[OPTION=VALUE;...]); report retention on A and adaptation on B."""
+    from forgetless.adapted import resolve_device
     from forgetless.checkpoint import write_json
     from forgetless.continual.arm import run_arm
     from forgetless.continual.base_model import load_base
     from forgetless.data.domains import load_domains
-    from forgetless.methods import build_method
+    from forgetless.methods.base import as_specs
 
+    set_precision(flags, precision)
     cfg = run_config(preset, config_file, flags, set_)
     model, tok, meta = load_base(base)
-    if (out / "metrics.json").exists():
+    if (writable(out) / "metrics.json").exists():
         raise ForgetlessError(f"{out / 'metrics.json'} exists; choose another --out or delete it")
     (a, b), _ = load_domains([domain_a or meta["domain"], domain_b], tok.to_dict(), model.config.block_size,
                              cfg.data.val_fraction, cfg.data.eval_windows)
-    m = build_method(method, cfg.methods.get(method))
-    result = run_arm(model, m, a, b, cfg.adapt, seed, out_dir=out,
+    (spec,) = as_specs([method])
+    m = spec.build(cfg.methods.get(spec.name))
+    m.check_base(model)  # before any work: the base must be the one the method needs
+    result = run_arm(model.to(resolve_device(device)), m, a, b, cfg.adapt, seed, out_dir=out,
                      run_config={"base": str(base), "adapt": cfg.adapt.__dict__, "options": m.options()})
     write_json(out / "metrics.json", result)
     out_console.print(
@@ -175,11 +189,13 @@ def adapt(base: Path = typer.Option(..., help="base checkpoint from `forgetless 
 @friendly
 def evaluate_cmd(checkpoint: Path = typer.Option(..., help="base checkpoint"),
                  corpus: list[str] = typer.Option(..., help="corpus spec or path (repeatable)"),
-                 method: Optional[str] = typer.Option(None, help="method whose tensors to load on top"),
-                 method_state: Optional[Path] = typer.Option(None, help="the method's .safetensors from `adapt`"),
+                 method: Optional[str] = typer.Option(None, help="with a .safetensors --method-state: its method"),
+                 method_state: Optional[Path] = typer.Option(None, help="a method saved by `adapt` (its seed<N>/ "
+                                                             "folder), or an older method .safetensors file"),
                  windows: int = typer.Option(128, help="held-out windows per corpus"),
-                 val_fraction: float = 0.1):
+                 val_fraction: float = 0.1, device: str = DEVICE):
     """Perplexity and next-token accuracy on the held-out split of one or more corpora."""
+    from forgetless.adapted import attach, from_pretrained, resolve_device
     from forgetless.checkpoint import load_checkpoint
     from forgetless.continual.base_model import load_base
     from forgetless.continual.evaluate import evaluate
@@ -187,13 +203,16 @@ def evaluate_cmd(checkpoint: Path = typer.Option(..., help="base checkpoint"),
     from forgetless.methods import build_method
 
     model, tok, _ = load_base(checkpoint)
-    if (method is None) != (method_state is None):
-        raise ForgetlessError("--method and --method-state go together")
-    if method:
+    model = model.to(resolve_device(device))
+    if method_state is not None and method_state.is_dir():
+        model = from_pretrained(model, method_state).model
+    elif (method is None) != (method_state is None):
+        raise ForgetlessError("--method-state needs --method for a .safetensors file (a saved folder names its method)")
+    elif method:
         tensors, meta = load_checkpoint(method_state)
-        m = build_method(method, meta.get("options"))
-        model = m.attach(model)
-        m.load_state_dict(model, tensors)
+        adapted = attach(model, build_method(method, meta.get("options")))
+        adapted.method.load_state_dict(adapted.model, tensors)
+        model = adapted.model
     table = Table("corpus", "PPL", "acc", "loss (nats)")
     for spec in corpus:
         (d,), _ = load_domains([spec], tok.to_dict(), model.config.block_size, val_fraction, windows)
@@ -263,6 +282,20 @@ def methods():
         table.add_row(name, base_label(build_method(name).base_config(GPTConfig())), ", ".join(cls.default_for), opts,
                       *about or [""])
     out_console.print(table)
+
+
+def set_precision(flags: dict, precision: Optional[str]):
+    """--precision: the same precision for pretraining and adaptation (section flags still win)."""
+    if precision is not None:
+        for section in ("pretrain", "adapt"):
+            flags.setdefault(section, {}).setdefault("precision", precision)
+
+
+def writable(folder: Path) -> Path:
+    """An output folder that exists or can be made; a file in its place is a one-line error."""
+    if folder.exists() and not folder.is_dir():
+        raise ForgetlessError(f"--out {folder} is a file; give a folder (it is created if missing)")
+    return folder
 
 
 app.add_typer(aunn_app, name="aunn")

@@ -8,7 +8,7 @@ from forgetless.config import from_dict, replace
 from forgetless.data.tokenizers import TOKENIZERS
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPTConfig
-from forgetless.train import TrainConfig
+from forgetless.train import PretrainConfig, TrainConfig
 
 
 DEFAULT_TASKS = ("shakespeare-folio", "shakespeare-poems", "renamed:shakespeare-modern", "python-stdlib")
@@ -44,7 +44,7 @@ class AdaptConfig(TrainConfig):
 @dataclass
 class RunConfig:
     model: GPTConfig
-    pretrain: TrainConfig
+    pretrain: PretrainConfig
     adapt: AdaptConfig
     data: DataConfig
     methods: dict = field(default_factory=dict)  # method name -> its options
@@ -53,7 +53,7 @@ class RunConfig:
         return dataclasses.asdict(self)
 
 
-SECTIONS = {"model": GPTConfig, "pretrain": TrainConfig, "adapt": AdaptConfig, "data": DataConfig}
+SECTIONS = {"model": GPTConfig, "pretrain": PretrainConfig, "adapt": AdaptConfig, "data": DataConfig}
 
 PRESETS: dict[str, dict] = {
     "smoke": dict(

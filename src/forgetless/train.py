@@ -33,11 +33,12 @@ class TrainConfig:
     grad_clip: float = field(default=1.0, metadata={"help": "clip the gradient norm to this (0 = off)"})
     eval_every: int = field(default=100, metadata={"help": "evaluate every N steps"})
     ckpt_every: int = field(default=100, metadata={"help": "checkpoint every N steps"})
-    seed: int = field(default=0, metadata={"help": "random seed (bench --seeds sets it for adaptation)"})
     optimizer: str = field(default="adamw", metadata={
         "help": "adamw, muon, delta (delta-rule momentum), deep (MLP momentum) or l2reg (see forgetless.optim)"})
     optimizer_options: dict = field(default_factory=dict, metadata={
         "help": "options of the optimizer as JSON, e.g. '{\"erase\": 0.5}' for delta"})
+    precision: str = field(default="fp32", metadata={
+        "help": "fp32, bf16 (autocast) or fp16 (autocast with loss scaling; CUDA only)"})
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "eval_every", "ckpt_every"):
@@ -49,6 +50,23 @@ class TrainConfig:
             raise ForgetlessError("warmup, grad_clip and weight_decay must not be negative")
         if self.optimizer not in OPTIMIZERS:
             raise ForgetlessError(f"unknown optimizer {self.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
+        if self.precision not in PRECISIONS:
+            raise ForgetlessError(f"unknown precision {self.precision!r}; valid: {', '.join(PRECISIONS)}")
+
+
+@dataclass
+class PretrainConfig(TrainConfig):
+    seed: int = field(default=0, metadata={"help": "random seed of the base's initialisation and batches"})
+
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(device: torch.device, precision: str):
+    """Autocast context for `precision` on `device` (a no-op for fp32)."""
+    if precision == "fp16" and device.type != "cuda":
+        raise ForgetlessError(f"precision fp16 needs a CUDA device, not {device.type}; use bf16 or fp32")
+    return torch.autocast(device.type, dtype=PRECISIONS[precision], enabled=precision != "fp32")
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -73,15 +91,16 @@ LossFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, torch.Tensor]]  # -> (
 
 
 class StepHooks:
-    """What a method may add to the loop (all optional); Method derives from this."""
+    """What a method (or an FFN kind with its own update rule) may add to the loop; all optional.
+    `step` counts finished optimizer steps (1 after the first); `last` is true on the final step."""
 
     def make_optimizer(self, params: list[tuple[str, nn.Parameter]], cfg: TrainConfig) -> torch.optim.Optimizer | None:
         return None  # None: the config's optimizer (AdamW by default)
 
-    def before_step(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        """After backward, before the optimizer step (e.g. mask or clip gradients)."""
+    def before_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, last: bool):
+        """After backward and clipping, before the optimizer step (e.g. mask or clip gradients)."""
 
-    def after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int):
+    def after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, last: bool):
         """After the optimizer step (e.g. project weights, allocate patches)."""
 
     def hook_state(self) -> dict[str, torch.Tensor]:
@@ -92,65 +111,54 @@ class StepHooks:
         pass
 
 
-class ChunkedUpdates:
-    """Multi-frequency updates (CMS, DESIGN.md §2.4): a parameter of a module with `update_period`
-    C > 1 changes only every C steps (and when training ends), by what the chunk gathered: with the
-    module's `accumulate` = "grads", one optimizer step on the chunk's summed gradients; with
-    "updates", the sum of the optimizer's per-step updates, each computed at the unchanged weights."""
+class HookChain(StepHooks):
+    """Several hooks run in order (before_step in order, after_step in reverse); the first that
+    makes an optimizer makes it; their states are saved under "<i>." prefixes."""
 
-    def __init__(self, model: nn.Module, params: list[tuple[str, nn.Parameter]]):
-        owner = {id(p): m for m in model.modules() if getattr(m, "update_period", 1) > 1 for p in m.parameters()}
-        self.slow = [(name, p, owner[id(p)].update_period, owner[id(p)].accumulate)
-                     for name, p in params if id(p) in owner]
-        self.gathered = {name: torch.zeros_like(p) for name, p, _, _ in self.slow}
-        self.before: dict[str, torch.Tensor] = {}
+    def __init__(self, hooks: list[StepHooks]):
+        self.hooks = hooks
 
-    def before_step(self, done: int, last: bool):
-        """After backward: hold back the gradients of levels between their boundaries."""
-        for name, p, period, accumulate in self.slow:
-            if accumulate == "updates":
-                self.before[name] = p.detach().clone()
-                continue
-            if p.grad is not None:
-                self.gathered[name] += p.grad
-            boundary = done % period == 0 or last
-            p.grad = self.gathered[name] if boundary else None
-            if boundary:
-                self.gathered[name] = torch.zeros_like(p)
+    def make_optimizer(self, params, cfg):
+        return next((opt for h in self.hooks if (opt := h.make_optimizer(params, cfg)) is not None), None)
 
-    def after_step(self, done: int, last: bool):
-        """After the optimizer step ("updates"): gather the step's update and undo it, except at a boundary."""
-        with torch.no_grad():
-            for name, p, period, accumulate in self.slow:
-                if accumulate == "updates":
-                    self.gathered[name] += p - self.before[name]
-                    p.copy_(self.before[name])
-                    if done % period == 0 or last:
-                        p += self.gathered[name]
-                        self.gathered[name].zero_()
+    def before_step(self, model, optimizer, step, last):
+        for h in self.hooks:
+            h.before_step(model, optimizer, step, last)
 
-    def state(self) -> dict[str, torch.Tensor]:
-        return dict(self.gathered)
+    def after_step(self, model, optimizer, step, last):
+        for h in reversed(self.hooks):
+            h.after_step(model, optimizer, step, last)
 
-    def load_state(self, tensors: dict[str, torch.Tensor]):
-        for name in self.gathered:
-            if name in tensors:
-                self.gathered[name] = tensors[name].clone()
+    def hook_state(self):
+        return {f"{i}.{k}": v for i, h in enumerate(self.hooks) for k, v in h.hook_state().items()}
+
+    def load_hook_state(self, tensors):
+        for i, h in enumerate(self.hooks):
+            h.load_hook_state({k[len(f"{i}."):]: v for k, v in tensors.items() if k.startswith(f"{i}.")})
+
+
+def module_hooks(model: nn.Module, params: list[tuple[str, nn.Parameter]]) -> list[StepHooks]:
+    """Loop hooks that modules of `model` ask for through a `training_hooks(model, params)` static
+    method (e.g. CMS levels updated every C steps), one per module class."""
+    makers = {type(m): m.training_hooks for m in model.modules() if hasattr(m, "training_hooks")}
+    return [h for make in makers.values() if (h := make(model, params)) is not None]
 
 
 def train(model: nn.Module, params: list[tuple[str, nn.Parameter]], sampler: Sampler, cfg: TrainConfig,
           loss_fn: LossFn, *, evaluate: Callable[[], dict] | None = None, ckpt_path: Path | None = None,
           run_config: dict | None = None, desc: str = "train", hooks: StepHooks | None = None) -> History:
-    """Train `params` of `model`; resume from `ckpt_path` when it exists and `run_config` matches."""
+    """Train `params` of `model` on batches from `sampler`, moved to the model's device; resume from
+    `ckpt_path` when it exists and `run_config` matches."""
     if not params:
         raise ForgetlessError("nothing to train: the method selected no parameters (check target_modules)")
     run_config = run_config or {}
-    hooks = hooks or StepHooks()
+    device = params[0][1].device
+    hooks = HookChain([hooks or StepHooks(), *module_hooks(model, params)])
     opt = hooks.make_optimizer(params, cfg) or build_optimizer(cfg.optimizer, params, cfg, model)
-    chunks = ChunkedUpdates(model, params)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     history, start = History(), 0
     if ckpt_path is not None and Path(ckpt_path).exists():
-        start, history = resume(model, opt, sampler, ckpt_path, run_config, hooks, chunks)
+        start, history = resume(model, opt, sampler, ckpt_path, run_config, hooks)
     elif evaluate is not None:
         history.evals.append({"step": 0, **evaluate()})
 
@@ -160,8 +168,8 @@ def train(model: nn.Module, params: list[tuple[str, nn.Parameter]], sampler: Sam
         optim, groups = optimizer_tensors(opt)
         tensors = {**{f"model.{k}": v for k, v in model.state_dict().items()}, **optim,
                    **{f"hooks.{k}": v for k, v in hooks.hook_state().items()},
-                   **{f"chunks.{k}": v for k, v in chunks.state().items()},
-                   "rng.torch": torch.get_rng_state(), "rng.sampler": sampler.get_state()}
+                   "rng.torch": torch.get_rng_state(), "rng.sampler": sampler.get_state(),
+                   **({"rng.cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else {})}
         meta = {"kind": "training", "step": step, "config_hash": stable_hash(run_config),
                 "config": run_config, "optim_groups": groups, "history": asdict(history)}
         save_checkpoint(ckpt_path, tensors, meta)
@@ -171,22 +179,23 @@ def train(model: nn.Module, params: list[tuple[str, nn.Parameter]], sampler: Sam
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, cfg)
             model.train()
-            loss, lm_loss = loss_fn(model, sampler.next())
+            with autocast(device, cfg.precision):
+                loss, lm_loss = loss_fn(model, sampler.next().to(device))
             if not torch.isfinite(loss):
                 where = f"the last good checkpoint (step {last_ckpt_step(step, cfg)}) is kept at {ckpt_path}" \
                     if ckpt_path is not None and Path(ckpt_path).exists() else "no checkpoint was written"
                 raise TrainingDiverged(
                     f"{desc}: loss is {loss.item()} at step {step + 1}; stopped, {where}; lower the learning rate")
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_([p for _, p in params], cfg.grad_clip)
-            hooks.before_step(model, opt)
             done = step + 1
-            chunks.before_step(done, last=done == cfg.steps)
-            opt.step()
-            chunks.after_step(done, last=done == cfg.steps)
-            hooks.after_step(model, opt, done)
+            hooks.before_step(model, opt, done, done == cfg.steps)
+            scaler.step(opt)
+            scaler.update()
+            hooks.after_step(model, opt, done, done == cfg.steps)
             history.loss.append([done, round(lm_loss.item(), 5)])
             if evaluate is not None and (done % cfg.eval_every == 0 or done == cfg.steps):
                 history.evals.append({"step": done, **evaluate()})
@@ -200,7 +209,7 @@ def last_ckpt_step(step: int, cfg: TrainConfig) -> int:
     return (step // cfg.ckpt_every) * cfg.ckpt_every
 
 
-def resume(model, opt, sampler, ckpt_path, run_config, hooks: StepHooks, chunks: ChunkedUpdates) -> tuple[int, History]:
+def resume(model, opt, sampler, ckpt_path, run_config, hooks: StepHooks) -> tuple[int, History]:
     tensors, meta = load_checkpoint(ckpt_path)
     if meta.get("config_hash") != stable_hash(run_config):
         diff = config_diff(meta.get("config", {}), run_config)
@@ -210,9 +219,10 @@ def resume(model, opt, sampler, ckpt_path, run_config, hooks: StepHooks, chunks:
     model.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
     load_optimizer(opt, tensors, meta["optim_groups"])
     torch.set_rng_state(tensors["rng.torch"])
+    if "rng.cuda" in tensors:
+        torch.cuda.set_rng_state(tensors["rng.cuda"], next(model.parameters()).device)
     sampler.set_state(tensors["rng.sampler"])
     hooks.load_hook_state({k[len("hooks."):]: v for k, v in tensors.items() if k.startswith("hooks.")})
-    chunks.load_state({k[len("chunks."):]: v for k, v in tensors.items() if k.startswith("chunks.")})
     return meta["step"], History(**meta["history"])
 
 

@@ -32,7 +32,7 @@ from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPT, GPTConfig
 from forgetless.presets import PRESETS
 from forgetless.progress import progress_task
-from forgetless.train import TrainConfig, train
+from forgetless.train import PretrainConfig, train
 
 LN2 = math.log(2)
 
@@ -69,10 +69,10 @@ def load_text(cfg: Config) -> torch.Tensor:
     return tokens
 
 
-def gpt_configs(cfg: Config, seed: int) -> tuple[GPTConfig, TrainConfig]:
+def gpt_configs(cfg: Config, seed: int) -> tuple[GPTConfig, PretrainConfig]:
     preset = PRESETS[cfg.gpt_preset]
     return (from_dict(GPTConfig, preset["model"], "model"),
-            from_dict(TrainConfig, {**preset["pretrain"], "seed": seed}, "pretrain"))
+            from_dict(PretrainConfig, {**preset["pretrain"], "seed": seed}, "pretrain"))
 
 
 def running_bits(losses: torch.Tensor, points: int = 64) -> list[float]:
@@ -111,7 +111,7 @@ def run_aunn(cfg: Config, data: torch.Tensor, held: torch.Tensor, target_params:
             "loss_curve": {"cpu_s": curve["cpu_s"], "bits": [v / LN2 for v in curve["loss"]]}}
 
 
-def gpt_steps_for(seconds: float, model: GPT, data: torch.Tensor, cfg: TrainConfig, probe_steps: int = 10,
+def gpt_steps_for(seconds: float, model: GPT, data: torch.Tensor, cfg: PretrainConfig, probe_steps: int = 10,
                   warmup_steps: int = 2) -> int:
     """Steps that fill `seconds` of CPU time, timed on a throwaway copy of the model after
     `warmup_steps` untimed ones (the first steps allocate and run slower)."""

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from forgetless.checkpoint import save_checkpoint
-from forgetless.continual.evaluate import evaluate, module_stats, training_loss
+from forgetless.adapted import Adapted, attach
+from forgetless.continual.evaluate import evaluate, module_stats
 from forgetless.data.domains import Domain
 from forgetless.data.splits import Sampler
 from forgetless.methods import Method
@@ -18,34 +18,23 @@ from forgetless.presets import AdaptConfig
 from forgetless.train import train
 
 
-def freeze_all_but(model: nn.Module, method: Method) -> list[tuple[str, nn.Parameter]]:
-    for p in model.parameters():
-        p.requires_grad_(False)
-    params = method.trainable_parameters(model)
-    for _, p in params:
-        p.requires_grad_(True)
-    return params
-
-
-def adapt_task(model: nn.Module, method: Method, task: Domain, replay_from: Domain, cfg: AdaptConfig, seed: int,
-               task_index: int, sampler_seed: int, learned: Domain | None = None, **train_kwargs):
-    """One task of adaptation: task hooks, the method's parameters, its lr and optimizer, mixing of
-    original-domain rows (the method's `mix`, else the protocol's replay), training. `learned` is the domain learned
-    last (default: `replay_from`).
+def adapt_task(adapted: Adapted, task: Domain, replay_from: Domain, cfg: AdaptConfig, task_index: int,
+               sampler_seed: int, learned: Domain | None = None, **train_kwargs):
+    """One task of adaptation: start the task (what was `learned` last, default `replay_from`), the
+    method's lr and optimizer, mixing of original-domain rows (the method's `mix`, else the protocol's
+    replay), training, end of the task.
 
     Returns (training history, trained parameters)."""
-    method.remember(model, learned or replay_from)
-    method.on_task_start(model, task_index)
-    params = freeze_all_but(model, method)
+    method = adapted.method
+    adapted.start_task(task_index, learned or replay_from)
+    params = adapted.trainable_parameters()
     mix = cfg.replay if method.cfg.mix is None else method.cfg.mix
-    cfg = dataclasses.replace(cfg, lr=method.cfg.lr or cfg.lr, seed=seed, replay=mix,
-                              optimizer=method.cfg.optimizer or cfg.optimizer)
+    cfg = dataclasses.replace(cfg, lr=method.cfg.lr or cfg.lr, replay=mix, optimizer=method.cfg.optimizer or cfg.optimizer)
     sampler = Sampler(task.train, cfg.batch_size, task.windows.shape[1] - 1, sampler_seed,
                       other=replay_from.train if mix > 0 else None, p=mix)
-    history = train(model, params, sampler, cfg,
-                    lambda m, batch: training_loss(m, batch, method.extra_loss, method.token_weights),
-                    hooks=method, **train_kwargs)
-    method.on_task_end(model, task_index)
+    history = train(adapted.model, params, sampler, cfg, lambda m, batch: adapted.losses(batch), hooks=method,
+                    **train_kwargs)
+    adapted.end_task(task_index)
     return history, params
 
 
@@ -57,13 +46,15 @@ def score(model: nn.Module, a: Domain, b: Domain) -> dict:
 
 def run_arm(model: nn.Module, method: Method, a: Domain, b: Domain, cfg: AdaptConfig, seed: int,
             out_dir: Path | None = None, run_config: dict | None = None) -> dict:
-    """Attach `method` to `model` (a pretrained base), adapt on B, return the arm's metrics.
+    """Attach `method` to `model` (a pretrained base, on its device), adapt on B, return the arm's metrics.
 
-    With `out_dir`, training checkpoints there (resumable) and the method's own tensors are saved.
+    With `out_dir`, training checkpoints there (resumable) and the method is saved (save_pretrained)
+    in `out_dir/seed<seed>/`.
     """
     before = score(model, a, b)
     torch.manual_seed(seed)
-    model = method.attach(model)
+    adapted = attach(model, method)
+    model = adapted.model
     report_before = method.report(model, a.windows, b.windows)
     eval_s = 0.0
 
@@ -77,15 +68,14 @@ def run_arm(model: nn.Module, method: Method, a: Domain, b: Domain, cfg: AdaptCo
     ckpt = out_dir / f"seed{seed}.training.safetensors" if out_dir else None
     with PeakRSS() as memory:
         t0 = time.perf_counter()
-        history, params = adapt_task(model, method, b, a, cfg, seed, 1, seed, evaluate=curve_point, ckpt_path=ckpt,
+        history, params = adapt_task(adapted, b, a, cfg, 1, seed, evaluate=curve_point, ckpt_path=ckpt,
                                      run_config={**(run_config or {}), "arm": [method.name, seed]},
                                      desc=f"{method.name} seed {seed}")
         wall = time.perf_counter() - t0 - eval_s
     after = score(model, a, b)
     report_after = method.report(model, a.windows, b.windows)
     if out_dir:
-        save_checkpoint(out_dir / f"seed{seed}.safetensors", method.state_dict(model),
-                        {"kind": "method", "method": method.name, "options": method.options(), "seed": seed})
+        adapted.save_pretrained(out_dir / f"seed{seed}")
         ckpt.unlink(missing_ok=True)
     return {
         "method": method.name, "seed": seed,

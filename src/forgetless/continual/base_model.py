@@ -17,14 +17,15 @@ from forgetless.data.tokenizers import tokenizer_from_dict
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPT, GPTConfig
 from forgetless.progress import console
-from forgetless.train import TrainConfig, train
+from forgetless.train import PretrainConfig, train
 
 
-def pretrain(model_cfg: GPTConfig, cfg: TrainConfig, domain: Domain, tokenizer, out: Path,
-             ckpt_path: Path | None = None, desc: str = "pretrain") -> dict:
-    """Train a fresh GPT on `domain`; write `out` (safetensors) and return its meta."""
+def pretrain(model_cfg: GPTConfig, cfg: PretrainConfig, domain: Domain, tokenizer, out: Path,
+             ckpt_path: Path | None = None, desc: str = "pretrain", device: torch.device | None = None) -> dict:
+    """Train a fresh GPT on `domain` (initialised on the CPU, trained on `device`); write `out`
+    (safetensors) and return its meta."""
     torch.manual_seed(cfg.seed)
-    model = GPT(model_cfg)
+    model = GPT(model_cfg).to(device or "cpu")
     sampler = Sampler(domain.train, cfg.batch_size, model_cfg.block_size, cfg.seed)
     run_config = {"model": model_cfg.to_dict(), "train": cfg.__dict__, "data": domain.fingerprint,
                   "tokenizer": tokenizer.to_dict()}
@@ -55,7 +56,8 @@ def base_label(model_cfg: GPTConfig) -> str:
     return model_cfg.ffn + (f"-{stable_hash(model_cfg.ffn_options, 6)}" if model_cfg.ffn_options else "")
 
 
-def cached_base(model_cfg: GPTConfig, cfg: TrainConfig, domain: Domain, tokenizer) -> Path:
+def cached_base(model_cfg: GPTConfig, cfg: PretrainConfig, domain: Domain, tokenizer,
+                device: torch.device | None = None) -> Path:
     """Path of the cached base for this config, pretraining it first (resumably) if needed."""
     key = stable_hash({"model": model_cfg, "train": cfg, "data": domain.fingerprint,
                        "tokenizer": tokenizer.to_dict(), "windows": domain.windows.shape[0]})
@@ -66,7 +68,8 @@ def cached_base(model_cfg: GPTConfig, cfg: TrainConfig, domain: Domain, tokenize
                            "delete that folder to pretrain it again")
     else:
         ckpt = folder / "training.safetensors"
-        pretrain(model_cfg, cfg, domain, tokenizer, path, ckpt_path=ckpt, desc=f"pretrain {base_label(model_cfg)} base")
+        pretrain(model_cfg, cfg, domain, tokenizer, path, ckpt_path=ckpt, desc=f"pretrain {base_label(model_cfg)} base",
+                 device=device)
         ckpt.unlink(missing_ok=True)
     return path
 

@@ -16,9 +16,10 @@ def evaluate(model: nn.Module, windows: torch.Tensor, batch_size: int = 64) -> d
     """PPL = exp(mean token cross-entropy) over all tokens of `windows` (W, T+1); acc = top-1."""
     was_training = model.training
     model.eval()
+    device = next(model.parameters()).device
     total_loss, total_correct, n = 0.0, 0, 0
     for i in range(0, len(windows), batch_size):
-        chunk = windows[i:i + batch_size]
+        chunk = windows[i:i + batch_size].to(device)
         x, y = chunk[:, :-1], chunk[:, 1:]  # (b, T)
         logits = logits_of(model, x)        # (b, T, V)
         total_loss += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
@@ -42,12 +43,16 @@ def module_stats(model: nn.Module, windows: torch.Tensor, max_windows: int = 16)
 def training_loss(model: nn.Module, batch: Batch, extra=None, token_weights=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(LM loss + modules' auxiliary losses + `extra(model, batch)`, LM loss alone).
 
-    `token_weights(logits, batch)` may return (B, T) weights for the LM loss (None: plain mean).
+    Targets of -100 are not scored (e.g. prompt tokens of instruction data); `token_weights(logits,
+    batch)` may return (B, T) weights for the LM loss (None: plain mean).
     """
     logits = logits_of(model, batch.x)                                               # (B, T, V)
-    per_token = F.cross_entropy(logits.flatten(0, 1), batch.y.flatten(), reduction="none").view_as(batch.y)
-    lm = per_token.mean()
+    per_token = F.cross_entropy(logits.flatten(0, 1).float(), batch.y.flatten(), reduction="none").view_as(batch.y)
+    scored = batch.y != -100                                                         # (B, T)
+    lm = per_token.mean() if scored.all() else per_token.sum() / scored.sum().clamp_min(1)
     weights = token_weights(logits, batch) if token_weights else None
+    if weights is not None:
+        weights = weights * scored
     loss = lm if weights is None else (per_token * weights).sum() / weights.sum().clamp_min(1.0)
     parts = [aux_loss(model), extra(model, batch) if extra else None]
     parts = [p for p in parts if p is not None]

@@ -17,13 +17,14 @@ from forgetless.continual.base_model import cached_base, load_base
 from forgetless.continual.two_domain import band, mean_std, run_two_domain
 from forgetless.data.domains import load_domains
 from forgetless.errors import ForgetlessError
-from forgetless.methods import build_method
+from forgetless.adapted import resolve_device
+from forgetless.methods import MethodSpec, build_method
 from forgetless.optim import OPTIMIZERS
 from forgetless.presets import RunConfig
 
 
 def run_optimizers(cfg: RunConfig, methods: list[str], optimizers: list[str], seeds: list[int], out: Path,
-                   preset: str, pretrain_seeds: int = 1, lrs: list[str] | None = None) -> dict:
+                   preset: str, pretrain_seeds: int = 1, lrs: list[str] | None = None, device: str = "auto") -> dict:
     """`lrs` (e.g. ["1e-4", "3e-4"]): adapt with each optimizer at each learning rate, so that the
     optimizers can be compared along their retention/adaptation trade-off rather than at one lr."""
     unknown = [o for o in optimizers if o not in OPTIMIZERS]
@@ -33,24 +34,24 @@ def run_optimizers(cfg: RunConfig, methods: list[str], optimizers: list[str], se
     if any("[" in m for m in methods):
         raise ForgetlessError("--optimizers makes one arm per method and optimizer: give plain method names, e.g. full,ffn")
     specs = [arm_spec(cfg, m, o, lr) for m in methods for o in optimizers for lr in lrs or [None]]
-    results = run_two_domain(cfg, specs, seeds, out, preset)
+    results = run_two_domain(cfg, specs, seeds, out, preset, device)
     results["optimizers"] = list(optimizers)
-    results["pretraining"] = pretraining_runs(cfg, optimizers, list(range(pretrain_seeds)))
+    results["pretraining"] = pretraining_runs(cfg, optimizers, list(range(pretrain_seeds)), resolve_device(device))
     return results
 
 
-def arm_spec(cfg: RunConfig, method: str, optimizer: str, lr: str | None) -> str:
+def arm_spec(cfg: RunConfig, method: str, optimizer: str, lr: str | None) -> MethodSpec:
     """METHOD, or METHOD[optimizer=O;lr=LR] for what differs from the method's defaults in this run."""
     try:
         own_lr = build_method(method, cfg.methods.get(method)).cfg.lr or cfg.adapt.lr
         other_lr = lr is not None and float(lr) != own_lr
     except ValueError:
         raise ForgetlessError(f"--lrs takes numbers, e.g. 1e-4,3e-4,1e-3; got {lr!r}") from None
-    options = ([f"optimizer={optimizer}"] if optimizer != cfg.adapt.optimizer else []) + ([f"lr={lr}"] if other_lr else [])
-    return f"{method}[{';'.join(options)}]" if options else method
+    options = ({"optimizer": optimizer} if optimizer != cfg.adapt.optimizer else {}) | ({"lr": lr} if other_lr else {})
+    return MethodSpec(method, options)
 
 
-def pretraining_runs(cfg: RunConfig, optimizers: list[str], seeds: list[int]) -> dict:
+def pretraining_runs(cfg: RunConfig, optimizers: list[str], seeds: list[int], device=None) -> dict:
     """Per optimizer: mean ± std over seeds of the pretraining loss and held-out PPL_A curves. A is
     loaded beside B, as the protocol does (works in both are split between them), so the base of the
     protocol's own optimizer is the one the adaptation arms start from."""
@@ -59,7 +60,8 @@ def pretraining_runs(cfg: RunConfig, optimizers: list[str], seeds: list[int]) ->
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
     out = {}
     for name in optimizers:
-        paths = [cached_base(model_cfg, dataclasses.replace(cfg.pretrain, optimizer=name, seed=s), a, tokenizer)
+        paths = [cached_base(model_cfg, dataclasses.replace(cfg.pretrain, optimizer=name, seed=s), a, tokenizer,
+                             device)
                  for s in seeds]
         metas = [load_base(path)[2] for path in paths]
         losses = list(zip(*[[v for _, v in m["history"]["loss"]] for m in metas]))

@@ -16,15 +16,17 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from forgetless.adapted import attach
 from forgetless.continual.arm import adapt_task
 from forgetless.continual.base_model import load_base
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.metrics import sequence_metrics
+from forgetless.adapted import resolve_device
 from forgetless.continual.two_domain import bases_for, bases_summary, build_arms, fresh, mean_nested, mean_std, \
-    run_or_reuse_arm
+    provenance, run_or_reuse_arm
 from forgetless.data.domains import Domain, load_domains
 from forgetless.errors import ForgetlessError
-from forgetless.methods import Method
+from forgetless.methods import Method, MethodSpec
 from forgetless.monitor import PeakRSS
 from forgetless.presets import AdaptConfig, RunConfig
 from forgetless.progress import progress_task
@@ -35,14 +37,15 @@ METRICS = ["op", "bwt", "bwt_drop", "forgetting", "fwt", "la"]
 def run_sequence_arm(model: nn.Module, method: Method, tasks: list[Domain], cfg: AdaptConfig, seed: int) -> dict:
     """Train `method` on tasks[1:] in order; score every task after each."""
     torch.manual_seed(seed)
-    model = method.attach(model)
+    adapted = attach(model, method)
+    model = adapted.model
     windows = [d.windows for d in tasks]
     rows, reports, wall, loss = [[evaluate(model, w) for w in windows]], [], 0.0, []
     with PeakRSS() as memory:
         for t, task in enumerate(tasks[1:], start=1):
             t0 = time.perf_counter()
-            history, params = adapt_task(model, method, task, tasks[0], cfg, seed, t, 1000 * seed + t,
-                                         learned=tasks[t - 1], desc=f"{method.name} seed {seed} task {t}")
+            history, params = adapt_task(adapted, task, tasks[0], cfg, t, 1000 * seed + t, learned=tasks[t - 1],
+                                         desc=f"{method.name} seed {seed} task {t}")
             wall += time.perf_counter() - t0
             loss += [[t, s, v] for s, v in history.loss]
             rows.append([evaluate(model, w) for w in windows])
@@ -54,8 +57,10 @@ def run_sequence_arm(model: nn.Module, method: Method, tasks: list[Domain], cfg:
             "peak_rss_mb": memory.peak_mb, "loss": loss, **({"task_reports": reports} if any(reports) else {})}
 
 
-def run_sequence(cfg: RunConfig, methods: list[str], seeds: list[int], out: Path, preset: str) -> dict:
-    """Every (method, seed) arm over the task sequence; the results dict of DESIGN.md §6."""
+def run_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[int], out: Path, preset: str,
+                 device: str = "auto") -> dict:
+    """Every (method, seed) arm over the task sequence on `device`; the results dict of docs/DESIGN.md §6."""
+    device = resolve_device(device)
     specs = [cfg.data.domain_a, *cfg.data.tasks]
     if len(specs) < 2:
         raise ForgetlessError("the sequence protocol needs tasks after the base: --tasks CORPUS1,CORPUS2,...")
@@ -63,7 +68,7 @@ def run_sequence(cfg: RunConfig, methods: list[str], seeds: list[int], out: Path
     tasks, tokenizer = load_domains(specs, cfg.data.tokenizer, cfg.model.block_size, cfg.data.val_fraction,
                                     cfg.data.eval_windows)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size))
-    bases, by_base = bases_for(built, cfg, tasks[0], tokenizer)
+    bases, by_base = bases_for(built, cfg, tasks[0], tokenizer, device)
     arms: dict[str, list[dict]] = {label: [] for label in built}
     with progress_task("bench arms", total=len(seeds) * len(built)) as advance:
         for seed, (label, method) in itertools.product(seeds, built.items()):
@@ -73,13 +78,14 @@ def run_sequence(cfg: RunConfig, methods: list[str], seeds: list[int], out: Path
                           "tasks": [t.fingerprint for t in tasks]}
             arms[label].append(run_or_reuse_arm(
                 out / "arms" / label / f"seed{seed}.json", run_config,
-                lambda _: run_sequence_arm(load_base(base)[0], fresh(method), tasks, cfg.adapt, seed)))
+                lambda _: run_sequence_arm(load_base(base)[0].to(device), fresh(method), tasks, cfg.adapt, seed)))
             advance(1)
     return {
-        "protocol": "sequence", "preset": preset, "seeds": list(seeds), "tasks": specs,
+        "protocol": "sequence", "preset": preset, "seeds": list(seeds), "tasks": specs, **provenance(device),
         "score": "next-token accuracy on held-out windows, %", "date": datetime.date.today().isoformat(),
         "config": cfg.to_dict(), "bases": bases_summary(by_base),
-        "methods": {label: {**{m: mean_std([sequence_metrics(r["r_matrix"])[m] for r in runs]) for m in METRICS},
+        "methods": {label: {"method": built[label].name,
+                            **{m: mean_std([sequence_metrics(r["r_matrix"])[m] for r in runs]) for m in METRICS},
                             "wall_s": mean_std([r["wall_s"] for r in runs]),
                             "r_matrix": mean_nested([r["r_matrix"] for r in runs]),
                             "ppl_matrix": mean_nested([r["ppl_matrix"] for r in runs]),

@@ -13,13 +13,15 @@ import math
 import statistics
 from pathlib import Path
 
+from forgetless import __version__
+from forgetless.adapted import resolve_device
 from forgetless.checkpoint import write_json
 from forgetless.config import code_fingerprint, stable_hash
 from forgetless.continual.arm import run_arm
 from forgetless.continual.base_model import base_label, cached_base, load_base, warn_if_other_code
 from forgetless.data.domains import load_domains
-from forgetless.methods import build_method
-from forgetless.methods.base import parse_method_specs
+from forgetless.methods import MethodSpec, build_method
+from forgetless.methods.base import as_specs
 from forgetless.presets import RunConfig
 from forgetless.progress import console, progress_task
 
@@ -27,8 +29,10 @@ METRICS = ["ppl_a_before", "ppl_b_before", "ppl_a_after", "ppl_b_after", "acc_a_
            "acc_a_after", "acc_b_after", "forgetting", "adaptation_gain", "wall_s"]
 
 
-def run_two_domain(cfg: RunConfig, methods: list[str], seeds: list[int], out: Path, preset: str) -> dict:
-    """Run every (method, seed) arm and return the results dict of DESIGN.md section 6."""
+def run_two_domain(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[int], out: Path, preset: str,
+                   device: str = "auto") -> dict:
+    """Run every (method, seed) arm on `device` and return the results dict of docs/DESIGN.md §6."""
+    device = resolve_device(device)
     built = build_arms(cfg, methods)
     if "full" not in built:
         console.print("[dim]adding the 'full' arm: adaptation gain G is measured against full fine-tuning[/dim]")
@@ -36,7 +40,7 @@ def run_two_domain(cfg: RunConfig, methods: list[str], seeds: list[int], out: Pa
     (a, b), tokenizer = load_domains([cfg.data.domain_a, cfg.data.domain_b], cfg.data.tokenizer,
                                      cfg.model.block_size, cfg.data.val_fraction, cfg.data.eval_windows)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size))
-    bases, by_base = bases_for(built, cfg, a, tokenizer)
+    bases, by_base = bases_for(built, cfg, a, tokenizer, device)
 
     arms: dict[str, list[dict]] = {name: [] for name in built}
     with progress_task("bench arms", total=len(seeds) * len(built)) as advance:
@@ -46,12 +50,12 @@ def run_two_domain(cfg: RunConfig, methods: list[str], seeds: list[int], out: Pa
                           "base": base.parent.name, "domains": [a.fingerprint, b.fingerprint]}
             arms[name].append(run_or_reuse_arm(
                 out / "arms" / name / f"seed{seed}.json", run_config,
-                lambda arm_dir: run_arm(load_base(base)[0], fresh(method), a, b, cfg.adapt, seed,
+                lambda arm_dir: run_arm(load_base(base)[0].to(device), fresh(method), a, b, cfg.adapt, seed,
                                         out_dir=arm_dir, run_config=run_config)))
             advance(1)
 
     return {
-        "protocol": "two-domain", "preset": preset, "seeds": list(seeds),
+        "protocol": "two-domain", "preset": preset, "seeds": list(seeds), **provenance(device),
         "domains": {"a": cfg.data.domain_a, "b": cfg.data.domain_b},
         "held_out": {"a": a.val_keys, "b": b.val_keys},
         "date": datetime.date.today().isoformat(),
@@ -61,21 +65,24 @@ def run_two_domain(cfg: RunConfig, methods: list[str], seeds: list[int], out: Pa
     }
 
 
-def build_arms(cfg: RunConfig, methods: list[str]) -> dict:
+def provenance(device) -> dict:
+    return {"forgetless_version": __version__, "device": str(device)}
+
+
+def build_arms(cfg: RunConfig, methods: list[MethodSpec | str]) -> dict:
     """Label -> fresh Method for every spec in `methods` (validates cfg.methods too)."""
     for name, options in cfg.methods.items():  # fail fast on bad names and options
         build_method(name, options)
-    return {label: build_method(name, {**cfg.methods.get(name, {}), **options})
-            for label, name, options in parse_method_specs(",".join(methods))}
+    return {spec.label: spec.build(cfg.methods.get(spec.name)) for spec in as_specs(methods)}
 
 
-def bases_for(built: dict, cfg: RunConfig, domain, tokenizer) -> tuple[dict[str, Path], dict[str, Path]]:
+def bases_for(built: dict, cfg: RunConfig, domain, tokenizer, device=None) -> tuple[dict[str, Path], dict[str, Path]]:
     """(arm label -> its base checkpoint, base label -> checkpoint); each base is pretrained once."""
     by_base: dict[str, Path] = {}
     for method in built.values():
         model_cfg = method.base_config(cfg.model)
         if base_label(model_cfg) not in by_base:
-            by_base[base_label(model_cfg)] = cached_base(model_cfg, cfg.pretrain, domain, tokenizer)
+            by_base[base_label(model_cfg)] = cached_base(model_cfg, cfg.pretrain, domain, tokenizer, device)
     return {label: by_base[base_label(m.base_config(cfg.model))] for label, m in built.items()}, by_base
 
 
@@ -131,7 +138,7 @@ def summarize(runs: list[dict], full_runs: list[dict], method) -> dict:
     for r in runs:
         r["adaptation_gain"] = adaptation_gain(r, full_by_seed[r["seed"]])
     out = {m: mean_std([r[m] for r in runs]) for m in METRICS}
-    out.update(trainable_params=runs[0]["trainable_params"], total_params=runs[0]["total_params"],
+    out.update(method=method.name, trainable_params=runs[0]["trainable_params"], total_params=runs[0]["total_params"],
                peak_rss_mb=max(r["peak_rss_mb"] for r in runs), options=method.options(),
                curves=mean_curves(runs))
     if "report" in runs[0]:

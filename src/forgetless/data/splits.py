@@ -71,8 +71,29 @@ def eval_windows(tokens: torch.Tensor, block_size: int, max_windows: int) -> tor
 @dataclass
 class Batch:
     x: torch.Tensor         # (B, T) inputs
-    y: torch.Tensor         # (B, T) next-token targets
+    y: torch.Tensor         # (B, T) next-token targets; -100 = not scored (e.g. prompt tokens)
     from_other: torch.Tensor  # (B,) bool: row drawn from the mixed-in (original) corpus
+
+    def to(self, device: torch.device) -> "Batch":
+        return Batch(self.x.to(device), self.y.to(device), self.from_other.to(device))
+
+    @staticmethod
+    def of(data) -> "Batch":
+        """A Batch from a Batch, a (B, T+1) tensor of token windows, or a dict with `input_ids` and
+        optional `labels` (Hugging Face style: aligned with input_ids, -100 = ignored)."""
+        if isinstance(data, Batch):
+            return data
+        if torch.is_tensor(data):
+            if data.dim() != 2 or data.shape[1] < 2:
+                raise ForgetlessError(f"a batch tensor holds token windows (B, T+1), got shape {tuple(data.shape)}")
+            return Batch(data[:, :-1], data[:, 1:], torch.zeros(len(data), dtype=torch.bool, device=data.device))
+        if isinstance(data, dict) and "input_ids" in data:
+            ids = data["input_ids"]
+            labels = data.get("labels", ids)
+            from_other = data.get("from_other", torch.zeros(len(ids), dtype=torch.bool, device=ids.device))
+            return Batch(ids[:, :-1], labels[:, 1:], from_other)
+        raise ForgetlessError(f"cannot make a batch of {type(data).__name__}: give a Batch, a (B, T+1) "
+                              "LongTensor of windows, or a dict with input_ids (and labels)")
 
 
 class Sampler:

@@ -16,14 +16,21 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 from forgetless.config import from_dict
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import Method, MethodConfig, find_modules, register_method, replace_module
-from forgetless.models.gpt import GPTConfig
+from forgetless.methods.base import (
+    Method,
+    MethodConfig,
+    find_modules,
+    register_method,
+    replace_module,
+)
+from forgetless.models.gpt import GPT, GPTConfig
 from forgetless.nn.adapter import Beside, input_width
 from forgetless.nn.apn import APN, APNConfig, routing_report
 
@@ -99,8 +106,12 @@ class APNMethod(Method):
             apn_cfg = dataclasses.replace(apn_cfg, n_patches=matched_patches(model_cfg, apn_cfg))
         return dataclasses.replace(model_cfg, ffn="apn", ffn_options=dataclasses.asdict(apn_cfg))
 
+    def check_base(self, model):
+        if isinstance(model, GPT):  # other models (transformers) get APN beside their MLPs
+            super().check_base(model)
+
     def attach(self, model):
-        if self.cfg.retrofit:
+        if self.cfg.retrofit or not isinstance(model, GPT):
             for name, module in find_modules(model, self.cfg.target_modules, self.cfg.exclude_modules):
                 replace_module(model, name, Beside(module, APN(input_width(module), self.apn_cfg, out_std=0.0)))
         if not apn_modules(model):
@@ -132,7 +143,7 @@ class APNMethod(Method):
         self.start = {f"{i}.{n}": p.detach().clone() for i, m in enumerate(apn_modules(model))
                       for n, p in m.named_parameters() if n in PER_PATCH}
 
-    def before_step(self, model, optimizer):
+    def before_step(self, model, optimizer, step, last):
         self.snapshot = {}
         for i, m in enumerate(apn_modules(model)):
             per_patch = [(n, p) for n, p in m.named_parameters() if n in PER_PATCH and p.grad is not None]
@@ -147,7 +158,7 @@ class APNMethod(Method):
                     p.grad[~active] = 0
                     self.snapshot[f"{i}.{n}"] = (p.detach()[~active].clone(), ~active)
 
-    def after_step(self, model, optimizer, step):
+    def after_step(self, model, optimizer, step, last):
         for i, m in enumerate(apn_modules(model)):
             with torch.no_grad():
                 for n, p in m.named_parameters():
@@ -161,7 +172,7 @@ class APNMethod(Method):
                 self.maybe_allocate(i, m, optimizer, step)
 
     def active(self, m: APN) -> torch.Tensor:
-        mask = torch.zeros(m.cfg.n_patches, dtype=torch.bool)
+        mask = torch.zeros(m.cfg.n_patches, dtype=torch.bool, device=m.prototypes.device)
         mask[m.last_routing.index.reshape(-1)] = True
         return mask
 
@@ -176,7 +187,7 @@ class APNMethod(Method):
         r = m.last_routing
         K = m.cfg.n_patches
         counts = torch.bincount(r.index.reshape(-1), minlength=K).float() / r.index.numel()
-        usage = self.usage.get(layer, torch.full((K,), 1.0 / K))
+        usage = self.usage.get(layer, torch.full((K,), 1.0 / K, device=counts.device))
         self.usage[layer] = usage = self.cfg.usage_decay * usage + (1 - self.cfg.usage_decay) * counts
         novel = r.confidence.mean().item() < self.cfg.novelty_threshold
         self.novel_steps[layer] = self.novel_steps.get(layer, 0) + 1 if novel else 0
@@ -221,6 +232,77 @@ class APNMethod(Method):
 
     def report(self, model, windows_a, windows_b):
         return {**routing_report(model, windows_a, windows_b), "allocations": self.allocations}
+
+    @classmethod
+    def figures(cls, results, labels, folder):
+        drawn = [(name, draw(results, labels, folder / name)) for name, draw in
+                 (("routing_monitors.png", monitor_curves), ("routing_overlap.png", routing_histograms))]
+        return [folder / name for name, ok in drawn if ok]
+
+
+MONITORS = [("usage_entropy", "patch-usage entropy / log K"), ("confidence", "router confidence (max cos)"),
+            ("residual_ratio", "||APN(x)|| / ||x||")]
+
+
+def monitor_curves(results: dict, labels: list[str], path: Path) -> bool:
+    """Routing monitors on B during adaptation (dashed: the base's pretraining, on A)."""
+    from forgetless.report.figures import colors, plt, save
+    methods = {n: results["methods"][n] for n in labels if "usage_entropy_b" in results["methods"][n].get("curves", {})}
+    bases = {n: b for n, b in results.get("bases", {}).items() if b.get("evals") and "usage_entropy" in b["evals"][-1]}
+    if not methods and not bases:
+        return False
+    color = colors(list(results["methods"]))
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
+    for col, (key, label) in enumerate(MONITORS):
+        for name, m in methods.items():
+            axes[0, col].plot(m["curves"]["step"], m["curves"][f"{key}_b"]["mean"], marker=".", color=color[name], label=name)
+        axes[0, col].set_title(f"adaptation: {label} on B", fontsize=9)
+        axes[0, col].set_xlabel("adaptation step")
+        for name, b in bases.items():
+            evals = [e for e in b["evals"] if key in e]
+            axes[1, col].plot([e["step"] for e in evals], [e[key] for e in evals], ls="--", marker=".", label=f"base {name}")
+        axes[1, col].set_title(f"pretraining: {label} on A", fontsize=9)
+        axes[1, col].set_xlabel("pretraining step")
+    axes[0, 0].legend(fontsize=7)
+    axes[1, 0].legend(fontsize=7)
+    save(fig, path, dpi=100)
+    return True
+
+
+def routing_histograms(results: dict, labels: list[str], path: Path) -> bool:
+    """Per APN arm: active-set overlap of token pairs (A-A reference, A-B before/after adaptation)
+    and the router-confidence distribution on A and B ("before" only where the arm reported it)."""
+    from forgetless.report.figures import plt, save
+    methods = {n: results["methods"][n] for n in labels
+               if results["methods"][n].get("report", {}).get("after", {}).get("overlap_ab")}
+    if not methods:
+        return False
+    fig, axes = plt.subplots(2, len(methods), figsize=(4 * len(methods), 7), squeeze=False)
+    for col, (name, m) in enumerate(methods.items()):
+        after = m["report"]["after"]
+        before = m["report"].get("before") or after
+        k = len(after["overlap_ab"]) - 1
+        x = list(range(k + 1))
+        width = 0.27
+        ax = axes[0, col]
+        ax.bar([i - width for i in x], before["overlap_aa"], width, label="A-A pairs, before")
+        ax.bar(x, before["overlap_ab"], width, label="A-B pairs, before")
+        ax.bar([i + width for i in x], after["overlap_ab"], width, label="A-B pairs, after")
+        ax.set_xticks(x)
+        ax.set_xlabel(f"shared active patches (of k={k})")
+        ax.set_title(f"{name}: active-set overlap", fontsize=9)
+        ax.legend(fontsize=7)
+        ax = axes[1, col]
+        edges = after["confidence_bins"]
+        mids = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
+        for when, rep, ls in (("before", before, "--"), ("after", after, "-"))[int(before is after):]:
+            ax.plot(mids, rep["confidence_a"], ls=ls, color="tab:blue", label=f"A, {when}")
+            ax.plot(mids, rep["confidence_b"], ls=ls, color="tab:red", label=f"B, {when}")
+        ax.set_xlabel("router confidence (max cosine to a prototype)")
+        ax.set_title(f"{name}: confidence distribution", fontsize=9)
+        ax.legend(fontsize=7)
+    save(fig, path, dpi=100)
+    return True
 
 
 def arm(name: str, doc: str, **defaults):

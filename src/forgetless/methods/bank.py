@@ -1,7 +1,8 @@
 """Methods that wrap target linears in a module growing per task (MoRAM atoms, MoE-LoRA experts).
 
-The wrapper module has `add_task()` and lists of per-task tensors; each new task adds to them and
-only the newest entries (plus whatever `shared` names, e.g. a router) train.
+The wrapper module has `add_task()` and lists of per-task tensors; attaching adds task 1's entries,
+each later task adds its own, and only the newest entries (plus whatever `shared` names, e.g. a router)
+train.
 """
 from __future__ import annotations
 
@@ -33,15 +34,19 @@ class GrowingBank(Method):
             if shape is None:
                 raise ForgetlessError(f"{self.name} wraps linear layers, but {name} is a {type(module).__name__}; "
                                       "target linears, e.g. c_attn,c_proj,c_fc")
-            replace_module(model, name, self.module_cls(module, *shape, self.cfg))
+            bank = self.module_cls(module, *shape, self.cfg)
+            bank.add_task()
+            replace_module(model, name, bank)
         return model
 
     def banks(self, model) -> list[tuple[str, nn.Module]]:
         return [(n, m) for n, m in model.named_modules() if isinstance(m, self.module_cls)]
 
     def on_task_start(self, model, task):
+        """Task t trains the t-th entries: add them (task 1's came with attach)."""
         for _, bank in self.banks(model):
-            bank.add_task()
+            while len(getattr(bank, self.per_task[0])) < task:
+                bank.add_task()
 
     def trainable_parameters(self, model):
         out = []
@@ -53,11 +58,6 @@ class GrowingBank(Method):
             for list_name in self.shared:
                 out += [(f"{prefix}.{list_name}.{i}", p) for i, p in enumerate(getattr(bank, list_name))]
         return out
-
-    def state_dict(self, model):
-        """Every task's tensors (named `<layer>.<list>.<task - 1>`), not only the newest."""
-        return {f"{prefix}.{n}": p.detach() for prefix, bank in self.banks(model)
-                for n, p in bank.named_parameters() if not n.startswith("base.")}
 
     def load_state_dict(self, model, tensors):
         """Grow each bank to the number of tasks in `tensors`, then load them: a subset of tasks

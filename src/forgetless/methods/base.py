@@ -1,13 +1,16 @@
-"""The Method interface, its registry, and PEFT-style target-module matching.
+"""The Method contract (docs/DESIGN.md §7), its registry, method specs and PEFT-style target matching.
 
-A Method attaches to any nn.Module (our GPT or a Hugging Face model), says which parameters
-train, may add a loss, and saves only its own tensors. Methods that replace the FFN (APN,
-CMS) say so in `base_config`: the protocol then pretrains (and caches) a base of that kind.
+A Method injects modules into any nn.Module (our GPT or a Hugging Face model), says which parameters
+train, may add a loss and loop hooks, and saves only its own tensors. Methods that need another FFN
+(APN, CMS) say so in `base_config`: protocols pretrain (and cache) such a base, and `check_base`
+refuses a base of another kind. Users reach methods through `forgetless.attach` (adapted.py), which
+owns the call order.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -15,7 +18,7 @@ import torch.nn as nn
 from forgetless.config import from_dict
 from forgetless.data.splits import Batch
 from forgetless.errors import ForgetlessError
-from forgetless.models.gpt import GPTConfig
+from forgetless.models.gpt import GPT, GPTConfig, ffn_signature
 from forgetless.optim import OPTIMIZERS
 from forgetless.train import StepHooks
 
@@ -72,9 +75,26 @@ def build_method(name: str, options: dict | None = None) -> "Method":
     return cls(from_dict(cls.Config, options or {}, f"methods.{name}"))
 
 
-def parse_method_specs(text: str) -> list[tuple[str, str, dict]]:
-    """'full,lora[r=16;alpha=32]' -> [(label, method name, options)]: bracketed options make an
-    arm of their own (its label is the spec), e.g. for ablations of one method's knobs."""
+@dataclass(frozen=True)
+class MethodSpec:
+    """One arm: a registered method `name` with `options`; `label` names it in tables (the spec's text)."""
+    name: str
+    options: dict = field(default_factory=dict)
+    label: str = ""
+
+    def __post_init__(self):
+        if not self.label:
+            text = ";".join(f"{k}={v}" for k, v in self.options.items())
+            object.__setattr__(self, "label", f"{self.name}[{text}]" if text else self.name)
+
+    def build(self, defaults: dict | None = None) -> "Method":
+        """A fresh Method: `defaults` (e.g. the config's methods.NAME section), then this spec's options."""
+        return build_method(self.name, {**(defaults or {}), **self.options})
+
+
+def parse_method_specs(text: str) -> list[MethodSpec]:
+    """'full,lora[r=16;alpha=32]' -> MethodSpecs: bracketed options make an arm of their own (labelled
+    by the spec's text), e.g. for ablations of one method's knobs. Called once, where the text comes in."""
     out = []
     for spec in re.findall(r"[^,\[\]]+(?:\[[^\]]*\])?", text):
         spec = spec.strip()
@@ -85,15 +105,27 @@ def parse_method_specs(text: str) -> list[tuple[str, str, dict]]:
             if not eq:
                 raise ForgetlessError(f"method spec {spec!r}: write NAME[OPTION=VALUE;...], e.g. lora[r=16]")
             options[key.strip()] = value.strip()
-        out.append((spec, name.strip(), options))
+        out.append(MethodSpec(name.strip(), options, spec))
     return out
 
 
+def as_specs(methods) -> list[MethodSpec]:
+    """MethodSpecs from MethodSpecs, or from spec text ('lora[r=16]') given to the Python API."""
+    return [m for item in methods for m in ([item] if isinstance(item, MethodSpec) else parse_method_specs(item))]
+
+
 class Method(StepHooks):
-    """Base class; subclasses override what they need (StepHooks adds optional loop hooks)."""
+    """Base class; subclasses override what they need (StepHooks adds optional loop hooks).
+
+    Call order (owned by forgetless.attach / Adapted, docs/DESIGN.md §7): check_base, attach,
+    freeze; per task remember + on_task_start, then per step the loss (forward, token_weights,
+    modules' aux losses, extra_loss), backward, clip, before_step, optimizer step, after_step;
+    on_task_end; report / task_report; state_dict.
+    """
     name = "base"
     Config = MethodConfig
     default_for: tuple[str, ...] = ("two-domain", "sequence")  # protocols whose `--methods all` runs it
+    needs_previous = False  # start_task needs the data learned last (EWC's Fisher)
 
     def __init__(self, cfg: MethodConfig):
         self.cfg = cfg
@@ -101,6 +133,20 @@ class Method(StepHooks):
     def base_config(self, model_cfg: GPTConfig) -> GPTConfig:
         """Model config of the pretrained base this method starts from (default: the dense base)."""
         return model_cfg
+
+    def check_base(self, model: nn.Module):
+        """Refuse a model this method cannot run on: a forgetless GPT whose FFN is not the one
+        `base_config` asks for, or another model when the method needs a forgetless FFN kind."""
+        if isinstance(model, GPT):
+            need, have = ffn_signature(self.base_config(model.config)), ffn_signature(model.config)
+            if need != have:
+                diff = ", ".join(f"{k}={need.get(k)} (this base: {have.get(k)})" for k in need if need.get(k) != have.get(k))
+                raise ForgetlessError(f"method {self.name} needs a base with {diff}; pretrain one with that model "
+                                      "config (bench does), or choose a method for this base")
+        elif (kind := self.base_config(GPTConfig()).ffn) != "dense":
+            raise ForgetlessError(f"method {self.name} needs a forgetless GPT with {kind} FFNs; on "
+                                  f"{type(model).__name__} use a method that attaches beside the MLP "
+                                  "(e.g. apn-retrofit, adapter, lora)")
 
     def attach(self, model: nn.Module) -> nn.Module:
         """Insert this method's modules into `model` (in place) and return it."""
@@ -126,8 +172,14 @@ class Method(StepHooks):
         """Sequence protocol: diagnostics on every task's held-out windows (JSON-able), after each task."""
         return {}
 
-    def remember(self, model: nn.Module, learned):
-        """Before a task: `learned` is the Domain the model last learned (A, or the previous task);
+    @classmethod
+    def figures(cls, results: dict, labels: list[str], folder: Path) -> list[Path]:
+        """Draw this method's own diagnostics (the `report` / `task_reports` of the arms `labels` in
+        `results`) into `folder`; return the files written."""
+        return []
+
+    def remember(self, model: nn.Module, data):
+        """Before a task: `data` is what the model learned last (a Domain, or (N, T+1) token windows);
         methods that protect it (EWC) take what they need from it."""
 
     def on_task_start(self, model: nn.Module, task: int):
@@ -136,12 +188,10 @@ class Method(StepHooks):
     def on_task_end(self, model: nn.Module, task: int):
         pass
 
-    def online_update(self, model: nn.Module, batch: Batch):
-        pass
-
-    def state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """This method's own tensors (what `adapt --out` saves): its trainable parameters."""
-        return {name: p.detach() for name, p in self.trainable_parameters(model)}
+    def state_dict(self, model: nn.Module, injected: set[str]) -> dict[str, torch.Tensor]:
+        """This method's own tensors: every parameter it injected (names in `injected`) or trains."""
+        own = injected | {name for name, _ in self.trainable_parameters(model)}
+        return {name: p.detach() for name, p in model.named_parameters() if name in own}
 
     def load_state_dict(self, model: nn.Module, tensors: dict[str, torch.Tensor]):
         own = dict(model.named_parameters())
@@ -151,6 +201,11 @@ class Method(StepHooks):
         with torch.no_grad():
             for name, t in tensors.items():
                 own[name].copy_(t)
+
+    def merge(self, model: nn.Module) -> nn.Module:
+        """Fold the injected modules into the base weights and remove them, where that is exact."""
+        raise ForgetlessError(f"method {self.name} adds non-linear modules that cannot be folded into the base "
+                              "weights; save it with save_pretrained and load it with forgetless.from_pretrained")
 
     def options(self) -> dict:
         return {f.name: getattr(self.cfg, f.name) for f in fields(self.cfg)}

@@ -7,23 +7,35 @@ their update periods, then adapted with every level still on its period.
 
 Attention, embeddings and norms outside the chain stay frozen, as for `ffn` (the dense arm with the
 same trainable set). `cms[periods=1,1,1,1]` is the same chain with one frequency: the control that
-separates the multi-frequency updates from the change of architecture.
+separates the multi-frequency updates from the change of architecture. The periods are kept by the
+training loop through the CMS module's own hooks (nn/cms.py, `CMS.training_hooks`). On a transformers
+model (no CMS base to pretrain) a CMS chain is attached beside every MLP, starting at zero.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import Method, MethodConfig, register_method
-from forgetless.models.gpt import GPTConfig
-from forgetless.nn.cms import CMSConfig, Level
+from forgetless.methods.base import (
+    Method,
+    MethodConfig,
+    find_modules,
+    register_method,
+    replace_module,
+)
+from forgetless.models.gpt import GPT, GPTConfig
+from forgetless.nn.adapter import Beside, linear_shape
+from forgetless.nn.cms import CMS, CMSConfig, Level
 
 
 @dataclass
 class CMSMethodConfig(MethodConfig, CMSConfig):
+    target_modules: list[str] = field(default_factory=lambda: ["mlp"], metadata={
+        "help": "on models other than the forgetless GPT: the MLPs that get a CMS chain beside them"})
     max_period: int = field(default=0, metadata={"help": "train only levels whose period is <= this (0: every level)"})
 
     def __post_init__(self):
@@ -45,11 +57,26 @@ class CMSMethod(Method):
         options = {f.name: getattr(self.cfg, f.name) for f in dataclasses.fields(CMSConfig)}
         return dataclasses.replace(model_cfg, ffn="cms", ffn_options=options)
 
+    def check_base(self, model):
+        if isinstance(model, GPT):  # other models (transformers) get a CMS chain beside their MLPs
+            super().check_base(model)
+
     def attach(self, model):
+        if not isinstance(model, GPT):
+            self.retrofit(model)
         if not levels(model):
             raise ForgetlessError(f"method {self.name} found no CMS level: it needs a CMS base (model.ffn = cms)")
         self.start = {name: p.detach().clone() for name, p in self.level_parameters(model, every=True)}
         return model
+
+    def retrofit(self, model):
+        """A CMS chain beside every target MLP, its output projections at zero (attaching changes nothing);
+        each level's hidden width is the MLP's divided by the number of levels (or level_hidden)."""
+        opts = CMSConfig(**{f.name: getattr(self.cfg, f.name) for f in dataclasses.fields(CMSConfig)})
+        for name, mlp in find_modules(model, self.cfg.target_modules, self.cfg.exclude_modules):
+            d, hidden = next(shape for m in mlp.modules() if (shape := linear_shape(m)))
+            width = opts.level_hidden or max(1, hidden // len(opts.periods))
+            replace_module(model, name, Beside(mlp, CMS(d, width, opts, zero_out=True)))
 
     def level_parameters(self, model, every: bool = False) -> list[tuple[str, torch.nn.Parameter]]:
         cap = self.cfg.max_period
@@ -71,6 +98,10 @@ class CMSMethod(Method):
         periods = sorted(change)
         return {"level_periods": periods, "level_change": [sum(change[c]) / len(change[c]) for c in periods]}
 
+    @classmethod
+    def figures(cls, results, labels, folder):
+        return [folder / "level_change.png"] if level_changes(results, labels, folder / "level_change.png") else []
+
 
 @dataclass
 class CMSFastConfig(CMSMethodConfig):
@@ -81,3 +112,23 @@ class CMSFastConfig(CMSMethodConfig):
 class CMSFast(CMSMethod):
     """CMS base; only the fast levels (period <= 4) adapt, the slow levels stay as pretrained."""
     Config = CMSFastConfig
+
+
+def level_changes(results: dict, labels: list[str], path: Path) -> bool:
+    """CMS arms: how far each level (by update period) moved during adaptation, relative to its size."""
+    from forgetless.report.figures import plt, reported, save
+    arms = reported(results, labels, "level_change")
+    if not arms:
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.8 / len(arms)
+    for k, (name, r) in enumerate(arms.items()):
+        xs = [i + k * width for i in range(len(r["level_periods"]))]
+        ax.bar(xs, r["level_change"], width=width, label=name)
+    periods = next(iter(arms.values()))["level_periods"]
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(periods))], [f"C = {round(c)}" for c in periods])
+    ax.set(xlabel="CMS level (update period)", ylabel="||θ - θ_base|| / ||θ_base|| after adaptation",
+           title="How much each CMS level moved (mean over layers and seeds)")
+    ax.legend(fontsize=8)
+    save(fig, path, dpi=110)
+    return True

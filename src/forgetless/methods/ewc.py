@@ -36,6 +36,8 @@ class EWC(Method):
     """Full fine-tuning plus a diagonal-Fisher penalty towards the weights of the learned domains."""
     Config = EWCConfig
 
+    needs_previous = True
+
     def __init__(self, cfg):
         super().__init__(cfg)
         self.fisher: dict[str, torch.Tensor] = {}
@@ -44,10 +46,13 @@ class EWC(Method):
     def trainable_parameters(self, model):
         return list(model.named_parameters())
 
-    def remember(self, model, learned):
-        """Add the Fisher of `learned` at the current weights and anchor the penalty there."""
+    def remember(self, model, data):
+        """Add the Fisher of `data` (a Domain, or (N, T+1) token windows) at the current weights and
+        anchor the penalty there."""
         params = dict(model.named_parameters())
-        fisher = empirical_fisher(model, learned.train, learned.windows.shape[1] - 1, self.cfg.fisher_samples)
+        windows = data if torch.is_tensor(data) else random_windows(data.train, data.windows.shape[1] - 1,
+                                                                      self.cfg.fisher_samples)
+        fisher = empirical_fisher(model, windows[:self.cfg.fisher_samples])
         for name, f in fisher.items():
             self.fisher[name] = self.fisher.get(name, 0) + f
         self.anchor = {name: params[name].detach().clone() for name in fisher}
@@ -67,8 +72,15 @@ class EWC(Method):
         self.anchor = {k[len("anchor."):]: v for k, v in tensors.items() if k.startswith("anchor.")}
 
 
-def empirical_fisher(model, tokens: torch.Tensor, block_size: int, samples: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Mean over `samples` random windows of the squared gradient of each window's LM loss."""
+def random_windows(tokens: torch.Tensor, block_size: int, samples: int, seed: int = 0) -> torch.Tensor:
+    """`samples` windows (samples, block_size + 1) at random positions of a token stream."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(len(tokens) - block_size - 1, (samples,), generator=g).tolist()
+    return torch.stack([tokens[s:s + block_size + 1] for s in starts])
+
+
+def empirical_fisher(model, windows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Mean over `windows` (N, T+1) of the squared gradient of each window's LM loss."""
     params = {n: p for n, p in model.named_parameters()}
     flags = {n: p.requires_grad for n, p in params.items()}
     for p in params.values():
@@ -76,14 +88,14 @@ def empirical_fisher(model, tokens: torch.Tensor, block_size: int, samples: int,
     was_training = model.training
     model.eval()
     fisher = {n: torch.zeros_like(p) for n, p in params.items()}
-    g = torch.Generator().manual_seed(seed)
-    for start in torch.randint(len(tokens) - block_size - 1, (samples,), generator=g).tolist():
-        window = tokens[start:start + block_size + 1][None]                    # (1, T+1)
+    device = next(iter(params.values())).device
+    for window in windows.to(device):
+        window = window[None]                                                  # (1, T+1)
         loss = F.cross_entropy(logits_of(model, window[:, :-1]).flatten(0, 1), window[0, 1:])
         grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
         for (n, _), grad in zip(params.items(), grads):
             if grad is not None:
-                fisher[n] += grad.square() / samples
+                fisher[n] += grad.square() / len(windows)
     model.train(was_training)
     for n, p in params.items():
         p.requires_grad_(flags[n])

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 import torch
 
 from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model, set_peft_model_state_dict
+from peft.tuners.lora import LoraLayer
 
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import Method, MethodConfig, find_modules, register_method
+from forgetless.methods.base import Method, MethodConfig, find_modules, register_method, replace_module
 
 
 @dataclass
@@ -50,13 +51,27 @@ class LoRA(Method):
     def trainable_parameters(self, model):
         return [(n, p) for n, p in model.named_parameters() if "lora_" in n]
 
-    def state_dict(self, model):
-        return get_peft_model_state_dict(model)
+    def state_dict(self, model, injected):
+        """peft's adapter tensors; after a task was merged, the base weights it was merged into too."""
+        merged = {f"{name}.base_layer.weight": m.get_base_layer().weight.detach() for name, m in model.named_modules()
+                  if isinstance(m, LoraLayer) and getattr(m, "forgetless_merged", False)}
+        return {**get_peft_model_state_dict(model), **merged}
 
     def load_state_dict(self, model, tensors):
-        result = set_peft_model_state_dict(model, tensors)
+        merged = {k: v for k, v in tensors.items() if ".base_layer." in k}
+        super().load_state_dict(model, merged)
+        for name in merged:
+            model.get_submodule(name.rsplit(".base_layer.", 1)[0]).forgetless_merged = True
+        result = set_peft_model_state_dict(model, {k: v for k, v in tensors.items() if k not in merged})
         if result.unexpected_keys:
             raise ForgetlessError(f"LoRA state does not fit this model ({result.unexpected_keys[0]}, ...)")
+
+    def merge(self, model):
+        """peft's merge of every LoRA layer into its base layer, which then replaces it."""
+        for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer)]:
+            module.merge()
+            replace_module(model, name, module.get_base_layer())
+        return model
 
 
 @register_method("seq-lora")
@@ -76,3 +91,4 @@ def merge_and_reset(model):
         if hasattr(module, "get_delta_weight") and "default" in getattr(module, "lora_A", {}):
             module.get_base_layer().weight += module.get_delta_weight("default")
             module.reset_lora_parameters("default", True)
+            module.forgetless_merged = True

@@ -9,12 +9,19 @@ Ablations as arms (the source's): `neutral[gate=none]` (no gate + l1), `neutral[
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import Method, MethodConfig, find_modules, register_method, replace_module
+from forgetless.methods.base import (
+    Method,
+    MethodConfig,
+    find_modules,
+    register_method,
+    replace_module,
+)
 from forgetless.models.gpt import logits_of
 from forgetless.nn.adapter import Beside, input_width
 from forgetless.nn.neutral import GatedAdapter, NeutralConfig
@@ -75,6 +82,10 @@ class Neutral(Method):
         model.train(was_training)
         return [a.gate_values(a.last_logit).mean(-1).flatten() for a in self.adapters(model)]
 
+    @classmethod
+    def figures(cls, results, labels, folder):
+        return [folder / "gates.png"] if gate_histograms(results, labels, folder / "gates.png") else []
+
     def report(self, model, windows_a, windows_b, max_windows: int = 32, bins: int = 40, top: float = 2.0):
         """Gate distributions on held-out original (A) and new (B) data, per layer (fixed bins on
         [0, top], larger gates counted in the last bin, so seeds average bin by bin)."""
@@ -87,3 +98,27 @@ class Neutral(Method):
                 "gate_mean_a": [g.mean().item() for g in ga], "gate_mean_b": [g.mean().item() for g in gb],
                 "gate_closed_a": [(g == 0).float().mean().item() for g in ga],
                 "gate_closed_b": [(g == 0).float().mean().item() for g in gb]}
+
+
+def gate_histograms(results: dict, labels: list[str], path: Path) -> bool:
+    """Neutral-residue gates after adaptation: distribution of g(x) on held-out A vs B, per layer."""
+    from forgetless.report.figures import plt, reported, save
+    arms = reported(results, labels, "gate_hist_a")
+    if not arms:
+        return False
+    n_layers = max(len(r["gate_hist_a"]) for r in arms.values())
+    fig, axes = plt.subplots(len(arms), n_layers, figsize=(3.2 * n_layers, 2.6 * len(arms)), squeeze=False)
+    for row, (name, r) in zip(axes, arms.items()):
+        edges = r["gate_bins"]
+        mids = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
+        for layer, ax in enumerate(row[:len(r["gate_hist_a"])]):
+            for side, color in (("a", "tab:blue"), ("b", "tab:red")):
+                ax.step(mids, r[f"gate_hist_{side}"][layer], where="mid", color=color,
+                        label=f"{side.upper()}: mean {r[f'gate_mean_{side}'][layer]:.3f}, "
+                              f"closed {r[f'gate_closed_{side}'][layer]:.0%}")
+            ax.set_yscale("symlog", linthresh=1e-3)
+            ax.set_title(f"{name} · layer {layer}", fontsize=8)
+            ax.set_xlabel("gate g(x) (last bin: ≥)", fontsize=7)
+            ax.legend(fontsize=6)
+    save(fig, path, dpi=100)
+    return True

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from forgetless.config import from_dict
 from forgetless.errors import ForgetlessError
 
 
@@ -42,23 +43,41 @@ class GPTConfig:
         return asdict(self)
 
 
-# FFN kinds: name -> constructor(cfg) -> nn.Module mapping (B, T, d) -> (B, T, d).
-FFN_KINDS: dict[str, Callable[[GPTConfig], nn.Module]] = {}
+@dataclass
+class FFNKind:
+    """A registered FFN: its constructor and the dataclass of its `ffn_options` (None: it takes none)."""
+    build: Callable[[GPTConfig], nn.Module]
+    options: type | None = None
 
 
-def register_ffn(name: str):
+FFN_KINDS: dict[str, FFNKind] = {}
+
+
+def register_ffn(name: str, options: type | None = None):
     """Decorator: make an FFN class available as `GPTConfig.ffn = name`."""
     def wrap(cls):
-        FFN_KINDS[name] = cls
+        FFN_KINDS[name] = FFNKind(cls, options)
         return cls
     return wrap
 
 
-def build_ffn(cfg: GPTConfig) -> nn.Module:
+def ffn_kind(name: str) -> FFNKind:
     import forgetless.nn  # noqa: F401  (registers the FFN kinds defined there)
-    if cfg.ffn not in FFN_KINDS:
-        raise ForgetlessError(f"unknown FFN kind {cfg.ffn!r}; valid: {', '.join(sorted(FFN_KINDS))}")
-    return FFN_KINDS[cfg.ffn](cfg)
+    if name not in FFN_KINDS:
+        raise ForgetlessError(f"unknown FFN kind {name!r}; valid: {', '.join(sorted(FFN_KINDS))}")
+    return FFN_KINDS[name]
+
+
+def build_ffn(cfg: GPTConfig) -> nn.Module:
+    return ffn_kind(cfg.ffn).build(cfg)
+
+
+def ffn_signature(cfg: GPTConfig) -> dict:
+    """The FFN kind and its options with every default filled in, to compare two configs."""
+    options_cls = ffn_kind(cfg.ffn).options
+    options = asdict(from_dict(options_cls, cfg.ffn_options, cfg.ffn)) if options_cls else dict(cfg.ffn_options)
+    return {"ffn": cfg.ffn, "ffn_mult": cfg.ffn_mult, **options}
+
 
 
 @register_ffn("dense")
@@ -168,7 +187,7 @@ def recorded_forward(model: nn.Module, modules: list[nn.Module], windows: torch.
     model.eval()
     for m in modules:
         m.record = True
-    logits_of(model, windows[:, :-1])
+    logits_of(model, windows[:, :-1].to(next(model.parameters()).device))
     for m, flag in zip(modules, flags):
         m.record = flag
     model.train(was_training)

@@ -155,7 +155,7 @@ class APN(nn.Module):
     def regularizer(self, index, weight) -> torch.Tensor:
         """Load balancing on the routing mass per patch, plus the optional entropy term."""
         K = self.cfg.n_patches
-        mass = torch.zeros(K, dtype=weight.dtype).index_add(0, index.reshape(-1), weight.reshape(-1))
+        mass = weight.new_zeros(K).index_add(0, index.reshape(-1), weight.reshape(-1))
         usage = mass / index.shape[0]                                            # (K,) sums to 1
         loss = self.cfg.balance * ((usage - 1.0 / K) ** 2).sum()
         if self.cfg.entropy:

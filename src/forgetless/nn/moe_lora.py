@@ -43,11 +43,12 @@ class MoELoRALinear(nn.Module):
         """Freeze the experts so far and add one; every router row stays trainable."""
         for p in [*self.down, *self.up]:
             p.requires_grad_(False)
-        down = torch.empty(self.cfg.r, self.d_in)
+        like = next(self.base.parameters())  # the new expert on the base layer's device and dtype
+        down = torch.empty(self.cfg.r, self.d_in, device=like.device, dtype=like.dtype)
         nn.init.kaiming_uniform_(down, a=math.sqrt(5))
         self.down.append(nn.Parameter(down))
-        self.up.append(nn.Parameter(torch.zeros(self.d_out, self.cfg.r)))
-        self.router.append(nn.Parameter(torch.zeros(1, self.d_in)))
+        self.up.append(nn.Parameter(torch.zeros(self.d_out, self.cfg.r, device=like.device, dtype=like.dtype)))
+        self.router.append(nn.Parameter(torch.zeros(1, self.d_in, device=like.device, dtype=like.dtype)))
 
     def gates(self, x: torch.Tensor) -> torch.Tensor:  # (..., d_in) -> (..., E)
         return (x @ torch.cat(list(self.router)).T / self.cfg.router_tau).softmax(-1)

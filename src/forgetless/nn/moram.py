@@ -48,10 +48,12 @@ class MoRAMLinear(nn.Module):
         """Freeze every atom so far and add r fresh ones (keys Kaiming-uniform, values zero)."""
         for p in [*self.keys, *self.values]:
             p.requires_grad_(False)
-        keys = torch.empty(self.cfg.atoms_per_task, self.d_in)
+        like = next(self.base.parameters())  # new atoms on the base layer's device and dtype
+        keys = torch.empty(self.cfg.atoms_per_task, self.d_in, device=like.device, dtype=like.dtype)
         nn.init.kaiming_uniform_(keys, a=math.sqrt(5))
         self.keys.append(nn.Parameter(keys))
-        self.values.append(nn.Parameter(torch.zeros(self.cfg.atoms_per_task, self.d_out)))
+        self.values.append(nn.Parameter(torch.zeros(self.cfg.atoms_per_task, self.d_out, device=like.device,
+                                                    dtype=like.dtype)))
 
     @property
     def n_atoms(self) -> int:

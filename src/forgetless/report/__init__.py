@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from forgetless.checkpoint import write_json
-from forgetless.report.figures import atom_maps, r_heatmaps, write_figures
+from forgetless.report.figures import method_figures, r_heatmaps, write_figures
 from forgetless.report.tables import markdown, sequence_markdown, write_csv, write_sequence_csv
 
 
@@ -15,8 +15,8 @@ def write_report(results: dict, out: Path) -> list[Path]:
         write_sequence_csv(results, out / "results.csv")
         (out / "results.md").write_text(sequence_markdown(results))
         r_heatmaps(results, out / "r_matrix.png")
-        maps = [out / "atom_map.png"] if atom_maps(results, out / "atom_map.png") else []
-        return [out / "results.json", out / "results.csv", out / "results.md", out / "r_matrix.png", *maps]
+        return [out / "results.json", out / "results.csv", out / "results.md", out / "r_matrix.png",
+                *method_figures(results, out)]
     write_csv(results, out / "results.csv")
     (out / "results.md").write_text(markdown(results))
     return [out / "results.json", out / "results.csv", out / "results.md", *write_figures(results, out)]

@@ -1,5 +1,6 @@
-"""Figures: retention vs adaptation, forgetting and loss curves, routing monitors, gates, CMS level
-changes, optimizer pretraining curves (two-domain); R heatmaps and atom-activation maps (sequence)."""
+"""Figures of what every method returns: retention vs adaptation, forgetting and loss curves, the
+mixing sweep, optimizer pretraining curves and frontier (two-domain), R heatmaps (sequence). Each
+method draws its own diagnostics (`Method.figures`: APN routing, Neutral gates, CMS levels, MoRAM atoms)."""
 from __future__ import annotations
 
 import re
@@ -86,100 +87,17 @@ def smooth(values: list[float], width: int = 10) -> list[float]:
     return out
 
 
-MONITORS = [("usage_entropy", "patch-usage entropy / log K"), ("confidence", "router confidence (max cos)"),
-            ("residual_ratio", "||APN(x)|| / ||x||")]
-
-
-def monitor_curves(results: dict, path: Path) -> bool:
-    """Routing monitors on B during adaptation (dashed: the base's pretraining, on A)."""
-    methods = {n: m for n, m in results["methods"].items() if "usage_entropy_b" in m["curves"]}
-    bases = {n: b for n, b in results.get("bases", {}).items() if b.get("evals") and "usage_entropy" in b["evals"][-1]}
-    if not methods and not bases:
-        return False
-    color = colors(list(results["methods"]))
-    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
-    for col, (key, label) in enumerate(MONITORS):
-        for name, m in methods.items():
-            axes[0, col].plot(m["curves"]["step"], m["curves"][f"{key}_b"]["mean"], marker=".", color=color[name], label=name)
-        axes[0, col].set_title(f"adaptation: {label} on B", fontsize=9)
-        axes[0, col].set_xlabel("adaptation step")
-        for name, b in bases.items():
-            evals = [e for e in b["evals"] if key in e]
-            axes[1, col].plot([e["step"] for e in evals], [e[key] for e in evals], ls="--", marker=".", label=f"base {name}")
-        axes[1, col].set_title(f"pretraining: {label} on A", fontsize=9)
-        axes[1, col].set_xlabel("pretraining step")
-    axes[0, 0].legend(fontsize=7)
-    axes[1, 0].legend(fontsize=7)
-    save(fig, path, dpi=100)
-    return True
-
-
-def routing_histograms(results: dict, path: Path) -> bool:
-    """Per APN arm: active-set overlap of token pairs (A-A reference, A-B before/after adaptation)
-    and the router-confidence distribution on A and B."""
-    methods = {n: m for n, m in results["methods"].items() if m.get("report", {}).get("after", {}).get("overlap_ab")}
-    if not methods:
-        return False
-    fig, axes = plt.subplots(2, len(methods), figsize=(4 * len(methods), 7), squeeze=False)
-    for col, (name, m) in enumerate(methods.items()):
-        before, after = m["report"]["before"], m["report"]["after"]
-        k = len(after["overlap_ab"]) - 1
-        x = list(range(k + 1))
-        width = 0.27
-        ax = axes[0, col]
-        ax.bar([i - width for i in x], before["overlap_aa"], width, label="A-A pairs, before")
-        ax.bar(x, before["overlap_ab"], width, label="A-B pairs, before")
-        ax.bar([i + width for i in x], after["overlap_ab"], width, label="A-B pairs, after")
-        ax.set_xticks(x)
-        ax.set_xlabel(f"shared active patches (of k={k})")
-        ax.set_title(f"{name}: active-set overlap", fontsize=9)
-        ax.legend(fontsize=7)
-        ax = axes[1, col]
-        edges = after["confidence_bins"]
-        mids = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
-        for when, rep, ls in (("before", before, "--"), ("after", after, "-")):
-            ax.plot(mids, rep["confidence_a"], ls=ls, color="tab:blue", label=f"A, {when}")
-            ax.plot(mids, rep["confidence_b"], ls=ls, color="tab:red", label=f"B, {when}")
-        ax.set_xlabel("router confidence (max cosine to a prototype)")
-        ax.set_title(f"{name}: confidence distribution", fontsize=9)
-        ax.legend(fontsize=7)
-    save(fig, path, dpi=100)
-    return True
-
-
-def reported(results: dict, key: str) -> dict:
-    """Arm -> its method report after adaptation, for the arms whose report has `key`."""
-    return {name: m["report"]["after"] for name, m in results["methods"].items()
-            if m.get("report", {}).get("after", {}).get(key)}
-
-
-def gate_histograms(results: dict, path: Path) -> bool:
-    """Neutral-residue gates after adaptation: distribution of g(x) on held-out A vs B, per layer."""
-    arms = reported(results, "gate_hist_a")
-    if not arms:
-        return False
-    n_layers = max(len(r["gate_hist_a"]) for r in arms.values())
-    fig, axes = plt.subplots(len(arms), n_layers, figsize=(3.2 * n_layers, 2.6 * len(arms)), squeeze=False)
-    for row, (name, r) in zip(axes, arms.items()):
-        edges = r["gate_bins"]
-        mids = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
-        for layer, ax in enumerate(row[:len(r["gate_hist_a"])]):
-            for side, color in (("a", "tab:blue"), ("b", "tab:red")):
-                ax.step(mids, r[f"gate_hist_{side}"][layer], where="mid", color=color,
-                        label=f"{side.upper()}: mean {r[f'gate_mean_{side}'][layer]:.3f}, "
-                              f"closed {r[f'gate_closed_{side}'][layer]:.0%}")
-            ax.set_yscale("symlog", linthresh=1e-3)
-            ax.set_title(f"{name} · layer {layer}", fontsize=8)
-            ax.set_xlabel("gate g(x) (last bin: ≥)", fontsize=7)
-            ax.legend(fontsize=6)
-    save(fig, path, dpi=100)
-    return True
+def reported(results: dict, labels: list[str], key: str) -> dict:
+    """Arm -> its method report after adaptation, for the arms `labels` whose report has `key`."""
+    return {name: results["methods"][name]["report"]["after"] for name in labels
+            if results["methods"][name].get("report", {}).get("after", {}).get(key)}
 
 
 def mix_sweep(results: dict, path: Path) -> bool:
     """Forgetting F and gain G against the mixing ratio p for every method run plain and as
     `NAME[mix=p]` with at least three values of p in all (a plain arm's p: its option, else --mix)."""
-    replay = results["config"]["adapt"].get("replay", 0.0)
+    adapt = results["config"]["adapt"]
+    replay = adapt.get("mix", adapt.get("replay", 0.0))  # results written before the knob's rename say replay
     lines: dict[str, list] = {}
     for label, m in results["methods"].items():
         name = re.fullmatch(r"([\w-]+)(\[mix=[^;\]]+\])?", label)
@@ -263,25 +181,6 @@ def optimizer_frontier(results: dict, path: Path) -> bool:
     return True
 
 
-def level_changes(results: dict, path: Path) -> bool:
-    """CMS arms: how far each level (by update period) moved during adaptation, relative to its size."""
-    arms = reported(results, "level_change")
-    if not arms:
-        return False
-    fig, ax = plt.subplots(figsize=(6, 4))
-    width = 0.8 / len(arms)
-    for k, (name, r) in enumerate(arms.items()):
-        xs = [i + k * width for i in range(len(r["level_periods"]))]
-        ax.bar(xs, r["level_change"], width=width, label=name)
-    periods = next(iter(arms.values()))["level_periods"]
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(periods))], [f"C = {round(c)}" for c in periods])
-    ax.set(xlabel="CMS level (update period)", ylabel="||θ - θ_base|| / ||θ_base|| after adaptation",
-           title="How much each CMS level moved (mean over layers and seeds)")
-    ax.legend(fontsize=8)
-    save(fig, path, dpi=110)
-    return True
-
-
 def write_figures(results: dict, folder: Path) -> list[Path]:
     paths = [folder / "retention_vs_adaptation.png", folder / "forgetting_curves.png",
              folder / "adaptation_curves.png", folder / "loss_curves.png"]
@@ -289,13 +188,22 @@ def write_figures(results: dict, folder: Path) -> list[Path]:
     curves(results, "ppl_a", "PPL on A (held out)", "Forgetting curves: retention on A during adaptation", paths[1])
     curves(results, "ppl_b", "PPL on B (held out)", "Adaptation curves: PPL on B during adaptation", paths[2])
     loss_curves(results, paths[3])
-    for name, draw in (("routing_monitors.png", monitor_curves), ("routing_overlap.png", routing_histograms),
-                       ("gates.png", gate_histograms), ("mix_sweep.png", mix_sweep),
-                       ("pretraining_curves.png", pretraining_curves), ("level_change.png", level_changes),
+    for name, draw in (("mix_sweep.png", mix_sweep), ("pretraining_curves.png", pretraining_curves),
                        ("optimizer_frontier.png", optimizer_frontier)):
         if draw(results, folder / name):
             paths.append(folder / name)
-    return paths
+    return paths + method_figures(results, folder)
+
+
+def method_figures(results: dict, folder: Path) -> list[Path]:
+    """Each registered method's own figures, drawn once for all the arms it ran (by label)."""
+    from forgetless.methods import METHODS
+    by_draw: dict = {}
+    for label, m in results["methods"].items():
+        cls = METHODS.get(m.get("method") or label.split("[")[0])
+        if cls is not None:
+            by_draw.setdefault(cls.figures.__func__, (cls, []))[1].append(label)
+    return [path for cls, labels in by_draw.values() for path in cls.figures(results, labels, folder)]
 
 
 def r_heatmaps(results: dict, path: Path, per_row: int = 4):
@@ -321,34 +229,3 @@ def r_heatmaps(results: dict, path: Path, per_row: int = 4):
     fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="accuracy %")
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def atom_maps(results: dict, path: Path) -> bool:
-    """MoRAM-style activation maps: for each arm with atoms (rows) and each stage t (columns), the
-    mean mixture weight of every atom (grouped by the task that added it) on each task's inputs."""
-    arms = {name: m["task_reports"] for name, m in results["methods"].items()
-            if m.get("task_reports") and "atom_weights" in m["task_reports"][-1]}
-    if not arms:
-        return False
-    stages = max(len(reports) for reports in arms.values())
-    fig, axes = plt.subplots(len(arms), stages, figsize=(2.4 * stages + 1.5, 3.2 * len(arms)), squeeze=False,
-                             constrained_layout=True)
-    vmax = max(v for reports in arms.values() for r in reports for row in r["atom_weights"] for v in row)
-    for axes_row, (name, reports) in zip(axes, arms.items()):
-        for t, (ax, report) in enumerate(zip(axes_row, reports), start=1):
-            image = ax.imshow(list(zip(*report["atom_weights"])), aspect="auto", cmap="magma", vmin=0, vmax=vmax,
-                              interpolation="nearest")
-            owner = [round(a) for a in report["atom_task"]]
-            edges = [i for i in range(1, len(owner)) if owner[i] != owner[i - 1]]
-            for e in edges:
-                ax.axhline(e - 0.5, color="white", lw=0.8)
-            starts = [0, *edges]
-            ax.set_yticks([(s + e - 1) / 2 for s, e in zip(starts, [*edges, len(owner)])],
-                          [f"task {owner[s]}" for s in starts], fontsize=7)
-            ax.set_xticks(range(len(report["atom_weights"])), range(len(report["atom_weights"])), fontsize=7)
-            ax.set_xlabel("inputs of task", fontsize=8)
-            ax.set_title(f"{name}\nafter task {t}" if t == 1 else f"after task {t}", fontsize=8)
-    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="mean mixture weight w_i (evaluation)")
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return True

@@ -1,0 +1,224 @@
+"""`forgetless.attach(model, method)`: one object that owns "this method on this model" (docs/DESIGN.md §7).
+
+Like PEFT, attaching injects the method's modules into the model in place and freezes what the
+method does not train; the returned `Adapted` is an nn.Module whose forward is the model's. It runs
+the method's hooks in the documented order, builds the training loss, saves and loads the method's
+own tensors, and keeps every tensor on the model's device and dtype.
+
+    adapted = forgetless.attach(model, "lora", r=16)
+    adapted.start_task(1)
+    loss = adapted.loss(windows)        # (B, T+1) token ids, a Batch, or {"input_ids", "labels"}
+    adapted.save_pretrained("out/")
+    again = forgetless.from_pretrained(fresh_model, "out/")
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from forgetless import __version__
+from forgetless.checkpoint import load_checkpoint, save_checkpoint, write_json
+from forgetless.continual.evaluate import training_loss
+from forgetless.data.splits import Batch
+from forgetless.errors import ForgetlessError
+from forgetless.methods import Method, build_method
+from forgetless.methods.base import MethodSpec, parse_method_specs
+
+WEIGHTS, CONFIG = "adapter_model.safetensors", "forgetless_config.json"
+
+
+def attach(model: nn.Module, method: str | MethodSpec | Method, **options) -> "Adapted":
+    """Inject `method` ("lora", "lora[r=16]", a MethodSpec or a built Method) into `model`, in place."""
+    return Adapted(model, as_method(method, options))
+
+
+def as_method(method, options: dict) -> Method:
+    if isinstance(method, Method):
+        if options:
+            raise ForgetlessError("options go with a method name, not with a built Method")
+        return method
+    if isinstance(method, str):
+        specs = parse_method_specs(method)
+        if len(specs) != 1:
+            raise ForgetlessError(f"attach takes one method, got {method!r}")
+        method = specs[0]
+    return MethodSpec(method.name, {**method.options, **options}).build()
+
+
+class Adapted(nn.Module):
+    """A model with a method attached. Attribute lookups it does not know go to the model
+    (e.g. `adapted.config`, `adapted.generate` on a transformers model)."""
+
+    def __init__(self, model: nn.Module, method: Method):
+        super().__init__()
+        method.check_base(model)
+        self.base_fingerprint = architecture_fingerprint(model)
+        self.device, self.dtype = placement(model)
+        self._base = {id(t) for t in [*model.parameters(), *model.buffers()]}
+        with torch.device(self.device):
+            model = method.attach(model)
+        self.model = model
+        self.method = method
+        self.task = 1
+        self._follow_model()
+
+    # ---- the model ------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "model":
+                raise
+            return getattr(self.model, name)
+
+    def trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return self.method.trainable_parameters(self.model)
+
+    def print_trainable(self):
+        trainable = sum(p.numel() for _, p in self.trainable_parameters())
+        total = sum(p.numel() for p in self.model.parameters())
+        print(f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {100 * trainable / total:.4f}")
+
+    def injected(self) -> set[str]:
+        """Names of the parameters the method added to the model."""
+        return {name for name, p in self.model.named_parameters() if id(p) not in self._base}
+
+    def _follow_model(self):
+        """New tensors on the model's device and floating dtype; freeze all but what the method trains."""
+        for t in [*self.model.parameters(), *self.model.buffers()]:
+            if id(t) not in self._base and (t.device != self.device or t.is_floating_point() and t.dtype != self.dtype):
+                t.data = t.data.to(self.device, self.dtype if t.is_floating_point() else t.dtype)
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        for _, p in self.trainable_parameters():
+            p.requires_grad_(True)
+
+    # ---- tasks and the loss ---------------------------------------------------------------
+    def start_task(self, task: int, previous=None):
+        """Before training task `task` (1, 2, ...): `previous` is what the model learned last (a Domain
+        or (N, T+1) token windows), which methods that protect it need (EWC)."""
+        if previous is None and self.method.needs_previous:
+            raise ForgetlessError(f"method {self.method.name} protects what was learned before: "
+                                  "call start_task(task, previous=<(N, T+1) token windows of it>)")
+        if previous is not None:
+            self.method.remember(self.model, previous)
+        with torch.device(self.device):
+            self.method.on_task_start(self.model, task)
+        self.task = task
+        self._follow_model()
+
+    def end_task(self, task: int):
+        self.method.on_task_end(self.model, task)
+
+    def losses(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(training loss, LM loss alone) of `batch`: LM loss (token-weighted if the method says so)
+        + the modules' auxiliary losses + the method's extra loss."""
+        batch = Batch.of(batch).to(self.device)
+        return training_loss(self.model, batch, self.method.extra_loss, self.method.token_weights)
+
+    def loss(self, batch) -> torch.Tensor:
+        return self.losses(batch)[0]
+
+    # ---- diagnostics ----------------------------------------------------------------------
+    def report(self, windows_a: torch.Tensor | None = None, windows_b: torch.Tensor | None = None) -> dict:
+        """What is attached, and the method's diagnostics on held-out windows (W, T+1) of the original
+        (A) and new (B) data when given."""
+        out = {"method": self.method.name, "options": self.method.options(), "task": self.task,
+               "trainable_params": sum(p.numel() for _, p in self.trainable_parameters()),
+               "total_params": sum(p.numel() for p in self.model.parameters())}
+        if windows_a is not None:
+            out.update(self.method.report(self.model, windows_a, windows_a if windows_b is None else windows_b))
+        return out
+
+    def figures(self, out_dir: str | Path, windows_a: torch.Tensor, windows_b: torch.Tensor | None = None) -> list[Path]:
+        """The method's own figures of its diagnostics on A and B; returns the files written."""
+        out_dir = writable_dir(out_dir)
+        arm = {"method": self.method.name, "options": self.method.options(),
+               "report": {"after": self.report(windows_a, windows_b)}}
+        return type(self.method).figures({"protocol": "attach", "methods": {self.method.name: arm}},
+                                         [self.method.name], out_dir)
+
+    # ---- saving ---------------------------------------------------------------------------
+    def method_state(self) -> dict[str, torch.Tensor]:
+        return self.method.state_dict(self.model, self.injected())
+
+    def save_pretrained(self, out_dir: str | Path):
+        """Write the method's tensors (and loop state, e.g. EWC's Fisher) as safetensors plus a JSON
+        config: method, options, task, forgetless version and the base architecture's fingerprint."""
+        out_dir = writable_dir(out_dir)
+        tensors = {**self.method_state(), **{f"hooks.{k}": v for k, v in self.method.hook_state().items()}}
+        save_checkpoint(out_dir / WEIGHTS, tensors, {"kind": "method", "method": self.method.name})
+        write_json(out_dir / CONFIG, {"method": self.method.name, "options": self.method.options(), "task": self.task,
+                                      "forgetless_version": __version__, "base": self.base_fingerprint})
+
+    def merge_and_unload(self) -> nn.Module:
+        """The plain model with the method folded into its weights (LoRA); methods that inject nothing
+        give the model back; other methods raise a clear error."""
+        return self.method.merge(self.model) if self.injected() else self.model
+
+
+def from_pretrained(model: nn.Module, folder: str | Path) -> Adapted:
+    """Attach the method saved by `Adapted.save_pretrained` in `folder` to `model` and load its tensors;
+    refuses a base of another architecture."""
+    folder = Path(folder)
+    if not (folder / CONFIG).is_file() or not (folder / WEIGHTS).is_file():
+        raise ForgetlessError(f"{folder} holds no saved method ({CONFIG} and {WEIGHTS}); "
+                              "give a folder written by Adapted.save_pretrained")
+    config = json.loads((folder / CONFIG).read_text())
+    have = architecture_fingerprint(model)
+    if have != config["base"]:
+        raise ForgetlessError(f"{folder} was saved on a {config['base']['class']} base of another architecture "
+                              f"(fingerprint {config['base']['hash']}, this {have['class']}: {have['hash']}); "
+                              "load it onto the model it was trained on")
+    adapted = attach(model, build_method(config["method"], config["options"]))
+    for task in range(2, config["task"] + 1):  # grow what grows per task (MoRAM atoms, MoE-LoRA experts)
+        with torch.device(adapted.device):
+            adapted.method.on_task_start(adapted.model, task)
+    adapted.task = config["task"]
+    tensors, _ = load_checkpoint(folder / WEIGHTS)
+    adapted.method.load_state_dict(adapted.model, {k: v for k, v in tensors.items() if not k.startswith("hooks.")})
+    adapted.method.load_hook_state({k[len("hooks."):]: v for k, v in tensors.items() if k.startswith("hooks.")})
+    adapted._follow_model()
+    return adapted
+
+
+def architecture_fingerprint(model: nn.Module) -> dict:
+    """The model class and a hash of its parameter names and shapes (not values, not dtype)."""
+    shapes = sorted((name, list(p.shape)) for name, p in model.state_dict().items())
+    digest = hashlib.sha256(json.dumps([type(model).__name__, shapes]).encode()).hexdigest()[:16]
+    return {"class": type(model).__name__, "hash": digest}
+
+
+def placement(model: nn.Module) -> tuple[torch.device, torch.dtype]:
+    """Device and floating dtype of the model's parameters."""
+    floats = [p for p in model.parameters() if p.is_floating_point()]
+    if not floats:
+        raise ForgetlessError(f"{type(model).__name__} has no floating-point parameters to adapt")
+    return floats[0].device, floats[0].dtype
+
+
+def writable_dir(path: str | Path) -> Path:
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ForgetlessError(f"{path} is a file; give a folder to write into")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """auto (CUDA when available, else CPU), cpu, cuda[:N] or mps; an unavailable device is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kind = name.split(":")[0]
+    if kind not in ("cpu", "cuda", "mps"):
+        raise ForgetlessError(f"unknown device {name!r}; valid: auto, cpu, cuda, cuda:N, mps")
+    if kind == "cuda" and not torch.cuda.is_available() or kind == "mps" and not torch.backends.mps.is_available():
+        raise ForgetlessError(f"device {name} is not available on this machine; use --device cpu (or auto)")
+    return torch.device(name)
