@@ -104,9 +104,14 @@ def test_gain_rule_clips_each_patch_gradient_and_uses_sgd():
         assert norms.max() <= 1e-3 * (1 + 1e-4)
 
 
+@pytest.mark.parametrize("rule", ["gain", "adamw"])
+@pytest.mark.parametrize("top_k", [1, 2])
 @pytest.mark.parametrize("gate", ["router", "entropy"])
-def test_gating_outside_the_range_freezes_patches(gate):
-    method = build_method("apn", {"apn": SMALL, "gate_on": gate, "gate_min": 50.0, "update_rule": "gain"})
+def test_gating_outside_the_range_freezes_patches(gate, top_k, rule):
+    """No token passes the gate: nothing moves, not through the load-balancing loss (top_k >= 2 gives
+    it a gradient) nor through AdamW's weight decay on zero gradients."""
+    method = build_method("apn", {"apn": {**SMALL, "top_k": top_k, "balance": 1.0}, "gate_on": gate, "gate_min": 50.0,
+                                  "update_rule": rule})
     model = apn_model(method)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     run(method, model, steps=3)

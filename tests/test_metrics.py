@@ -12,13 +12,22 @@ def test_sequence_metrics_by_hand():
     assert m["op"] == pytest.approx((40 + 55 + 70) / 3)
     assert m["bwt"] == pytest.approx(((40 - 50) + (55 - 60)) / 2)
     assert m["forgetting"] == pytest.approx(((50 - 40) + (60 - 55)) / 2)
-    assert m["fwt"] == pytest.approx(((10 - 10) + (25 - 20)) / 2)
+    assert m["fwt"] == pytest.approx(25 - 20)  # task 2 before training it; task 1 has no earlier task
     assert m["la"] == pytest.approx((60 + 70) / 2) and m["bwt_drop"] == -m["bwt"]
 
 
 def test_no_forgetting_when_nothing_drops():
     R = [[1, 0], [1, 1]]
     assert sequence_metrics(R)["bwt"] == 0 and sequence_metrics(R)["forgetting"] == 0
+    assert sequence_metrics(R)["fwt"] is None  # one task: nothing came before it
+
+
+def test_fwt_counts_every_task_after_the_first():
+    R = [[50, 10, 20, 30],
+         [50, 60, 24, 33],
+         [50, 60, 70, 36],
+         [50, 60, 70, 80]]
+    assert sequence_metrics(R)["fwt"] == pytest.approx(((24 - 20) + (36 - 30)) / 2)
 
 
 def test_bad_matrix():

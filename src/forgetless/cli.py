@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 from rich.markup import escape
-from rich.table import Table
+from rich.table import Column, Table
 
 from forgetless.aunn.cli import app as aunn_app
 from forgetless.cliutil import config_flags, friendly, merge_overrides, out_console
@@ -56,7 +56,7 @@ def bench(preset: str = PRESET,
           domain_b: Optional[str] = typer.Option(None, "--domain-b", help="corpus spec or path for domain B"),
           tasks: Optional[str] = typer.Option(None, "--tasks", help="sequence protocol: comma-separated corpora after the base"),
           mix: Optional[float] = typer.Option(None, "--mix", help="fraction p of every adaptation batch drawn from the "
-                                              "original domain, for every arm without its own `mix` (= --adapt-replay)"),
+                                              "original domain, for every arm without its own `mix` (= --adapt-mix)"),
           optimizers: Optional[str] = typer.Option(None, "--optimizers", help="compare optimizers, e.g. adamw,muon,delta,deep: "
                                                    "a base pretrained with each (loss curves), and every method "
                                                    "(default: full) adapted with each (two-domain)"),
@@ -80,7 +80,7 @@ def bench(preset: str = PRESET,
     if tasks:
         flags.setdefault("data", {})["tasks"] = tasks
     if mix is not None:
-        flags.setdefault("adapt", {})["replay"] = mix
+        flags.setdefault("adapt", {})["mix"] = mix
     if seeds <= 0:
         raise ForgetlessError(f"--seeds must be positive, got {seeds}")
     for key, value in (("domain_a", domain_a), ("domain_b", domain_b)):
@@ -247,7 +247,8 @@ def corpora(spec: Optional[list[str]] = typer.Argument(None, help="corpus specs 
     from forgetless.data.corpora import CORPORA, load_corpus
     from forgetless.data.splits import split_corpus
 
-    table = Table("corpus", "docs", "bytes", "train", "val", "held-out works", "about")
+    table = Table(*(Column(h, no_wrap=True) for h in ("corpus", "docs", "bytes", "train", "val")),  # whole in
+                  "held-out works", "about")                                                    # 80 columns
     for name in spec or list(CORPORA):
         about = CORPORA[name][1] if name in CORPORA else ""
         try:

@@ -37,6 +37,11 @@ def config_flags(sections: Callable[[], dict], panel: str = "config"):
                                       rich_help_panel=f"{section} {panel}")
                 extra.append(inspect.Parameter(f"{section}__{f.name}", inspect.Parameter.KEYWORD_ONLY,
                                                default=option, annotation=Optional[str]))
+            for alias, name in getattr(cls, "aliases", {}).items():  # a field's earlier name still works
+                option = typer.Option(None, f"--{section}-{alias.replace('_', '-')}", hidden=True,
+                                      help=f"old name of --{section}-{name.replace('_', '-')}")
+                extra.append(inspect.Parameter(f"{section}__{alias}", inspect.Parameter.KEYWORD_ONLY,
+                                               default=option, annotation=Optional[str]))
 
         @functools.wraps(fn)
         def wrapper(**kwargs):

@@ -52,7 +52,10 @@ def coerce(value, typ, where: str):
 
 
 def from_dict(cls, data: dict, section: str):
-    """Build dataclass `cls` from `data`; an unknown key is an error naming the valid ones."""
+    """Build dataclass `cls` from `data`; an unknown key is an error naming the valid ones. Keys in
+    `cls.aliases` (earlier names of a field) are read as the field they name."""
+    aliases = getattr(cls, "aliases", {})
+    data = {aliases.get(k, k): v for k, v in data.items()}
     types = field_types(cls)
     unknown = sorted(set(data) - set(types))
     if unknown:

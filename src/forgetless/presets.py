@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from forgetless.config import from_dict, replace
 from forgetless.data.tokenizers import TOKENIZERS
@@ -33,12 +34,15 @@ class DataConfig:
 
 @dataclass
 class AdaptConfig(TrainConfig):
-    replay: float = field(default=0.0, metadata={"help": "fraction of every adaptation batch drawn from domain A (replay / data mixing)"})
+    mix: float = field(default=0.0, metadata={
+        "help": "fraction of every adaptation batch drawn from the original domain (data mixing / replay), "
+                "for every method without its own `mix`; also --mix"})
+    aliases: ClassVar[dict] = {"replay": "mix"}  # the knob's earlier name, still read from files and flags
 
     def __post_init__(self):
         super().__post_init__()
-        if not 0.0 <= self.replay <= 1.0:
-            raise ForgetlessError(f"adapt.replay must be in [0, 1], got {self.replay}")
+        if not 0.0 <= self.mix <= 1.0:
+            raise ForgetlessError(f"adapt.mix must be in [0, 1], got {self.mix}")
 
 
 @dataclass

@@ -21,15 +21,15 @@ from forgetless.train import train
 def adapt_task(adapted: Adapted, task: Domain, replay_from: Domain, cfg: AdaptConfig, task_index: int,
                sampler_seed: int, learned: Domain | None = None, **train_kwargs):
     """One task of adaptation: start the task (what was `learned` last, default `replay_from`), the
-    method's lr and optimizer, mixing of original-domain rows (the method's `mix`, else the protocol's
-    replay), training, end of the task.
+    method's lr and optimizer, mixing of original-domain rows (the method's `mix`, else the protocol's),
+    training, end of the task.
 
     Returns (training history, trained parameters)."""
     method = adapted.method
     adapted.start_task(task_index, learned or replay_from)
     params = adapted.trainable_parameters()
-    mix = cfg.replay if method.cfg.mix is None else method.cfg.mix
-    cfg = dataclasses.replace(cfg, lr=method.cfg.lr or cfg.lr, replay=mix, optimizer=method.cfg.optimizer or cfg.optimizer)
+    mix = cfg.mix if method.cfg.mix is None else method.cfg.mix
+    cfg = dataclasses.replace(cfg, lr=method.cfg.lr or cfg.lr, mix=mix, optimizer=method.cfg.optimizer or cfg.optimizer)
     sampler = Sampler(task.train, cfg.batch_size, task.windows.shape[1] - 1, sampler_seed,
                       other=replay_from.train if mix > 0 else None, p=mix)
     history = train(adapted.model, params, sampler, cfg, lambda m, batch: adapted.losses(batch), hooks=method,

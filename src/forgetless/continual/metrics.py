@@ -34,10 +34,12 @@ def forgetting(R) -> float:
     return sum(max(R[t][i] for t in range(i, T)) - R[T][i] for i in range(T)) / T
 
 
-def forward_transfer(R) -> float:
-    """FWT = mean_{i>=1} (R[i-1][i] - R[0][i]): what earlier tasks did for a task before it was trained."""
+def forward_transfer(R) -> float | None:
+    """FWT = mean_{i>=2} (R[i-1][i] - R[0][i]): what earlier tasks did for a task before it was trained.
+    Task 1 has no earlier task (its term R[0][1] - R[0][1] is 0 by construction), so it is left out;
+    with one task there is no FWT (None)."""
     T = check(R)
-    return sum(R[i - 1][i] - R[0][i] for i in range(1, T + 1)) / T
+    return sum(R[i - 1][i] - R[0][i] for i in range(2, T + 1)) / (T - 1) if T > 1 else None
 
 
 def learning_accuracy(R) -> float:

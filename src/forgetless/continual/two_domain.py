@@ -123,7 +123,10 @@ def adaptation_gain(arm: dict, full: dict) -> float:
     return own / ref if ref != 0 else float("nan")
 
 
-def mean_std(values: list[float]) -> dict:
+def mean_std(values: list[float | None]) -> dict:
+    """Mean and sample std over seeds; None (a metric that does not exist for this run) stays None."""
+    if any(v is None for v in values):
+        return {"mean": None, "std": None}
     return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0}
 
 

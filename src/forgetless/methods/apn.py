@@ -97,6 +97,7 @@ class APNMethod(Method):
         self.novel_steps: dict[int, int] = {}
         self.last_alloc: dict[int, int] = {}
         self.allocations = 0
+        self.apns: list[APN] = []                     # the model's APN layers (set by attach)
 
     def base_config(self, model_cfg: GPTConfig) -> GPTConfig:
         if self.cfg.retrofit:
@@ -117,6 +118,7 @@ class APNMethod(Method):
         if not apn_modules(model):
             raise ForgetlessError(f"method {self.name} found no APN module: it needs an APN base (or retrofit=true)")
         needs_routing = self.cfg.local or self.cfg.allocate
+        self.apns = apn_modules(model)
         for m in apn_modules(model):
             m.record = needs_routing or self.cfg.gate_on == "router"
             m.update_gate = (self.cfg.gate_min, self.cfg.gate_max) if self.cfg.gate_on == "router" else None
@@ -144,10 +146,14 @@ class APNMethod(Method):
                       for n, p in m.named_parameters() if n in PER_PATCH}
 
     def before_step(self, model, optimizer, step, last):
+        if self.cfg.gate_on != "none":  # nothing got through the gate: no step at all (no weight decay either)
+            for p in (p for m in apn_modules(model) for p in m.parameters()):
+                if p.grad is not None and not p.grad.any():
+                    p.grad = None
         self.snapshot = {}
         for i, m in enumerate(apn_modules(model)):
             per_patch = [(n, p) for n, p in m.named_parameters() if n in PER_PATCH and p.grad is not None]
-            if self.cfg.update_rule == "gain":
+            if self.cfg.update_rule == "gain" and per_patch:
                 norms = torch.stack([p.grad.flatten(1).norm(dim=1) ** 2 for _, p in per_patch]).sum(0).sqrt()  # (K,)
                 scale = (self.cfg.grad_cap / norms.clamp_min(1e-12)).clamp(max=1.0)
                 for _, p in per_patch:
@@ -223,12 +229,18 @@ class APNMethod(Method):
 
     # ---- loss and diagnostics -------------------------------------------------------------
     def token_weights(self, logits, batch):
+        """gate_on=entropy: train only on tokens whose predictive entropy (nats) is in range; the
+        routing regularizer of every APN layer is then taken over those tokens only."""
         if self.cfg.gate_on != "entropy":
             return None
         with torch.no_grad():
             logp = logits.log_softmax(-1)
             entropy = -(logp.exp() * logp).sum(-1)                                   # (B, T) nats
-            return ((entropy >= self.cfg.gate_min) & (entropy <= self.cfg.gate_max)).float()
+            trains = (entropy >= self.cfg.gate_min) & (entropy <= self.cfg.gate_max)
+        for m in self.apns:
+            if m.train_route is not None:
+                m.aux_loss = m.regularizer(*m.train_route, trains.flatten())
+        return trains.float()
 
     def report(self, model, windows_a, windows_b):
         return {**routing_report(model, windows_a, windows_b), "allocations": self.allocations}

@@ -31,7 +31,7 @@ class MethodConfig:
         "help": "modules to leave alone (same syntax as target_modules)"})
     lr: float | None = field(default=None, metadata={"help": "learning rate for this method (default: the protocol's)"})
     mix: float | None = field(default=None, metadata={
-        "help": "fraction of every batch from the original domain (default: the protocol's --mix / --adapt-replay)"})
+        "help": "fraction of every batch from the original domain (default: the protocol's --mix / --adapt-mix)"})
     optimizer: str | None = field(default=None, metadata={
         "help": "optimizer for this method (default: the protocol's --adapt-optimizer), e.g. delta or muon"})
 

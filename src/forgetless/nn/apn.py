@@ -82,6 +82,7 @@ class APN(nn.Module):
             self.offset_in = nn.Parameter(torch.randn(K, r, q) / math.sqrt(r))   # B_i: (K, r, q)
             self.offset_out = nn.Parameter(torch.zeros(K, q, d))                 # A_i^T: (K, q, d)
         self.aux_loss: torch.Tensor | None = None
+        self.train_route: tuple[torch.Tensor, torch.Tensor] | None = None  # (index, weight) of the last training forward
         self.last_routing: Routing | None = None
         self.record = False  # keep `last_routing` after each forward (monitors, continual knobs)
         self.update_gate: tuple[float, float] | None = None  # train only tokens with confidence in range
@@ -98,17 +99,19 @@ class APN(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])                                             # (N, d)
         z, scores, index, weight = self.route(x)
-        self.aux_loss = self.regularizer(index, weight) if self.training else None
+        confidence = scores.detach().max(-1).values * self.cfg.tau              # (N,) best cosine
+        trains = None                                                            # (N,) tokens that may train
+        if self.update_gate is not None and self.training:
+            trains = (confidence >= self.update_gate[0]) & (confidence <= self.update_gate[1])
+        self.train_route = (index, weight) if self.training else None
+        self.aux_loss = self.regularizer(index, weight, trains) if self.training else None
         if self.training and self.cfg.patch_dropout > 0:
             keep = torch.rand_like(weight) >= self.cfg.patch_dropout
             weight = weight * keep / (1 - self.cfg.patch_dropout)
         u = x @ self.code                                                        # (N, r)
         out = self.cfg.gamma * self.dispatch(u, index, weight)                   # (N, d)
-        confidence = scores.detach().max(-1).values * self.cfg.tau              # (N,) best cosine
-        if self.update_gate is not None and self.training:  # same output, no gradient outside the range
-            lo, hi = self.update_gate
-            keep = ((confidence >= lo) & (confidence <= hi)).unsqueeze(1)
-            out = torch.where(keep, out, out.detach())
+        if trains is not None:  # same output, no gradient outside the range
+            out = torch.where(trains.unsqueeze(1), out, out.detach())
         if self.record:
             self.last_routing = Routing(index.detach(), weight.detach(), confidence,
                                         z.detach(), (out.norm(dim=-1) / x.norm(dim=-1).clamp_min(1e-6)).mean().item())
@@ -152,8 +155,13 @@ class APN(nn.Module):
             out = out + mixed @ self.base_decoder
         return out
 
-    def regularizer(self, index, weight) -> torch.Tensor:
-        """Load balancing on the routing mass per patch, plus the optional entropy term."""
+    def regularizer(self, index, weight, trains: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Load balancing on the routing mass per patch, plus the optional entropy term, over the
+        tokens that may train (`trains`, (N,) bool; None: all), so gated-out tokens move nothing."""
+        if trains is not None:
+            if not trains.any():
+                return None
+            index, weight = index[trains], weight[trains]
         K = self.cfg.n_patches
         mass = weight.new_zeros(K).index_add(0, index.reshape(-1), weight.reshape(-1))
         usage = mass / index.shape[0]                                            # (K,) sums to 1

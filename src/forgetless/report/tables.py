@@ -14,6 +14,8 @@ COLUMNS = [  # (results key, header, format)
 
 
 def cell(stat: dict, fmt: str, with_std: bool) -> str:
+    if stat["mean"] is None:
+        return "n/a"
     text = fmt.format(stat["mean"])
     return f"{text} ± {fmt.format(stat['std']).lstrip('+')}" if with_std else text
 
