@@ -10,7 +10,7 @@ VARIANTS = [{}, {"gate": "scalar"}, {"decoder": "shared"}, {"route_dim": 8}]
 
 
 def naive_apn(apn: APN, x: torch.Tensor) -> torch.Tensor:
-    """The equations of DESIGN.md §2.1, token by token, with a per-token copy of U (slow, clear)."""
+    """The equations of docs/DESIGN.md §2.1, token by token, with a per-token copy of U (slow, clear)."""
     cfg = apn.cfg
     h = apn.route_proj(x) if apn.route_proj is not None else x
     z = F.normalize(h, dim=-1)

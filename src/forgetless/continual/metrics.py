@@ -1,4 +1,4 @@
-"""Task-sequence metrics from an accuracy matrix (DESIGN.md §3, MoRAM / TRACE style).
+"""Task-sequence metrics from an accuracy matrix (docs/DESIGN.md §3, MoRAM / TRACE style).
 
 R[t][i] = score on task i after training through task t; row 0 is the base before any new task
 and task 0 is the base's own domain, so R is (T+1) x (T+1). Higher scores are better.

@@ -1,4 +1,4 @@
-"""The task-sequence protocol (DESIGN.md §3): a base on task 0, then tasks 1..T in order.
+"""The task-sequence protocol (docs/DESIGN.md §3): a base on task 0, then tasks 1..T in order.
 
 R[t][i] = next-token accuracy (%) on task i's held-out windows after training through task t;
 row 0 is the base (with the method attached, before any new task). OP, BWT, forgetting and FWT

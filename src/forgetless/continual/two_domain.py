@@ -1,4 +1,4 @@
-"""The two-domain protocol (DESIGN.md section 3): pretrain on A, adapt on B, measure both.
+"""The two-domain protocol (docs/DESIGN.md §3): pretrain on A, adapt on B, measure both.
 
 Every method starts from the same cached base of its FFN kind; each (method, seed) arm is
 saved under `out/arms/` as it finishes, so an interrupted bench resumes where it stopped.

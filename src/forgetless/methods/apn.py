@@ -1,4 +1,4 @@
-"""APN arms (DESIGN.md §2.1): patch-only adaptation of an APN base, its continual knobs, the
+"""APN arms (docs/DESIGN.md §2.1): patch-only adaptation of an APN base, its continual knobs, the
 parameter-matched base, and the retrofit of APN into a trained dense model.
 
 Knobs (all in APNMethodConfig, each switchable, e.g. `--methods 'apn[local=true]'`):
@@ -11,6 +11,8 @@ Knobs (all in APNMethodConfig, each switchable, e.g. `--methods 'apn[local=true]
   allocate         novelty allocation: when mean router confidence stays below novelty_threshold
                    for novelty_window steps, re-seed the least-used patch (EMA usage) at the least
                    confident token, decoder zero, then wait `cooldown` steps
+
+Source: Attractor Patch Networks: Reducing Catastrophic Forgetting with Routed Low-Rank Patch Experts.
 """
 from __future__ import annotations
 

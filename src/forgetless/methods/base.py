@@ -56,7 +56,7 @@ def register_method(name: str):
     return wrap
 
 
-# Table order: the names of DESIGN.md section 6 first, any other registered method after them.
+# Table order: the names of docs/DESIGN.md §6 first, any other registered method after them.
 CANONICAL_ORDER = ["full", "ffn", "lora", "adapter", "apn", "apn-local", "apn-param-matched", "apn-retrofit",
                    "moram", "moe-lora", "seq-lora", "neutral", "ewc", "cms"]
 

@@ -1,4 +1,4 @@
-"""CMS arms (DESIGN.md §2.4): a base whose FFNs are Continuum Memory System chains, pretrained with
+"""CMS arms (docs/DESIGN.md §2.4): a base whose FFNs are Continuum Memory System chains, pretrained with
 their update periods, then adapted with every level still on its period.
 
     cms        every level trains on its own period (1, 4, 32, 128 steps): new data lands in the fast
@@ -10,6 +10,8 @@ same trainable set). `cms[periods=1,1,1,1]` is the same chain with one frequency
 separates the multi-frequency updates from the change of architecture. The periods are kept by the
 training loop through the CMS module's own hooks (nn/cms.py, `CMS.training_hooks`). On a transformers
 model (no CMS base to pretrain) a CMS chain is attached beside every MLP, starting at zero.
+
+Source: Nested Learning: The Illusion of Deep Learning Architectures (Behrouz, Razaviyayn, Zhong, Mirrokni).
 """
 from __future__ import annotations
 

@@ -6,6 +6,8 @@ the domains learned before by a diagonal-Fisher quadratic penalty.
 F is the empirical Fisher (squared per-sequence gradients of the LM loss, averaged) on
 `fisher_samples` windows of the learned domain's training split; in a task sequence the Fisher
 of each finished task is added (online EWC) and theta* moves to the current weights.
+
+Source: Kirkpatrick et al., Overcoming catastrophic forgetting in neural networks (PNAS 2017).
 """
 from __future__ import annotations
 

@@ -2,6 +2,8 @@
 
 In a task sequence, `lora` merges each task's adapter into the weights and starts a fresh one
 for the next task; `seq-lora` keeps training one adapter through all tasks (the source's SeqLoRA).
+
+Source: Hu et al., LoRA: Low-Rank Adaptation of Large Language Models (ICLR 2022).
 """
 from __future__ import annotations
 

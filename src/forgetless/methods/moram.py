@@ -1,9 +1,11 @@
-"""MoRAM (DESIGN.md §2.2): rank-1 memory atoms beside the target linears, r new atoms per task.
+"""MoRAM (docs/DESIGN.md §2.2): rank-1 memory atoms beside the target linears, r new atoms per task.
 
 Only the current task's atoms train; earlier atoms are frozen and keep routing (self-activation
 over the union). The default lr is the source's 5e-4; the LoRA-style arms use 1e-3.
 Ablations as in the source: `moram[top_k=0;tau=1;delta=none]` is plain self-activated retrieval;
 add back top_k=8, tau=0.03 or delta=0.2 one at a time.
+
+Source: Mixture of Rank-1 Memory (MoRAM), the MoRAM poster.
 """
 from __future__ import annotations
 

@@ -1,10 +1,12 @@
-"""Neutral Residues (DESIGN.md §2.3): gated GLU adapters beside the FFNs of a frozen base,
+"""Neutral Residues (docs/DESIGN.md §2.3): gated GLU adapters beside the FFNs of a frozen base,
 trained on batches that mix a fraction `mix` (default 0.1) of original-domain rows, with
 loss = LM + alpha * mean over adapters of ||g(x) Adapter(x)||_1 / d on those rows only.
 
 Ablations as arms (the source's): `neutral[gate=none]` (no gate + l1), `neutral[gate=sigmoid]`
 (sigmoid gate trained as an original-vs-new classifier instead of the l1 term),
 `neutral[gate=none;alpha=0]` (vanilla GLU adapter), and the mixing sweep `neutral[mix=0.5]`.
+
+Source: Neutral Residues: Revisiting Adapters for Model Extension (ICML 2025, arXiv 2410.02744).
 """
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""Bottleneck adapter placed beside a sub-layer: out = sublayer(x) + up(act(down(x)))."""
+"""Bottleneck adapter placed beside a sub-layer: out = sublayer(x) + up(act(down(x))).
+
+Source: Houlsby et al., Parameter-Efficient Transfer Learning for NLP (ICML 2019).
+"""
 from __future__ import annotations
 
 import torch.nn as nn

@@ -1,4 +1,4 @@
-"""Attractor Patch Network (APN): a drop-in FFN of routed low-rank patch experts (DESIGN.md §2.1).
+"""Attractor Patch Network (APN): a drop-in FFN of routed low-rank patch experts (docs/DESIGN.md §2.1).
 
     z   = x / ||x||                          routing input (optionally R x: contextual prototypes)
     s_i = <z, p_i / ||p_i||> / tau           cosine routing score of patch i
@@ -10,6 +10,8 @@
 Tokens are dispatched sparsely: (token, patch) pairs are sorted by patch and packed into a
 (K, capacity, r) buffer, so every decoder runs as one batched matmul and no per-token copy of
 U is ever made.
+
+Source: Attractor Patch Networks: Reducing Catastrophic Forgetting with Routed Low-Rank Patch Experts.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Continuum Memory System (DESIGN.md §2.4): the FFN as a chain of MLP levels updated at different
+"""Continuum Memory System (docs/DESIGN.md §2.4): the FFN as a chain of MLP levels updated at different
 frequencies.
 
     h_0 = x;   y_l = MLP_l(norm_l(h_{l-1}));   h_l = h_{l-1} + y_l;   CMS(x) = y_1 + ... + y_L
@@ -8,6 +8,8 @@ Level l's parameters change only every C_l steps (its `update_period`), by what 
 consolidate. With one level of period 1 and the dense width, CMS is exactly the dense FFN (same module
 names c_fc / c_proj, same initialisation order). By default the levels split the dense FFN's hidden
 width, so a CMS base has the dense base's parameter count.
+
+Source: Nested Learning: The Illusion of Deep Learning Architectures (Behrouz, Razaviyayn, Zhong, Mirrokni).
 """
 from __future__ import annotations
 

@@ -6,6 +6,8 @@
 The coarse-grained baseline of the MoRAM source: each task adds one expert (A Kaiming-uniform,
 B zero, as in LoRA) and freezes the earlier experts; the router rows of all experts keep
 training, so routing for old tasks can drift (the interference MoRAM's self-activation avoids).
+
+Source: the MoE-LoRA baseline of Mixture of Rank-1 Memory (MoRAM).
 """
 from __future__ import annotations
 

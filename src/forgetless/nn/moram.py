@@ -1,4 +1,4 @@
-"""MoRAM: a growing bank of rank-1 associative-memory atoms beside a linear layer (DESIGN.md §2.2).
+"""MoRAM: a growing bank of rank-1 associative-memory atoms beside a linear layer (docs/DESIGN.md §2.2).
 
     z_i = a_i^T x,   s_i = z_i / ||z||_2                  self-activation of atom i, no router
     m_i = s_i if i in TopK(s, k) else -inf,   w = softmax(m / tau)
@@ -6,7 +6,9 @@
     y = W0 x + sum_i w_i z_i b_i
 
 Each task adds r atoms (keys Kaiming-uniform, values zero) and freezes the earlier ones; routing
-runs over the union. (The source's text normalises by sum_j z_j^2; DESIGN.md restores ||z||_2.)
+runs over the union. (The source's text normalises by sum_j z_j^2; docs/DESIGN.md restores ||z||_2.)
+
+Source: Mixture of Rank-1 Memory (MoRAM), the MoRAM poster.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Neutral Residues (DESIGN.md §2.3): a gated GLU adapter beside each FFN.
+"""Neutral Residues (docs/DESIGN.md §2.3): a gated GLU adapter beside each FFN.
 
     Adapter(x) = W_o (act(W_g x) * W_i x)                 GLU, hidden width h
     g(x)       = ReLU(w^T x + c)                          scalar per token (vector: ReLU(W x + c))
@@ -9,6 +9,8 @@ variance 1/(d L) instead of He's 2/d (L = number of adapted layers). Gate varian
 source's ablations: `relu` (the method), `sigmoid` (trained as an original-vs-new classifier),
 `none` (g = 1). The module keeps its last gated output and gate so the method can add the l1
 term on original-distribution rows and report the gates.
+
+Source: Neutral Residues: Revisiting Adapters for Model Extension (ICML 2025, arXiv 2410.02744).
 """
 from __future__ import annotations
 

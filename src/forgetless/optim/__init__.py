@@ -1,4 +1,4 @@
-"""Optimizers as associative memories (DESIGN.md §2.4), and the registry the training loop builds from.
+"""Optimizers as associative memories (docs/DESIGN.md §2.4), and the registry the training loop builds from.
 
     adamw   torch.optim.AdamW: the reference
     muon    torch.optim.Muon (momentum with a Newton-Schulz output) on hidden matrices, AdamW on the rest
@@ -10,6 +10,8 @@
 pairs; `cfg` is a TrainConfig (lr, weight_decay, optimizer_options). The memory optimizers (delta,
 deep, l2reg) precondition the gradient like Adam (P = diag(1 / sqrt(v))) unless precondition="none",
 so that one lr schedule serves every optimizer.
+
+Source: Nested Learning: The Illusion of Deep Learning Architectures (Behrouz, Razaviyayn, Zhong, Mirrokni).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Deep momentum (DESIGN.md §2.4): the momentum memory gains an MLP, trained online on the gradients.
+"""Deep momentum (docs/DESIGN.md §2.4): the momentum memory gains an MLP, trained online on the gradients.
 
     m   <- alpha m + (1 - alpha) P g                  the linear memory of past gradients (EMA,
                                                       divided by 1 - alpha^t as in Adam)

@@ -1,4 +1,4 @@
-"""Delta-rule momentum (DESIGN.md §2.4): momentum as an associative memory of gradients that, like
+"""Delta-rule momentum (docs/DESIGN.md §2.4): momentum as an associative memory of gradients that, like
 the delta rule, erases what it holds along the current gradient before writing the new one.
 
     g_hat = g / ||g||                                   (per tensor: "normalise for stability")

@@ -1,4 +1,4 @@
-"""The L2-regression update (DESIGN.md §2.4) for linear layers, whose inputs x are recorded:
+"""The L2-regression update (docs/DESIGN.md §2.4) for linear layers, whose inputs x are recorded:
 
     W <- W (I - x x^T) - lr grad_y L x^T            (the source, one token, ||x|| = 1)
 
