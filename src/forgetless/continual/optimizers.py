@@ -13,11 +13,11 @@ import dataclasses
 import statistics
 from pathlib import Path
 
+from forgetless.adapted import resolve_device
 from forgetless.continual.base_model import cached_base, load_base
 from forgetless.continual.two_domain import band, mean_std, run_two_domain
 from forgetless.data.domains import load_domains
 from forgetless.errors import ForgetlessError
-from forgetless.adapted import resolve_device
 from forgetless.methods import MethodSpec, build_method
 from forgetless.optim import OPTIMIZERS
 from forgetless.presets import RunConfig

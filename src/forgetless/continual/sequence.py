@@ -16,20 +16,20 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from forgetless.adapted import attach
+from forgetless.adapted import attach, resolve_device
 from forgetless.continual.arm import adapt_task
 from forgetless.continual.base_model import load_base
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.metrics import sequence_metrics
-from forgetless.adapted import resolve_device
-from forgetless.continual.two_domain import bases_for, bases_summary, build_arms, fresh, mean_nested, mean_std, \
-    provenance, run_or_reuse_arm
+from forgetless.continual.two_domain import (bases_for, bases_summary, build_arms, fresh, mean_nested, mean_std,
+                                             provenance, run_or_reuse_arm)
 from forgetless.data.domains import Domain, load_domains
 from forgetless.errors import ForgetlessError
 from forgetless.methods import Method, MethodSpec
 from forgetless.monitor import PeakRSS
 from forgetless.presets import AdaptConfig, RunConfig
 from forgetless.progress import progress_task
+from forgetless.train import autocast
 
 METRICS = ["op", "bwt", "bwt_drop", "forgetting", "fwt", "la"]
 
@@ -61,6 +61,8 @@ def run_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[in
                  device: str = "auto") -> dict:
     """Every (method, seed) arm over the task sequence on `device`; the results dict of docs/DESIGN.md §6."""
     device = resolve_device(device)
+    for train_cfg in (cfg.pretrain, cfg.adapt):  # refuse a precision the device lacks before any work
+        autocast(device, train_cfg.precision)
     specs = [cfg.data.domain_a, *cfg.data.tasks]
     if len(specs) < 2:
         raise ForgetlessError("the sequence protocol needs tasks after the base: --tasks CORPUS1,CORPUS2,...")

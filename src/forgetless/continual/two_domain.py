@@ -24,6 +24,7 @@ from forgetless.methods import MethodSpec, build_method
 from forgetless.methods.base import as_specs
 from forgetless.presets import RunConfig
 from forgetless.progress import console, progress_task
+from forgetless.train import autocast
 
 METRICS = ["ppl_a_before", "ppl_b_before", "ppl_a_after", "ppl_b_after", "acc_a_before", "acc_b_before",
            "acc_a_after", "acc_b_after", "forgetting", "adaptation_gain", "wall_s"]
@@ -33,6 +34,8 @@ def run_two_domain(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[
                    device: str = "auto") -> dict:
     """Run every (method, seed) arm on `device` and return the results dict of docs/DESIGN.md §6."""
     device = resolve_device(device)
+    for train_cfg in (cfg.pretrain, cfg.adapt):  # refuse a precision the device lacks before any work
+        autocast(device, train_cfg.precision)
     built = build_arms(cfg, methods)
     if "full" not in built:
         console.print("[dim]adding the 'full' arm: adaptation gain G is measured against full fine-tuning[/dim]")

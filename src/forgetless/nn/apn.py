@@ -135,11 +135,11 @@ class APN(nn.Module):
         token = order // k                                                       # (P,) token of each pair
         counts = torch.bincount(flat, minlength=K)                               # (K,)
         c = -(-len(flat) // K)                                                   # group size
-        slot = torch.arange(len(flat)) - (counts.cumsum(0) - counts)[patch]     # place inside its patch
+        slot = torch.arange(len(flat), device=flat.device) - (counts.cumsum(0) - counts)[patch]  # place in its patch
         groups = -(-counts // c)                                                 # (K,) groups per patch
         group = (groups.cumsum(0) - groups)[patch] + slot // c                   # (P,) group of each pair
         row = group * c + slot % c                                               # (P,) row in the buffer
-        group_patch = torch.repeat_interleave(torch.arange(K), groups)          # (G,)
+        group_patch = torch.repeat_interleave(torch.arange(K, device=flat.device), groups)  # (G,)
         u_pairs = u.index_select(0, token)                                       # (P, r)
         a, b = self.gate_a.index_select(0, patch), self.gate_b.index_select(0, patch)
         phi = u_pairs * torch.sigmoid(a * u_pairs + b)                           # (P, r)
