@@ -25,13 +25,7 @@ import torch.nn as nn
 
 from forgetless.config import from_dict
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import (
-    Method,
-    MethodConfig,
-    find_modules,
-    register_method,
-    replace_module,
-)
+from forgetless.methods.base import Method, MethodConfig, find_modules, register_method, replace_module
 from forgetless.models.gpt import GPT, GPTConfig
 from forgetless.nn.adapter import Beside, input_width
 from forgetless.nn.apn import APN, APNConfig, routing_report

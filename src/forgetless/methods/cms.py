@@ -22,13 +22,7 @@ from pathlib import Path
 import torch
 
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import (
-    Method,
-    MethodConfig,
-    find_modules,
-    register_method,
-    replace_module,
-)
+from forgetless.methods.base import Method, MethodConfig, find_modules, register_method, replace_module
 from forgetless.models.gpt import GPT, GPTConfig
 from forgetless.nn.adapter import Beside, linear_shape
 from forgetless.nn.cms import CMS, CMSConfig, Level

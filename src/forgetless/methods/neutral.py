@@ -17,13 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import (
-    Method,
-    MethodConfig,
-    find_modules,
-    register_method,
-    replace_module,
-)
+from forgetless.methods.base import Method, MethodConfig, find_modules, register_method, replace_module
 from forgetless.models.gpt import logits_of
 from forgetless.nn.adapter import Beside, input_width
 from forgetless.nn.neutral import GatedAdapter, NeutralConfig
