@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from _timing import compare, parse_args
 
 from forgetless.models.gpt import DenseFFN, GPTConfig
-from forgetless.nn.cms import CMS, CMSConfig
+from forgetless.nn.cms import CMSConfig, cms_ffn
 
 
 def main():
@@ -20,7 +20,7 @@ def main():
     torch.manual_seed(0)
     cfg = GPTConfig(d_model=128)
     x = F.layer_norm(torch.randn(32 * 128, 128), (128,)).requires_grad_()
-    dense, cms = DenseFFN(cfg), CMS(GPTConfig(d_model=128, ffn="cms"))
+    dense, cms = DenseFFN(cfg), cms_ffn(GPTConfig(d_model=128, ffn="cms"))
     r = compare(dense, cms, x, args.repeats, args.iters)
     print(f"dense FFN {r['baseline_ms']:.1f} ms, CMS {r['candidate_ms']:.1f} ms, ratio {r['ratio']:.2f} (fwd+bwd; "
           f"{sum(p.numel() for p in cms.parameters()):,} vs {sum(p.numel() for p in dense.parameters()):,} parameters)")
