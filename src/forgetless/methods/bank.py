@@ -12,14 +12,15 @@ from dataclasses import dataclass, field
 import torch.nn as nn
 
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import Method, MethodConfig, find_modules, replace_module
+from forgetless.methods.base import Method, MethodConfig, default_linear_targets, find_modules, replace_module
 from forgetless.nn.adapter import linear_shape
 
 
 @dataclass
 class BankConfig(MethodConfig):
-    target_modules: list[str] = field(default_factory=lambda: ["c_attn", "c_proj", "c_fc"], metadata={
-        "help": "linear layers that get a bank (GPT-2 naming: c_attn, c_proj, c_fc), as for LoRA"})
+    target_modules: list[str] = field(default_factory=list, metadata={
+        "help": "linear layers that get a bank (empty: as for LoRA, c_attn, c_proj, c_fc on the forgetless GPT, "
+                "PEFT's default on a transformers model); all-linear for every linear"})
 
 
 class GrowingBank(Method):
@@ -29,7 +30,8 @@ class GrowingBank(Method):
     shared: tuple[str, ...] = ()  # its ParameterLists that train in full on every task
 
     def attach(self, model):
-        for name, module in find_modules(model, self.cfg.target_modules, self.cfg.exclude_modules):
+        rules = self.cfg.target_modules or default_linear_targets(model)
+        for name, module in find_modules(model, rules, self.cfg.exclude_modules):
             shape = linear_shape(module)
             if shape is None:
                 raise ForgetlessError(f"{self.name} wraps linear layers, but {name} is a {type(module).__name__}; "

@@ -19,6 +19,7 @@ from forgetless.config import from_dict
 from forgetless.data.splits import Batch
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPT, GPTConfig, ffn_signature
+from forgetless.nn.adapter import linear_shape
 from forgetless.optim import OPTIMIZERS
 from forgetless.train import StepHooks
 
@@ -26,7 +27,8 @@ from forgetless.train import StepHooks
 @dataclass
 class MethodConfig:
     target_modules: list[str] = field(default_factory=list, metadata={
-        "help": "modules to act on: name suffixes (e.g. mlp,c_fc) or one regex on the full name"})
+        "help": "modules to act on: name suffixes (e.g. mlp,c_fc), one regex on the full name, or all-linear "
+                "(empty: the method's default for the architecture)"})
     exclude_modules: list[str] = field(default_factory=list, metadata={
         "help": "modules to leave alone (same syntax as target_modules)"})
     lr: float | None = field(default=None, metadata={"help": "learning rate for this method (default: the protocol's)"})
@@ -45,6 +47,7 @@ class MethodConfig:
 
 
 METHODS: dict[str, type["Method"]] = {}
+ALL_LINEAR = "all-linear"
 
 
 def register_method(name: str):
@@ -222,12 +225,28 @@ def matches(name: str, rules: list[str]) -> bool:
 
 
 def find_modules(model: nn.Module, target: list[str], exclude: list[str]) -> list[tuple[str, nn.Module]]:
-    found = [(n, m) for n, m in model.named_modules() if n and matches(n, target) and not matches(n, exclude)]
+    """Modules of `model` matching `target` and not `exclude`; `all-linear` = every linear layer
+    (nn.Linear or transformers Conv1D) but the output head."""
+    if target == [ALL_LINEAR]:
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else getattr(model, "lm_head", None)
+        found = [(n, m) for n, m in model.named_modules() if linear_shape(m) and m is not head and not matches(n, exclude)]
+    else:
+        found = [(n, m) for n, m in model.named_modules() if n and matches(n, target) and not matches(n, exclude)]
     if not found:
         raise ForgetlessError(
             f"target_modules {target} match no module of {type(model).__name__}; "
-            "pass names that exist (see model.named_modules()), e.g. mlp or c_fc")
+            "pass names that exist (see model.named_modules()), e.g. mlp or c_fc, or all-linear")
     return found
+
+
+def default_linear_targets(model: nn.Module) -> list[str]:
+    """The linears LoRA-style methods wrap when target_modules is empty: on the forgetless GPT every
+    linear of the blocks (c_attn, c_proj, c_fc); on a transformers model PEFT's default for its
+    architecture (q_proj, v_proj for Llama, Qwen, Mistral; c_attn for GPT-2), else all-linear."""
+    if isinstance(model, GPT):
+        return ["c_attn", "c_proj", "c_fc"]
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as PEFT_DEFAULTS
+    return list(PEFT_DEFAULTS.get(getattr(getattr(model, "config", None), "model_type", None)) or [ALL_LINEAR])
 
 
 def replace_module(model: nn.Module, name: str, new: nn.Module):

@@ -15,13 +15,15 @@ from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model,
 from peft.tuners.lora import LoraLayer
 
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import Method, MethodConfig, find_modules, register_method, replace_module
+from forgetless.methods.base import (ALL_LINEAR, Method, MethodConfig, default_linear_targets, find_modules,
+                                     register_method, replace_module)
 
 
 @dataclass
 class LoRAMethodConfig(MethodConfig):
-    target_modules: list[str] = field(default_factory=lambda: ["c_attn", "c_proj", "c_fc"], metadata={
-        "help": "layers that get LoRA (GPT-2 naming: c_attn, c_proj, c_fc)"})
+    target_modules: list[str] = field(default_factory=list, metadata={
+        "help": "layers that get LoRA (empty: c_attn, c_proj, c_fc on the forgetless GPT, PEFT's default on a "
+                "transformers model, e.g. q_proj, v_proj for Llama); all-linear for every linear"})
     r: int = field(default=8, metadata={"help": "LoRA rank"})
     alpha: float = field(default=16.0, metadata={"help": "LoRA scaling numerator (scale = alpha / r)"})
     dropout: float = field(default=0.0, metadata={"help": "dropout on the LoRA input"})
@@ -39,8 +41,9 @@ class LoRA(Method):
     Config = LoRAMethodConfig
 
     def attach(self, model):
-        find_modules(model, self.cfg.target_modules, self.cfg.exclude_modules)  # clear error if none match
-        target = self.cfg.target_modules[0] if len(self.cfg.target_modules) == 1 else self.cfg.target_modules
+        rules = self.cfg.target_modules or default_linear_targets(model)
+        found = find_modules(model, rules, self.cfg.exclude_modules)  # clear error if none match
+        target = [n for n, _ in found] if rules == [ALL_LINEAR] else rules[0] if len(rules) == 1 else rules
         config = LoraConfig(r=self.cfg.r, lora_alpha=self.cfg.alpha, lora_dropout=self.cfg.dropout,
                             target_modules=target, exclude_modules=self.cfg.exclude_modules or None,
                             fan_in_fan_out=any(type(m).__name__ == "Conv1D" for m in model.modules()))
