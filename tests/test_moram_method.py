@@ -136,3 +136,17 @@ def test_atom_map_report_and_figure(tmp_path):
     assert METHODS["moram"].figures(results, ["moram"], tmp_path) == [tmp_path / "atom_map.png"]
     assert (tmp_path / "atom_map.png").stat().st_size > 1000
     assert METHODS["moram"].figures({"methods": {"full": {}}}, ["full"], tmp_path / "none") == []
+
+
+def test_olora_keeps_each_task_in_an_orthogonal_subspace_and_merges_exactly():
+    def overlap(lam):
+        adapted = run_tasks(attach(ours(), "o-lora", lam=lam, lr=3e-2), 2)
+        banks = adapted.method.banks(adapted.model)
+        return adapted, sum((b.down[0] @ b.down[1].T).square().sum().item() for _, b in banks)
+    adapted, with_loss = overlap(5.0)
+    assert with_loss < 0.5 * overlap(0.0)[1]  # the penalty pushes A_2 away from A_1
+    assert [n for n, _ in adapted.trainable_parameters()][0].endswith("down.1")  # task 1's LoRA is frozen
+    x = torch.randint(0, 256, (2, 12))
+    before = logits_of(adapted.eval(), x)
+    merged = adapted.merge_and_unload()
+    assert not adapted.method.banks(merged) and torch.allclose(logits_of(merged.eval(), x), before, atol=1e-5)
