@@ -4,6 +4,9 @@ Source: Houlsby et al., Parameter-Efficient Transfer Learning for NLP (ICML 2019
 """
 from __future__ import annotations
 
+import math
+
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -42,6 +45,13 @@ def linear_shape(module: nn.Module) -> tuple[int, int] | None:
     if type(module).__name__ == "Conv1D":
         return module.weight.shape[0], module.weight.shape[1]
     return None
+
+
+def lora_pair(r: int, d_in: int, d_out: int, like: torch.Tensor) -> tuple[nn.Parameter, nn.Parameter]:
+    """A new LoRA's (A (r, d_in) Kaiming-uniform, B (d_out, r) zero), on `like`'s device and dtype."""
+    down = torch.empty(r, d_in, device=like.device, dtype=like.dtype)
+    nn.init.kaiming_uniform_(down, a=math.sqrt(5))
+    return nn.Parameter(down), nn.Parameter(torch.zeros(d_out, r, device=like.device, dtype=like.dtype))
 
 
 def input_width(module: nn.Module) -> int:

@@ -11,13 +11,13 @@ Source: the MoE-LoRA baseline of Mixture of Rank-1 Memory (MoRAM).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
 from forgetless.errors import ForgetlessError
+from forgetless.nn.adapter import lora_pair
 
 
 @dataclass
@@ -45,12 +45,10 @@ class MoELoRALinear(nn.Module):
         """Freeze the experts so far and add one; every router row stays trainable."""
         for p in [*self.down, *self.up]:
             p.requires_grad_(False)
-        like = next(self.base.parameters())  # the new expert on the base layer's device and dtype
-        down = torch.empty(self.cfg.r, self.d_in, device=like.device, dtype=like.dtype)
-        nn.init.kaiming_uniform_(down, a=math.sqrt(5))
-        self.down.append(nn.Parameter(down))
-        self.up.append(nn.Parameter(torch.zeros(self.d_out, self.cfg.r, device=like.device, dtype=like.dtype)))
-        self.router.append(nn.Parameter(torch.zeros(1, self.d_in, device=like.device, dtype=like.dtype)))
+        down, up = lora_pair(self.cfg.r, self.d_in, self.d_out, next(self.base.parameters()))
+        self.down.append(down)
+        self.up.append(up)
+        self.router.append(nn.Parameter(torch.zeros(1, self.d_in, device=up.device, dtype=up.dtype)))
 
     def gates(self, x: torch.Tensor) -> torch.Tensor:  # (..., d_in) -> (..., E)
         return (x @ torch.cat(list(self.router)).T / self.cfg.router_tau).softmax(-1)

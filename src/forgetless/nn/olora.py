@@ -11,13 +11,13 @@ Source: Wang et al., Orthogonal Subspace Learning for Language Model Continual L
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 
 from forgetless.errors import ForgetlessError
+from forgetless.nn.adapter import lora_pair
 
 
 @dataclass
@@ -43,11 +43,9 @@ class OLoRALinear(nn.Module):
         """Freeze the LoRAs so far and add task t's (A random, B zero: the output is unchanged)."""
         for p in [*self.down, *self.up]:
             p.requires_grad_(False)
-        like = next(self.base.parameters())  # on the base layer's device and dtype
-        down = torch.empty(self.cfg.r, self.d_in, device=like.device, dtype=like.dtype)
-        nn.init.kaiming_uniform_(down, a=math.sqrt(5))
-        self.down.append(nn.Parameter(down))
-        self.up.append(nn.Parameter(torch.zeros(self.d_out, self.cfg.r, device=like.device, dtype=like.dtype)))
+        down, up = lora_pair(self.cfg.r, self.d_in, self.d_out, next(self.base.parameters()))
+        self.down.append(down)
+        self.up.append(up)
 
     def orthogonality(self) -> torch.Tensor | None:
         """sum over earlier tasks s of ||A_s A_t^T||_F^2 for the newest task t (None on task 1)."""
