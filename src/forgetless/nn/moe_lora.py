@@ -17,38 +17,31 @@ import torch
 import torch.nn as nn
 
 from forgetless.errors import ForgetlessError
-from forgetless.nn.adapter import lora_pair
+from forgetless.nn.olora import OLoRAConfig, OLoRALinear
 
 
 @dataclass
-class MoELoRAConfig:
-    r: int = field(default=8, metadata={"help": "rank of each task's expert"})
-    alpha: float = field(default=16.0, metadata={"help": "scaling numerator (scale = alpha / r), as in LoRA"})
+class MoELoRAConfig(OLoRAConfig):
     router_tau: float = field(default=1.0, metadata={"help": "router softmax temperature"})
 
     def __post_init__(self):
-        if self.r <= 0 or self.router_tau <= 0:
-            raise ForgetlessError("moe-lora: r and router_tau must be positive")
+        super().__post_init__()
+        if self.router_tau <= 0:
+            raise ForgetlessError(f"moe-lora: router_tau must be positive, got {self.router_tau}")
 
 
-class MoELoRALinear(nn.Module):
-    """`base(x)` plus the router-weighted sum of the LoRA experts; `base` stays frozen."""
+class MoELoRALinear(OLoRALinear):
+    """`base(x)` plus the router-weighted sum of the per-task LoRA experts; `base` stays frozen."""
 
     def __init__(self, base: nn.Module, d_in: int, d_out: int, cfg: MoELoRAConfig):
-        super().__init__()
-        self.base, self.cfg, self.d_in, self.d_out = base, cfg, d_in, d_out
-        self.down = nn.ParameterList()    # per expert: (r, d_in)  A_e
-        self.up = nn.ParameterList()      # per expert: (d_out, r) B_e
+        super().__init__(base, d_in, d_out, cfg)
         self.router = nn.ParameterList()  # per expert: (1, d_in)  its row of W_r
 
     def add_task(self):
         """Freeze the experts so far and add one; every router row stays trainable."""
-        for p in [*self.down, *self.up]:
-            p.requires_grad_(False)
-        down, up = lora_pair(self.cfg.r, self.d_in, self.d_out, next(self.base.parameters()))
-        self.down.append(down)
-        self.up.append(up)
-        self.router.append(nn.Parameter(torch.zeros(1, self.d_in, device=up.device, dtype=up.dtype)))
+        super().add_task()
+        like = self.up[-1]
+        self.router.append(nn.Parameter(torch.zeros(1, self.d_in, device=like.device, dtype=like.dtype)))
 
     def gates(self, x: torch.Tensor) -> torch.Tensor:  # (..., d_in) -> (..., E)
         return (x @ torch.cat(list(self.router)).T / self.cfg.router_tau).softmax(-1)

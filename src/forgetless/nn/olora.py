@@ -27,7 +27,7 @@ class OLoRAConfig:
 
     def __post_init__(self):
         if self.r <= 0:
-            raise ForgetlessError(f"o-lora: r must be positive, got {self.r}")
+            raise ForgetlessError(f"the LoRA rank r must be positive, got {self.r}")
 
 
 class OLoRALinear(nn.Module):
