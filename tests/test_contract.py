@@ -1,0 +1,273 @@
+"""The contract of `forgetless.attach`, checked for every registered method on three tiny models
+(our GPT, a random HF GPT-2 with Conv1D layers, a random HF Llama), like PEFT's common tester.
+
+The `check_*` helpers take a method name and a model kind, so tests/test_new_method.py runs the same
+checks on a method registered by a file of its own.
+"""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from peft.tuners.lora import LoraLayer
+from safetensors.torch import load_file, save_file
+
+from forgetless import attach, from_pretrained
+from forgetless.adapted import CONFIG, Adapted
+from forgetless.errors import ForgetlessError
+from forgetless.methods import build_method, method_names
+from forgetless.models.gpt import GPTConfig, logits_of
+from tiny_models import hf_gpt2, hf_llama, ours, tiny
+
+KINDS = ["gpt", "gpt2", "llama"]
+NAMES = method_names()
+MATRIX = [pytest.param(kind, name, id=f"{kind}-{name}") for kind in KINDS for name in NAMES]
+T = 12  # tokens per window (the GPT's context is 16)
+
+SMALL_APN = {"n_patches": 8, "top_k": 2, "rank": 4}
+LLAMA_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+OWN_BASE = {n for n in NAMES if build_method(n).base_config(GPTConfig()) != GPTConfig()}  # apn, cms, ...
+TRAINS_EVERYTHING = {"full", "ewc"}
+NOTHING_INJECTED = {"full", "ffn", "ewc"}  # and, on our GPT, the methods with a base of their own
+FOLDABLE = {"lora", "seq-lora"}            # merge_and_unload folds them into the base weights
+OTHER_ARCHITECTURE = {"gpt": lambda method: ours(d=48, method=method),
+                      "gpt2": lambda method: hf_llama(), "llama": lambda method: hf_gpt2()}
+
+
+# ---- building ----------------------------------------------------------------------------------
+def options(kind: str, name: str) -> dict:
+    """Small APNs; on Llama, its own linear names where the method's defaults name GPT-2's."""
+    cfg = build_method(name).cfg
+    out = {"apn": SMALL_APN} if hasattr(cfg, "apn") else {}
+    if kind == "llama" and "c_attn" in cfg.target_modules:
+        out["target_modules"] = LLAMA_LINEARS
+    return out
+
+
+def base(kind: str, name: str):
+    """A fresh tiny model of `kind`: for our GPT, the base the method (with its options) asks for."""
+    return tiny(kind, build_method(name, options(kind, name)))
+
+
+def attached(kind: str, name: str, model=None):
+    return attach(base(kind, name) if model is None else model, name, **options(kind, name))
+
+
+def windows(n: int = 4, seed: int = 1) -> torch.Tensor:
+    """(n, T+1) random token ids."""
+    return torch.randint(0, 256, (n, T + 1), generator=torch.Generator().manual_seed(seed))
+
+
+def start(adapted, task: int = 1):
+    """start_task, with windows of what was learned before for the methods that protect it (EWC)."""
+    adapted.start_task(task, previous=windows(seed=2) if adapted.method.needs_previous else None)
+    return adapted
+
+
+def train_step(adapted):
+    """One AdamW step (lr 1e-2, no weight decay) on the adapted loss of a batch of windows."""
+    opt = torch.optim.AdamW([p for _, p in adapted.trainable_parameters()], lr=1e-2, weight_decay=0.0)
+    adapted.train()
+    adapted.loss(windows()).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return adapted
+
+
+@torch.no_grad()
+def logits(model, x=None) -> torch.Tensor:
+    model.eval()
+    return logits_of(model, windows()[:, :-1] if x is None else x).contiguous()
+
+
+def snapshot(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def requiring_grad(adapted) -> set[str]:
+    return {n for n, p in adapted.model.named_parameters() if p.requires_grad}
+
+
+# ---- the checks (shared with test_new_method.py) -------------------------------------------------
+def check_output_neutral(kind: str, name: str):
+    model = base(kind, name)
+    before = logits(model)
+    after = logits(attached(kind, name, model))
+    assert torch.equal(before, after), f"attach changed the logits by {(after - before).abs().max():.3g}"
+
+
+def check_trainable(kind: str, name: str, everything: bool | None = None):
+    """requires_grad is set exactly on trainable_parameters() (non-empty), after attach and start_task;
+    with `everything`, they are (True) or are not (False) all the model's parameters."""
+    adapted = attached(kind, name)
+    for when in ("attach", "start_task"):
+        if when == "start_task":
+            start(adapted)
+        trainable = {n for n, _ in adapted.trainable_parameters()}
+        assert trainable, f"{name} trains nothing after {when}"
+        assert requiring_grad(adapted) == trainable, when
+        if everything is not None:
+            assert (trainable == {n for n, _ in adapted.model.named_parameters()}) == everything, when
+
+
+def check_one_step(kind: str, name: str):
+    """One optimizer step leaves every frozen parameter bit-identical and moves a trainable one."""
+    adapted = start(attached(kind, name))
+    trainable = {n for n, _ in adapted.trainable_parameters()}
+    before = snapshot(adapted.model)
+    train_step(adapted)
+    changed = {n for n, p in adapted.model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed, "no trainable parameter moved"
+    assert changed <= trainable, f"frozen parameters changed: {sorted(changed - trainable)[:3]}"
+
+
+RELOAD = """
+import importlib, json, pkgutil, sys
+from pathlib import Path
+import torch
+from safetensors.torch import load_file, save_file
+tests, folder, *plugins = sys.argv[1:]
+sys.path.insert(0, tests)
+import forgetless.methods
+from forgetless import from_pretrained
+from forgetless.methods import build_method
+from forgetless.models.gpt import logits_of
+from tiny_models import tiny
+torch.set_num_threads(2)
+for plugin in plugins:  # methods that live in a file of their own
+    forgetless.methods.__path__.append(plugin)
+    for info in pkgutil.iter_modules([plugin]):
+        importlib.import_module(f"forgetless.methods.{info.name}")
+folder = Path(folder)
+x = load_file(folder / "input.safetensors")["x"]
+out = {}
+for saved in sorted(folder.glob("*/*/" + CONFIG)):
+    config = json.loads(saved.read_text())
+    kind = saved.parent.parent.name
+    adapted = from_pretrained(tiny(kind, build_method(config["method"], config["options"])), saved.parent).eval()
+    with torch.no_grad():
+        out[f"{kind}/{saved.parent.name}"] = logits_of(adapted, x).contiguous()
+save_file(out, folder / "reloaded.safetensors")
+"""
+
+
+def save_and_reload(kinds: list[str], names: list[str], folder: Path, plugins: tuple[str, ...] = ()) -> dict:
+    """Train every method in `names` one step on each model kind and save it in folder/kind/name; one
+    fresh process loads them all onto freshly built models (`plugins`: folders of methods it imports
+    first). Returns (kind, name) -> (logits here, logits there, the fresh base's logits)."""
+    x = windows(seed=3)[:, :-1].contiguous()
+    save_file({"x": x}, folder / "input.safetensors")
+    here = {}
+    for kind in kinds:
+        for name in names:
+            adapted = train_step(start(attached(kind, name)))
+            adapted.save_pretrained(folder / kind / name)
+            here[kind, name] = logits(adapted, x), logits(base(kind, name), x)
+    script = folder / "reload.py"
+    script.write_text(f"CONFIG = {CONFIG!r}\n{RELOAD}")
+    done = subprocess.run([sys.executable, str(script), str(Path(__file__).parent), str(folder), *plugins],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    there = load_file(folder / "reloaded.safetensors")
+    return {key: (ref, there["/".join(key)], base_logits) for key, (ref, base_logits) in here.items()}
+
+
+def check_reloaded(reference: torch.Tensor, reloaded: torch.Tensor, base_logits: torch.Tensor):
+    assert not torch.equal(reference, base_logits), "the training step changed nothing to reload"
+    assert torch.equal(reference, reloaded), f"reloaded logits differ by {(reloaded - reference).abs().max():.3g}"
+
+
+def check_other_architecture(kind: str, name: str, folder: Path):
+    attached(kind, name).save_pretrained(folder)
+    other = OTHER_ARCHITECTURE[kind](build_method(name, options(kind, name)))
+    with pytest.raises(ForgetlessError, match="another architecture"):
+        from_pretrained(other, folder)
+
+
+# ---- the matrix --------------------------------------------------------------------------------
+def test_matrix_covers_every_registered_method():
+    assert len(NAMES) >= 15 and {"full", "lora", "apn", "ewc", "cms-fast"} <= set(NAMES)
+    assert {"apn", "apn-local", "apn-param-matched", "cms", "cms-fast"} <= OWN_BASE
+    assert "apn-retrofit" not in OWN_BASE
+
+
+@pytest.mark.parametrize("kind, name", MATRIX)
+def test_attach_is_output_neutral(kind, name):
+    check_output_neutral(kind, name)
+
+
+@pytest.mark.parametrize("kind, name", MATRIX)
+def test_only_the_methods_parameters_train(kind, name):
+    check_trainable(kind, name, everything=name in TRAINS_EVERYTHING)
+
+
+@pytest.mark.parametrize("kind, name", MATRIX)
+def test_one_step_moves_only_trainable_parameters(kind, name):
+    check_one_step(kind, name)
+
+
+@pytest.fixture(scope="module")
+def reloaded(tmp_path_factory):
+    """save_and_reload of every method on every model kind: one subprocess for the whole matrix."""
+    return save_and_reload(KINDS, NAMES, tmp_path_factory.mktemp("saved"))
+
+
+@pytest.mark.parametrize("kind, name", MATRIX)
+def test_save_and_load_in_a_fresh_process_is_bit_exact(kind, name, reloaded):
+    check_reloaded(*reloaded[kind, name])
+
+
+@pytest.mark.parametrize("kind, name", MATRIX)
+def test_loading_onto_another_architecture_fails(kind, name, tmp_path):
+    check_other_architecture(kind, name, tmp_path)
+
+
+@pytest.mark.parametrize("kind, name", MATRIX)
+def test_new_modules_follow_a_meta_model(kind, name):
+    with torch.device("meta"):
+        model = base(kind, name)
+    adapted = attached(kind, name, model)
+    elsewhere = [n for n, t in [*adapted.named_parameters(), *adapted.named_buffers()] if not t.is_meta]
+    assert not elsewhere, f"not on meta: {elsewhere[:3]}"
+
+
+@pytest.mark.parametrize("kind, name", MATRIX)
+def test_new_modules_follow_a_bfloat16_model(kind, name):
+    adapted = attached(kind, name, base(kind, name).to(torch.bfloat16))
+    injected = adapted.injected()
+    assert all(p.dtype == torch.bfloat16 for n, p in adapted.model.named_parameters() if n in injected)
+    assert all(p.dtype == torch.bfloat16 for _, p in adapted.trainable_parameters())
+    out = logits(adapted)
+    assert out.dtype == torch.bfloat16 and out.shape == (4, T, 256) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("kind, name", MATRIX)
+def test_merge_and_unload(kind, name):
+    adapted = train_step(start(attached(kind, name)))
+    inject_nothing = name in NOTHING_INJECTED or kind == "gpt" and name in OWN_BASE
+    assert (not adapted.injected()) == inject_nothing
+    if inject_nothing:
+        assert adapted.merge_and_unload() is adapted.model
+    elif name in FOLDABLE:
+        expected = logits(adapted)
+        merged = adapted.merge_and_unload()
+        assert merged is adapted.model and not isinstance(merged, Adapted)
+        leftovers = [n for n, m in merged.named_modules() if isinstance(m, LoraLayer) or "lora_" in n]
+        assert not leftovers, f"peft layers left: {leftovers[:3]}"
+        torch.testing.assert_close(logits(merged), expected, rtol=0, atol=1e-5)
+    else:
+        with pytest.raises(ForgetlessError, match="cannot be folded"):
+            adapted.merge_and_unload()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_every_method_trains_on_cuda():
+    for name in NAMES:
+        adapted = start(attached("gpt", name, base("gpt", name).cuda()))
+        before = snapshot(adapted.model)
+        train_step(adapted)
+        tensors = [*adapted.named_parameters(), *adapted.named_buffers()]
+        assert all(t.is_cuda for _, t in tensors), (name, [n for n, t in tensors if not t.is_cuda][:3])
+        assert any(not torch.equal(p, before[n]) for n, p in adapted.model.named_parameters()), name
