@@ -26,23 +26,18 @@ MATRIX = [pytest.param(kind, name, id=f"{kind}-{name}") for kind in KINDS for na
 T = 12  # tokens per window (the GPT's context is 16)
 
 SMALL_APN = {"n_patches": 8, "top_k": 2, "rank": 4}
-LLAMA_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 OWN_BASE = {n for n in NAMES if build_method(n).base_config(GPTConfig()) != GPTConfig()}  # apn, cms, ...
 TRAINS_EVERYTHING = {"full", "ewc"}
 NOTHING_INJECTED = {"full", "ffn", "ewc"}  # and, on our GPT, the methods with a base of their own
-FOLDABLE = {"lora", "seq-lora"}            # merge_and_unload folds them into the base weights
+FOLDABLE = {"lora", "seq-lora", "o-lora"}  # merge_and_unload folds them into the base weights
 OTHER_ARCHITECTURE = {"gpt": lambda method: ours(d=48, method=method),
                       "gpt2": lambda method: hf_llama(), "llama": lambda method: hf_gpt2()}
 
 
 # ---- building ----------------------------------------------------------------------------------
 def options(kind: str, name: str) -> dict:
-    """Small APNs; on Llama, its own linear names where the method's defaults name GPT-2's."""
-    cfg = build_method(name).cfg
-    out = {"apn": SMALL_APN} if hasattr(cfg, "apn") else {}
-    if kind == "llama" and "c_attn" in cfg.target_modules:
-        out["target_modules"] = LLAMA_LINEARS
-    return out
+    """Small APNs (every other method with its defaults, which name each architecture's own layers)."""
+    return {"apn": SMALL_APN} if hasattr(build_method(name).cfg, "apn") else {}
 
 
 def base(kind: str, name: str):
@@ -254,6 +249,7 @@ def test_merge_and_unload(kind, name):
         merged = adapted.merge_and_unload()
         assert merged is adapted.model and not isinstance(merged, Adapted)
         leftovers = [n for n, m in merged.named_modules() if isinstance(m, LoraLayer) or "lora_" in n]
+        leftovers += [n for n, _ in merged.named_parameters() if ".down." in n or ".up." in n]  # o-lora banks
         assert not leftovers, f"peft layers left: {leftovers[:3]}"
         torch.testing.assert_close(logits(merged), expected, rtol=0, atol=1e-5)
     else:

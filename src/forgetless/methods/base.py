@@ -219,9 +219,14 @@ def matches(name: str, rules: list[str]) -> bool:
     otherwise each entry is a suffix (the full name equals it or ends with '.' + it)."""
     if not rules:
         return False
-    if len(rules) == 1 and re.search(r"[\\^$*+?()\[\]|]", rules[0]):
+    if is_regex(rules):
         return re.fullmatch(rules[0], name) is not None
     return any(name == r or name.endswith("." + r) for r in rules)
+
+
+def is_regex(rules: list[str]) -> bool:
+    """One rule with regex characters is a regex (matched on the full name), as in PEFT."""
+    return len(rules) == 1 and re.search(r"[\\^$*+?()\[\]|]", rules[0]) is not None
 
 
 def find_modules(model: nn.Module, target: list[str], exclude: list[str]) -> list[tuple[str, nn.Module]]:

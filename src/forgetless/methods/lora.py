@@ -15,7 +15,7 @@ from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model,
 from peft.tuners.lora import LoraLayer
 
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import (ALL_LINEAR, Method, MethodConfig, default_linear_targets, find_modules,
+from forgetless.methods.base import (ALL_LINEAR, Method, MethodConfig, default_linear_targets, find_modules, is_regex,
                                      register_method, replace_module)
 
 
@@ -43,7 +43,8 @@ class LoRA(Method):
     def attach(self, model):
         rules = self.cfg.target_modules or default_linear_targets(model)
         found = find_modules(model, rules, self.cfg.exclude_modules)  # clear error if none match
-        target = [n for n, _ in found] if rules == [ALL_LINEAR] else rules[0] if len(rules) == 1 else rules
+        # peft reads a string as one regex and a list as name suffixes, as `matches` does
+        target = [n for n, _ in found] if rules == [ALL_LINEAR] else rules[0] if is_regex(rules) else rules
         config = LoraConfig(r=self.cfg.r, lora_alpha=self.cfg.alpha, lora_dropout=self.cfg.dropout,
                             target_modules=target, exclude_modules=self.cfg.exclude_modules or None,
                             fan_in_fan_out=any(type(m).__name__ == "Conv1D" for m in model.modules()))
