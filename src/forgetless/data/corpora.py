@@ -180,6 +180,12 @@ def python_stdlib() -> Corpus:
     return Corpus("python-stdlib", [Document(p.stem, p.read_bytes()) for p in paths])
 
 
+@register_corpus("pydoc-topics", "general English prose: the help topics bundled with Python (pydoc_data), always on disk")
+def pydoc_topics() -> Corpus:
+    from pydoc_data.topics import topics
+    return Corpus("pydoc-topics", [Document(key, text.encode()) for key, text in sorted(topics.items())])
+
+
 # ---------------------------------------------------------------- renamed-characters shift
 SPEAKER = re.compile(r"^\s{0,6}([A-Z][A-Za-z']+(?: [A-Z][A-Za-z']+){0,2})(?:[.:]\s*$|\. )", re.M)
 ROLE_WORDS = set("""first second third fourth fifth all both exit exeunt enter scene act actus scena scoena
