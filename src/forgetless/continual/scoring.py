@@ -1,0 +1,232 @@
+"""Fast scores of instruction tasks on Hugging Face causal LMs: label accuracy (each prompt runs once,
+its KV cache serves every candidate label), greedy exact match (a cached greedy loop), and perplexity
+on general English prose held out from every task.
+
+Every function runs in eval mode without gradients (the model's mode is restored after), on the
+device of the model's parameters. Prompts are tokenized as in `data.instructions.encode` (bos when
+the tokenizer has one, then the prompt), answers as the answer's tokens then eos; a prompt longer
+than the model's context loses its beginning.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+import torch.nn as nn
+
+from forgetless.continual.evaluate import evaluate
+from forgetless.data.instructions import Example, InstructionTask, keep_end, prompt_ids, text_ids
+from forgetless.data.splits import check_length, eval_windows
+from forgetless.errors import ForgetlessError
+
+
+# ---- label accuracy --------------------------------------------------------------------------
+def label_accuracy(model: nn.Module, tokenizer, examples: list[Example], labels: list[str], batch_size: int = 8,
+                   normalize: bool = False) -> float:
+    """Fraction of examples whose answer is the label of highest log-likelihood given the prompt
+    (`label_scores`: summed token log-probs; normalize=True: per-token mean)."""
+    if not examples:
+        raise ForgetlessError("label accuracy needs at least one example")
+    scores = label_scores(model, tokenizer, [ex.prompt for ex in examples], labels, batch_size, normalize)  # (N, K)
+    picks = scores.argmax(1).tolist()
+    return sum(labels[k] == ex.answer for k, ex in zip(picks, examples)) / len(examples)
+
+
+@torch.no_grad()
+def label_scores(model: nn.Module, tokenizer, prompts: list[str], labels: list[str], batch_size: int = 8,
+                 normalize: bool = False) -> torch.Tensor:
+    """(N, K) log-likelihood of each label after each prompt: the sum of the log-probs of the label's
+    tokens and of the eos that ends it (the eos keeps a label that is a prefix of another from winning
+    for free); normalize=True divides by that token count.
+
+    Each batch of prompts runs once, left-padded; its KV cache is repeated for the K labels (the cache's
+    own `batch_repeat_interleave`), which then run in one forward pass over their own tokens only.
+    """
+    check_causal_lm(model)
+    if not labels:
+        raise ForgetlessError("label scoring needs at least one label")
+    pad = pad_of(tokenizer)
+    cands = [text_ids(tokenizer, label) + [tokenizer.eos_id] for label in labels]
+    K, Lc = len(cands), max(len(c) for c in cands)
+    cand = torch.full((K, Lc), pad, dtype=torch.long)                   # (K, Lc) right-padded labels
+    for k, c in enumerate(cands):
+        cand[k, :len(c)] = torch.tensor(c)
+    cand_mask = torch.arange(Lc)[None, :] < torch.tensor([len(c) for c in cands])[:, None]  # (K, Lc)
+    room = prompt_room(model, Lc - 1)
+    bos = getattr(tokenizer, "bos_id", None)
+    device = next(model.parameters()).device
+    out = [torch.zeros(0, K)]
+    with inference(model):
+        for start in range(0, len(prompts), batch_size):
+            rows = [keep_end(prompt_ids(tokenizer, p), room, bos) for p in prompts[start:start + batch_size]]
+            ids, mask = left_padded(rows, pad)                           # (b, P)
+            b = len(rows)
+            first = model(input_ids=ids.to(device), attention_mask=mask.to(device),
+                          position_ids=positions(mask).to(device), use_cache=True, **last_logits_only(model))
+            logits = first.logits[:, -1:].float().repeat_interleave(K, 0)  # (b*K, 1, V): each label's first token
+            if Lc > 1:
+                cache = first.past_key_values
+                if not hasattr(cache, "batch_repeat_interleave"):
+                    raise ForgetlessError(f"{type(model).__name__} returned a legacy KV cache (tuples); label scoring "
+                                          "needs a transformers version whose models return Cache objects")
+                cache.batch_repeat_interleave(K)                         # (b*K) rows, prompt i's K rows together
+                attn = torch.cat([mask.repeat_interleave(K, 0), cand_mask[:, :-1].repeat(b, 1).long()], 1)
+                pos = mask.sum(1).repeat_interleave(K)[:, None] + torch.arange(Lc - 1)  # (b*K, Lc-1)
+                rest = model(input_ids=cand[:, :-1].repeat(b, 1).to(device), attention_mask=attn.to(device),
+                             position_ids=pos.to(device), past_key_values=cache, use_cache=True)
+                logits = torch.cat([logits, rest.logits.float()], 1)     # (b*K, Lc, V)
+            targets = cand.repeat(b, 1).to(device)                       # (b*K, Lc)
+            token_lp = logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)  # (b*K, Lc)
+            scored = cand_mask.repeat(b, 1).to(device)
+            total = token_lp.masked_fill(~scored, 0.0).sum(-1)           # (b*K,)
+            if normalize:
+                total = total / scored.sum(-1)
+            out.append(total.view(b, K).cpu())
+    return torch.cat(out)
+
+
+# ---- exact match -----------------------------------------------------------------------------
+def exact_match(model: nn.Module, tokenizer, examples: list[Example], max_new_tokens: int,
+                batch_size: int = 8) -> float:
+    """Fraction of examples whose greedy answer equals the answer after whitespace/case normalization."""
+    if not examples:
+        raise ForgetlessError("exact match needs at least one example")
+    answers = greedy_answers(model, tokenizer, [ex.prompt for ex in examples], max_new_tokens, batch_size)
+    return sum(normalized(a) == normalized(ex.answer) for a, ex in zip(answers, examples)) / len(examples)
+
+
+def normalized(text: str) -> str:
+    return " ".join(text.split()).lower()
+
+
+@torch.no_grad()
+def greedy_answers(model: nn.Module, tokenizer, prompts: list[str], max_new_tokens: int,
+                   batch_size: int = 8) -> list[str]:
+    """Greedy continuations (argmax each step, KV-cached), stopped at eos or after max_new_tokens, decoded
+    without the eos."""
+    check_causal_lm(model)
+    if max_new_tokens < 1:
+        raise ForgetlessError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    pad, eos, bos = pad_of(tokenizer), tokenizer.eos_id, getattr(tokenizer, "bos_id", None)
+    room = prompt_room(model, max_new_tokens - 1)
+    device = next(model.parameters()).device
+    answers = []
+    with inference(model):
+        for start in range(0, len(prompts), batch_size):
+            rows = [keep_end(prompt_ids(tokenizer, p), room, bos) for p in prompts[start:start + batch_size]]
+            ids, mask = left_padded(rows, pad)                           # (b, P)
+            ids, mask = ids.to(device), mask.to(device)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=True,
+                        **last_logits_only(model))
+            lengths = mask.sum(1)                                        # (b,)
+            done = torch.zeros(len(rows), dtype=torch.bool, device=device)
+            steps = []
+            for s in range(max_new_tokens):
+                token = out.logits[:, -1].argmax(-1)                     # (b,)
+                steps.append(token)
+                done |= token == eos
+                if done.all() or s == max_new_tokens - 1:
+                    break
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+                out = model(input_ids=token[:, None], attention_mask=mask, position_ids=(lengths + s)[:, None],
+                            past_key_values=out.past_key_values, use_cache=True)
+            for row in torch.stack(steps, 1).tolist():                   # (b, steps)
+                answers.append(tokenizer.decode(row[:row.index(eos)] if eos in row else row))
+    return answers
+
+
+# ---- one task --------------------------------------------------------------------------------
+def score_task(model: nn.Module, tokenizer, task: InstructionTask, rows: int | None = None, batch_size: int = 8,
+               max_new_tokens: int | None = None) -> dict:
+    """Label accuracy when the task has labels, else exact match, on its first `rows` test examples (all
+    when None), in %. Exact match generates up to the longest of those answers plus eos unless told."""
+    examples = task.test[:rows]
+    if not examples:
+        raise ForgetlessError(f"task {task.name} has no test examples to score")
+    if task.labels:
+        score, kind = label_accuracy(model, tokenizer, examples, task.labels, batch_size), "label_accuracy"
+    else:
+        longest = max(len(text_ids(tokenizer, ex.answer)) for ex in examples) + 1
+        score = exact_match(model, tokenizer, examples, max_new_tokens or longest, batch_size)
+        kind = "exact_match"
+    return {"score": 100.0 * score, "kind": kind, "rows": len(examples)}
+
+
+# ---- general text ------------------------------------------------------------------------------
+def general_text() -> str:
+    """General English prose held out from every task, on disk wherever Python is: the topic texts of
+    Python's bundled help (`pydoc_data.topics`), in topic order, about 465k characters."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def general_perplexity(model: nn.Module, tokenizer, text: str | None = None, window: int = 256,
+                       max_windows: int = 16, batch_size: int = 8) -> float:
+    """exp(mean next-token NLL) over fixed, evenly spaced, non-overlapping windows of `window` + 1 tokens
+    of `text` (default: `general_text()`)."""
+    tokens = torch.tensor(text_ids(tokenizer, general_text() if text is None else text))
+    check_length(tokens, window, "the general text")
+    return evaluate(model, eval_windows(tokens, window, max_windows), batch_size)["ppl"]
+
+
+# ---- shared --------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def inference(model: nn.Module):
+    """Eval mode inside, the model's own mode restored after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def check_causal_lm(model: nn.Module):
+    if not hasattr(model, "generate"):  # transformers causal LMs (and PEFT / Adapted wrappers of them)
+        raise ForgetlessError(f"scoring instruction tasks needs a Hugging Face causal LM (attention masks and a KV "
+                              f"cache); {type(model).__name__} is not one")
+
+
+def last_logits_only(model: nn.Module) -> dict:
+    """{"logits_to_keep": 1} when the model's forward takes it (transformers >= 4.50): a prompt pass then
+    skips the output head on every position but the last."""
+    from transformers import PreTrainedModel
+
+    lm = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)  # the outermost one
+    takes = lm is not None and "logits_to_keep" in inspect.signature(lm.forward).parameters
+    return {"logits_to_keep": 1} if takes else {}
+
+
+def pad_of(tokenizer) -> int:
+    pad = getattr(tokenizer, "pad_id", None)
+    return tokenizer.eos_id if pad is None else pad
+
+
+def prompt_room(model: nn.Module, after: int) -> int | None:
+    """Most prompt tokens that leave room for `after` more inputs in the model's context (None: no limit)."""
+    config = getattr(model, "config", None)
+    context = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if context is None:
+        return None
+    if context - after < 1:
+        raise ForgetlessError(f"the model's context of {context} tokens has no room for a prompt before {after} "
+                              "answer tokens; use shorter labels or fewer new tokens")
+    return context - after
+
+
+def left_padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids (b, P), attention mask (b, P)): rows aligned at the right, so every prompt ends at P - 1."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if not r:
+            raise ForgetlessError("an empty prompt has no tokens to score from (and the tokenizer no bos)")
+        ids[i, width - len(r):], mask[i, width - len(r):] = torch.tensor(r), 1
+    return ids, mask
+
+
+def positions(mask: torch.Tensor) -> torch.Tensor:  # (b, P) -> (b, P): 0.. from each row's first real token
+    return (mask.cumsum(1) - 1).clamp_min(0)

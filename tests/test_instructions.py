@@ -1,0 +1,206 @@
+"""Instruction tasks: loading (cl500 name, folder, file), errors, validation split, answer-only encoding
+with left truncation, and the mixing sampler with exact resume (offline)."""
+import csv
+import json
+
+import pytest
+import torch
+from tiny_lm import tiny_tokenizer
+
+from forgetless.data import instructions
+from forgetless.data.instructions import (CL500_ENV, Example, InstructionSampler, encode, load_task, prompt_ids,
+                                          text_ids, validation_split)
+from forgetless.errors import ForgetlessError
+
+
+@pytest.fixture(autouse=True)
+def datasets_cache(tmp_path_factory, monkeypatch):
+    """Files read by `datasets` leave their Arrow cache in a temporary folder, not the user's."""
+    import datasets
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path_factory.mktemp("hf-datasets"))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def records(n, answer=lambda i: f"answer {i}"):
+    return [{"prompt": f"Question {i}: what is {i} plus one?\nAnswer:", "answer": answer(i)} for i in range(n)]
+
+
+def write_json(path, data):
+    path.write_text(json.dumps(data))
+    return path
+
+
+# ---- loading ---------------------------------------------------------------------------------
+def test_cl500_task_by_name_matches_its_files():
+    task = load_task("dbpedia")
+    folder = instructions.cl500_root() / "dbpedia"
+    train, test = (json.loads((folder / f"{p}.json").read_text()) for p in ("train", "test"))
+    assert task.name == "dbpedia" and len(task.train) == len(train) == 500 and len(task.test) == len(test) == 100
+    assert task.train[7] == Example(train[7]["prompt"], train[7]["answer"])
+    assert task.test[-1] == Example(test[-1]["prompt"], test[-1]["answer"])
+    assert task.labels == json.loads((folder / "labels.json").read_text()) and len(task.labels) == 14
+    assert load_task("Lima").labels is None
+
+
+def test_cl500_root_from_env_else_repository(tmp_path, monkeypatch):
+    (tmp_path / "mini").mkdir()
+    write_json(tmp_path / "mini" / "train.json", records(6))
+    (tmp_path / "mini" / "test.jsonl").write_text("\n".join(json.dumps(r) for r in records(2)))
+    monkeypatch.setenv(CL500_ENV, str(tmp_path))
+    task = load_task("mini")
+    assert (len(task.train), len(task.test), task.test[1].answer) == (6, 2, "answer 1")
+    with pytest.raises(ForgetlessError, match=r"no cl500 task 'dbpedia' in .*; valid: mini$"):
+        load_task("dbpedia")
+    monkeypatch.setenv(CL500_ENV, str(tmp_path / "absent"))
+    with pytest.raises(ForgetlessError, match=f"{CL500_ENV} points to .*absent, which is not a folder"):
+        load_task("mini")
+    monkeypatch.delenv(CL500_ENV)
+    assert len(load_task("agnews").labels) == 4  # found beside the repository
+    monkeypatch.setattr(instructions, "REPO_CL500", tmp_path / "nowhere")
+    with pytest.raises(ForgetlessError) as e:
+        load_task("agnews")
+    assert f"set {CL500_ENV}" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_folder_of_csv_files_keeps_answers_as_text(tmp_path):
+    for part, rows in {"train": [("2 + 2 =", "4"), ("capital of Namibia?", "NA")], "test": [("a, b", "07")]}.items():
+        with open(tmp_path / f"{part}.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["id", "prompt", "answer"])
+            writer.writerows([(i, p, a) for i, (p, a) in enumerate(rows)])
+    task = load_task(tmp_path)
+    assert task.name == tmp_path.name and task.labels is None
+    assert task.train == [Example("2 + 2 =", "4"), Example("capital of Namibia?", "NA")]
+    assert task.test == [Example("a, b", "07")]
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl"])
+def test_single_file_splits_off_a_deterministic_test_part(tmp_path, suffix):
+    data = records(40)
+    path = tmp_path / f"qa{suffix}"
+    path.write_text(json.dumps(data) if suffix == ".json" else "\n".join(json.dumps(r) for r in data))
+    task, again = load_task(path), load_task(str(path))
+    assert task.name == "qa" and (len(task.train), len(task.test)) == (36, 4) and task == again
+    train, test = {ex.answer for ex in task.train}, {ex.answer for ex in task.test}
+    assert train | test == {r["answer"] for r in data} and not train & test
+    assert [ex.answer for ex in task.test] != [r["answer"] for r in data[-4:]]  # picked by permutation, not the tail
+
+
+def test_missing_fields_name_the_fields_found(tmp_path):
+    path = write_json(tmp_path / "alpaca.json", [{"instruction": "say hi", "output": "hi"}] * 3)
+    with pytest.raises(ForgetlessError) as e:
+        load_task(path)
+    message = str(e.value)
+    assert "no prompt or answer field" in message and "instruction, output" in message and "\n" not in message
+    half = write_json(tmp_path / "half.json", [{"prompt": "say hi", "reply": "hi"}] * 3)
+    with pytest.raises(ForgetlessError, match=r"no answer field \(its fields: prompt, reply\)"):
+        load_task(half)
+    (tmp_path / "broken.json").write_text("[{\"prompt\": ")
+    with pytest.raises(ForgetlessError, match="cannot read .*broken.json"):
+        load_task(tmp_path / "broken.json")
+
+
+def test_labels_must_cover_the_test_answers(tmp_path):
+    sentiment = lambda i: ["positive", "negative", "neutral"][i % 3]  # noqa: E731
+    write_json(tmp_path / "train.json", records(9, sentiment))
+    write_json(tmp_path / "test.json", records(6, sentiment))
+    write_json(tmp_path / "labels.json", ["positive", "negative", "neutral"])
+    assert load_task(tmp_path).labels == ["positive", "negative", "neutral"]
+    write_json(tmp_path / "labels.json", ["positive", "negative"])
+    with pytest.raises(ForgetlessError, match="test answer 'neutral' is not in .*labels.json \\(2 labels\\)"):
+        load_task(tmp_path)
+    write_json(tmp_path / "labels.json", {"positive": 1})
+    with pytest.raises(ForgetlessError, match="must be a JSON list of label strings"):
+        load_task(tmp_path)
+
+
+def test_validation_split_is_seeded_and_disjoint():
+    task = load_task("agnews")
+    train, val = validation_split(task, 0.1, seed=3)
+    assert (len(train), len(val)) == (450, 50) and (train, val) == validation_split(task, 0.1, seed=3)
+    assert sorted(train + val, key=task.train.index) == task.train and not set(train) & set(val)
+    assert validation_split(task, 0.1, seed=4)[1] != val
+    with pytest.raises(ForgetlessError, match=r"must be in \(0, 1\)"):
+        validation_split(task, 1.0)
+
+
+# ---- encoding --------------------------------------------------------------------------------
+def test_encode_targets_the_answer_and_eos_only(tok):
+    examples = [Example("Title: Dave Bickler\nAnswer:", "Artist"), Example("Is it raining?\nAnswer:", "no, it is dry")]
+    enc = encode(examples, tok, max_len=64)
+    assert len(enc) == 2 and enc.truncated == 0 and enc.pad_id == tok.pad_id
+    for ex, x, y in zip(examples, enc.x, enc.y):
+        prompt, answer = prompt_ids(tok, ex.prompt), text_ids(tok, ex.answer) + [tok.eos_id]
+        assert prompt[0] == tok.bos_id and x.tolist() + [y[-1].item()] == prompt + answer
+        assert y.tolist() == [-100] * (len(prompt) - 1) + answer
+        assert tok.decode(y[y != -100].tolist()) == ex.answer  # eos decodes to nothing
+
+
+def test_long_prompts_lose_their_beginning_and_are_counted(tok, capsys):
+    long = Example("Text: " + " ".join(f"word{i}" for i in range(80)) + "\nAnswer:", "Album")
+    short = Example("Title: X\nAnswer:", "Film")
+    enc = encode([long, short, long], tok, max_len=40)
+    warning = capsys.readouterr().err.strip()
+    assert enc.truncated == 2 and enc.answers_cut == 0
+    assert warning.count("\n") == 0 and "2 of 3 prompts were cut from the left" in warning and "max_len 40" in warning
+    x, y = enc.x[0], enc.y[0]
+    prompt, answer = prompt_ids(tok, long.prompt), text_ids(tok, long.answer) + [tok.eos_id]
+    kept = len(x) + 1 - len(answer)
+    assert len(x) == 40 and x[0].item() == tok.bos_id                      # full context, bos kept
+    assert x[1:kept].tolist() == prompt[-(kept - 1):]                       # the end of the prompt
+    assert x[kept:].tolist() + [y[-1].item()] == answer                     # the whole answer
+    assert (y != -100).sum().item() == len(answer)
+    whole = prompt_ids(tok, short.prompt)
+    assert len(enc.x[1]) < 40 and enc.x[1].tolist()[:len(whole)] == whole
+    encode([short], tok, max_len=40)
+    assert capsys.readouterr().err == ""
+    cut = encode([Example("Q:", " ".join(["yes"] * 60))], tok, max_len=10)
+    assert cut.answers_cut == 1 and len(cut.x[0]) == 10 and (cut.y[0] != -100).sum().item() == 10
+    assert "1 answers also lost their end" in capsys.readouterr().err
+
+
+# ---- sampling --------------------------------------------------------------------------------
+def test_sampler_pads_right_and_mixes_the_other_set(tok):
+    main = encode([Example(f"Question {i}?" + " more" * i, f"a{i}") for i in range(12)], tok, max_len=64)
+    other = encode([Example(f"Tell me a story {i}:", "Once upon a time " * (i + 1)) for i in range(5)], tok, max_len=64)
+    sampler = InstructionSampler(main, batch_size=8, seed=0, other=other, p=0.3)
+    rows, shares = {"main": {(tuple(x.tolist()), tuple(y.tolist())) for x, y in zip(main.x, main.y)},
+                    "other": {(tuple(x.tolist()), tuple(y.tolist())) for x, y in zip(other.x, other.y)}}, []
+    for _ in range(300):
+        batch = sampler.next()
+        assert batch.x.shape == batch.y.shape and batch.x.shape[0] == 8
+        for x, y, o in zip(batch.x, batch.y, batch.from_other.tolist()):
+            n = int((y != -100).nonzero().max()) + 1            # the row's length: its eos is its last target
+            assert (x[n:] == tok.pad_id).all() and (y[n:] == -100).all()
+            assert (tuple(x[:n].tolist()), tuple(y[:n].tolist())) in rows["other" if o else "main"]
+        lengths = [int((y != -100).nonzero().max()) + 1 for y in batch.y]
+        assert batch.x.shape[1] == max(lengths)                  # padded to the longest row only
+        shares.append(batch.from_other.float().mean().item())
+    assert sum(shares) / len(shares) == pytest.approx(0.3, abs=0.02)  # 2.4 rows of 8: stochastic rounding
+    assert {round(s * 8) for s in shares} == {2, 3}
+    alone = InstructionSampler(main, batch_size=4, seed=0)
+    assert not alone.next().from_other.any()
+    with pytest.raises(ForgetlessError, match="needs another corpus"):
+        InstructionSampler(main, batch_size=4, seed=0, p=0.5)
+
+
+def test_sampler_resumes_exactly(tok):
+    main = encode([Example(f"Question {i}?" + " more" * i, f"a{i}") for i in range(12)], tok, max_len=64)
+    other = encode([Example(f"Story {i}:", "once " * (i + 1)) for i in range(5)], tok, max_len=64)
+    sampler = InstructionSampler(main, batch_size=5, seed=7, other=other, p=0.3)
+    for _ in range(3):
+        sampler.next()
+    state = sampler.get_state().clone()
+    expected = [sampler.next() for _ in range(4)]
+    fresh = InstructionSampler(main, batch_size=5, seed=123, other=other, p=0.3)
+    first = fresh.next()
+    fresh.set_state(state)
+    for want in expected:
+        got = fresh.next()
+        assert torch.equal(got.x, want.x) and torch.equal(got.y, want.y)
+        assert torch.equal(got.from_other, want.from_other)
+    assert not torch.equal(first.x, expected[0].x) or not torch.equal(first.from_other, expected[0].from_other)
