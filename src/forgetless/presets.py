@@ -24,12 +24,22 @@ class DataConfig:
     tokenizer: str = field(default="bytes", metadata={"help": "bytes (vocabulary 256) or chars (built from A and B)"})
     val_fraction: float = field(default=0.1, metadata={"help": "held-out share of each corpus (whole plays where it has them)"})
     eval_windows: int = field(default=128, metadata={"help": "fixed held-out windows per domain for PPL and accuracy"})
+    general: str = field(default="pydoc-topics", metadata={
+        "help": "instruction tasks: the corpus whose held-out windows measure general ability (task 0)"})
+    held_out_tasks: list[str] = field(default_factory=list, metadata={
+        "help": "instruction tasks: tasks never trained on, scored after every task (general ability)"})
+    train_examples: int = field(default=0, metadata={"help": "instruction tasks: training examples per task (0: all)"})
+    test_rows: int = field(default=0, metadata={"help": "instruction tasks: test rows scored per task (0: all)"})
+    mix_from: str = field(default="earlier", metadata={
+        "help": "instruction tasks: where mixed-in rows come from: earlier (the tasks before) or a task, e.g. Lima"})
 
     def __post_init__(self):
         if self.tokenizer not in TOKENIZERS:
             raise ForgetlessError(f"unknown tokenizer {self.tokenizer!r}; valid: {', '.join(TOKENIZERS)}")
         if self.eval_windows <= 0:
             raise ForgetlessError(f"data.eval_windows must be positive, got {self.eval_windows}")
+        if self.train_examples < 0 or self.test_rows < 0:
+            raise ForgetlessError("data.train_examples and data.test_rows must not be negative (0: all)")
 
 
 @dataclass
@@ -75,6 +85,18 @@ PRESETS: dict[str, dict] = {
         pretrain=dict(steps=5000, batch_size=64, lr=1e-3, warmup=200, eval_every=250, ckpt_every=250),
         adapt=dict(steps=500, batch_size=32, lr=1e-4, warmup=20, eval_every=25, ckpt_every=100),
         data=dict(eval_windows=256)),
+    # pretrained models (--model smollm2-135m, hf:PATH, a .gguf): the instruction stream of the MoRAM /
+    # O-LoRA papers; `model` only sets the context (tokens), `pretrain` is unused
+    "real": dict(  # minutes per task on a CPU
+        model=dict(block_size=256),
+        adapt=dict(steps=32, batch_size=8, lr=5e-4, warmup=3, eval_every=1000, ckpt_every=8),
+        data=dict(domain_a="pydoc-topics", domain_b="python-stdlib", tasks=["dbpedia", "amazon", "yahoo", "agnews"],
+                  held_out_tasks=["FOMC"], train_examples=256, test_rows=50, eval_windows=32)),
+    "real-full": dict(  # every example, more test rows: for GPUs
+        model=dict(block_size=512),
+        adapt=dict(steps=63, batch_size=8, lr=5e-4, warmup=5, eval_every=1000, ckpt_every=16),
+        data=dict(domain_a="pydoc-topics", domain_b="python-stdlib", tasks=["dbpedia", "amazon", "yahoo", "agnews"],
+                  held_out_tasks=["FOMC", "ScienceQA"], train_examples=500, test_rows=0, eval_windows=128)),
 }
 
 

@@ -18,10 +18,9 @@ import torch.nn as nn
 
 from forgetless.adapted import attach, resolve_device
 from forgetless.continual.arm import adapt_task
-from forgetless.continual.base_model import load_base
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.metrics import sequence_metrics
-from forgetless.continual.two_domain import (bases_for, bases_summary, build_arms, fresh, mean_nested, mean_std,
+from forgetless.continual.two_domain import (arm_bases, build_arms, fresh, load_pretrained, mean_nested, mean_std,
                                              provenance, run_or_reuse_arm)
 from forgetless.data.domains import Domain, load_domains
 from forgetless.errors import ForgetlessError
@@ -58,8 +57,9 @@ def run_sequence_arm(model: nn.Module, method: Method, tasks: list[Domain], cfg:
 
 
 def run_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[int], out: Path, preset: str,
-                 device: str = "auto") -> dict:
-    """Every (method, seed) arm over the task sequence on `device`; the results dict of docs/DESIGN.md §6."""
+                 device: str = "auto", model: str = "byte-gpt") -> dict:
+    """Every (method, seed) arm over the corpus sequence on `device` (bases as in `run_two_domain`); the
+    results dict of docs/DESIGN.md §6."""
     device = resolve_device(device)
     for train_cfg in (cfg.pretrain, cfg.adapt):  # refuse a precision the device lacks before any work
         autocast(device, train_cfg.precision)
@@ -67,25 +67,25 @@ def run_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[in
     if len(specs) < 2:
         raise ForgetlessError("the sequence protocol needs tasks after the base: --tasks CORPUS1,CORPUS2,...")
     built = build_arms(cfg, methods)
-    tasks, tokenizer = load_domains(specs, cfg.data.tokenizer, cfg.model.block_size, cfg.data.val_fraction,
-                                    cfg.data.eval_windows)
+    pretrained = load_pretrained(model, device)
+    tasks, tokenizer = load_domains(specs, pretrained[1] if pretrained else cfg.data.tokenizer, cfg.model.block_size,
+                                    cfg.data.val_fraction, cfg.data.eval_windows)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size))
-    bases, by_base = bases_for(built, cfg, tasks[0], tokenizer, device)
+    bases, summary = arm_bases(built, cfg, tasks[0], tokenizer, device, model, pretrained)
     arms: dict[str, list[dict]] = {label: [] for label in built}
     with progress_task("bench arms", total=len(seeds) * len(built)) as advance:
         for seed, (label, method) in itertools.product(seeds, built.items()):
-            base = bases[label]
+            base_name, load = bases[label]
             run_config = {"protocol": "sequence", "config": cfg.to_dict(), "method": method.name,
-                          "options": method.options(), "base": base.parent.name,
-                          "tasks": [t.fingerprint for t in tasks]}
+                          "options": method.options(), "base": base_name, "tasks": [t.fingerprint for t in tasks]}
             arms[label].append(run_or_reuse_arm(
                 out / "arms" / label / f"seed{seed}.json", run_config,
-                lambda _: run_sequence_arm(load_base(base)[0].to(device), fresh(method), tasks, cfg.adapt, seed)))
+                lambda _: run_sequence_arm(load(), fresh(method), tasks, cfg.adapt, seed)))
             advance(1)
     return {
         "protocol": "sequence", "preset": preset, "seeds": list(seeds), "tasks": specs, **provenance(device),
         "score": "next-token accuracy on held-out windows, %", "date": datetime.date.today().isoformat(),
-        "config": cfg.to_dict(), "bases": bases_summary(by_base),
+        "config": cfg.to_dict(), "bases": summary, "model": model,
         "methods": {label: {"method": built[label].name,
                             **{m: mean_std([sequence_metrics(r["r_matrix"])[m] for r in runs]) for m in METRICS},
                             "wall_s": mean_std([r["wall_s"] for r in runs]),

@@ -5,6 +5,7 @@ saved under `out/arms/` as it finishes, so an interrupted bench resumes where it
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime
 import itertools
@@ -31,8 +32,10 @@ METRICS = ["ppl_a_before", "ppl_b_before", "ppl_a_after", "ppl_b_after", "acc_a_
 
 
 def run_two_domain(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[int], out: Path, preset: str,
-                   device: str = "auto") -> dict:
-    """Run every (method, seed) arm on `device` and return the results dict of docs/DESIGN.md §6."""
+                   device: str = "auto", model: str = "byte-gpt") -> dict:
+    """Run every (method, seed) arm on `device` and return the results dict of docs/DESIGN.md §6. With
+    `model` = byte-gpt the bases are GPTs pretrained on A (cached); otherwise every arm adapts a copy
+    of that pretrained model (models.hf.load_model: hf:PATH, a .gguf, smollm2-135m), in its tokens."""
     device = resolve_device(device)
     for train_cfg in (cfg.pretrain, cfg.adapt):  # refuse a precision the device lacks before any work
         autocast(device, train_cfg.precision)
@@ -40,32 +43,60 @@ def run_two_domain(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[
     if "full" not in built:
         console.print("[dim]adding the 'full' arm: adaptation gain G is measured against full fine-tuning[/dim]")
         built = {"full": build_method("full", cfg.methods.get("full")), **built}
-    (a, b), tokenizer = load_domains([cfg.data.domain_a, cfg.data.domain_b], cfg.data.tokenizer,
+    pretrained = load_pretrained(model, device)
+    (a, b), tokenizer = load_domains([cfg.data.domain_a, cfg.data.domain_b],
+                                     pretrained[1] if pretrained else cfg.data.tokenizer,
                                      cfg.model.block_size, cfg.data.val_fraction, cfg.data.eval_windows)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size))
-    bases, by_base = bases_for(built, cfg, a, tokenizer, device)
+    bases, summary = arm_bases(built, cfg, a, tokenizer, device, model, pretrained)
 
     arms: dict[str, list[dict]] = {name: [] for name in built}
     with progress_task("bench arms", total=len(seeds) * len(built)) as advance:
         for seed, (name, method) in itertools.product(seeds, built.items()):
-            base = bases[name]
+            base_name, load = bases[name]
             run_config = {"config": cfg.to_dict(), "method": method.name, "options": method.options(),
-                          "base": base.parent.name, "domains": [a.fingerprint, b.fingerprint]}
+                          "base": base_name, "domains": [a.fingerprint, b.fingerprint]}
             arms[name].append(run_or_reuse_arm(
                 out / "arms" / name / f"seed{seed}.json", run_config,
-                lambda arm_dir: run_arm(load_base(base)[0].to(device), fresh(method), a, b, cfg.adapt, seed,
-                                        out_dir=arm_dir, run_config=run_config)))
+                lambda arm_dir: run_arm(load(), fresh(method), a, b, cfg.adapt, seed, out_dir=arm_dir,
+                                        run_config=run_config)))
             advance(1)
 
     return {
-        "protocol": "two-domain", "preset": preset, "seeds": list(seeds), **provenance(device),
+        "protocol": "two-domain", "preset": preset, "seeds": list(seeds), **provenance(device), "model": model,
         "domains": {"a": cfg.data.domain_a, "b": cfg.data.domain_b},
         "held_out": {"a": a.val_keys, "b": b.val_keys},
         "date": datetime.date.today().isoformat(),
         "config": cfg.to_dict(),
-        "bases": bases_summary(by_base),
+        "bases": summary,
         "methods": {name: summarize(runs, arms["full"], built[name]) for name, runs in arms.items()},
     }
+
+
+def load_pretrained(model: str, device) -> tuple | None:
+    """(model, tokenizer) of a pretrained `model` spec, or None for byte-gpt (forgetless pretrains its own)."""
+    if model == "byte-gpt":
+        return None
+    from forgetless.models.hf import load_model
+    return load_model(model, device)
+
+
+def arm_bases(built: dict, cfg: RunConfig, domain, tokenizer, device, model: str, pretrained) -> tuple[dict, dict]:
+    """Arm label -> (base name, loader of a fresh copy on `device`), and the bases' summary: forgetless
+    GPTs pretrained on `domain` (cached, one per base kind), or copies of the `pretrained` model."""
+    if pretrained:
+        return pretrained_bases(built, model, pretrained[0])
+    paths, by_base = bases_for(built, cfg, domain, tokenizer, device)
+    return ({label: (path.parent.name, lambda path=path: load_base(path)[0].to(device)) for label, path in paths.items()},
+            bases_summary(by_base))
+
+
+def pretrained_bases(built: dict, spec: str, lm) -> tuple[dict, dict]:
+    """Every arm adapts its own copy of the loaded model: label -> (base name, loader), and the summary."""
+    from forgetless.adapted import architecture_fingerprint
+    from forgetless.models.hf import describe
+    name = f"{spec}-{architecture_fingerprint(lm)['hash']}"
+    return {label: (name, lambda: copy.deepcopy(lm)) for label in built}, {spec: describe(lm)}
 
 
 def provenance(device) -> dict:

@@ -7,7 +7,7 @@ import torch
 
 from forgetless.data.corpora import Corpus, load_corpus
 from forgetless.data.splits import check_length, disjoint, eval_windows, split_corpus
-from forgetless.data.tokenizers import ByteTokenizer, CharTokenizer, tokenizer_from_dict
+from forgetless.data.tokenizers import ByteTokenizer, CharTokenizer, PretrainedCorpusTokenizer, tokenizer_from_dict
 
 
 @dataclass
@@ -24,7 +24,8 @@ def load_domains(specs: list[str], tokenizer: str | dict, block_size: int, val_f
                  max_windows: int) -> tuple[list[Domain], object]:
     """Load corpora, make the first two share no work, tokenize, split and window them.
 
-    `tokenizer` is "bytes", "chars" (vocabulary built from these corpora) or a saved tokenizer dict.
+    `tokenizer` is "bytes", "chars" (vocabulary built from these corpora), a saved tokenizer dict, or a
+    pretrained model's tokenizer (an object with `encode(text)`).
     """
     corpora = [load_corpus(s) for s in specs]
     if len(corpora) >= 2:
@@ -43,6 +44,8 @@ def load_domains(specs: list[str], tokenizer: str | dict, block_size: int, val_f
 
 
 def make_tokenizer(tokenizer, corpora: list[Corpus], splits):
+    if not isinstance(tokenizer, (str, dict)):  # a pretrained model's tokenizer
+        return PretrainedCorpusTokenizer(tokenizer)
     if isinstance(tokenizer, dict):
         return tokenizer_from_dict(tokenizer)
     if tokenizer == "chars":

@@ -67,6 +67,20 @@ def load_task(spec: str | Path, test_fraction: float = 0.1) -> InstructionTask:
                           "or a .json/.jsonl/.csv file of prompt/answer records")
 
 
+def is_task_spec(spec: str) -> bool:
+    """Whether `spec` names an instruction task (a prompt/answer file, a folder of them, or a cl500 task)
+    rather than a text corpus."""
+    path = Path(spec)
+    if path.is_file():
+        return path.suffix in SUFFIXES
+    if path.is_dir():
+        return data_file(path, "train") is not None
+    try:
+        return len(path.parts) == 1 and (cl500_root(spec) / spec).is_dir()
+    except ForgetlessError:
+        return False
+
+
 def cl500_root(task: str = "") -> Path:
     """$FORGETLESS_CL500, else ../shared/data/cl500 beside the repository."""
     env = os.environ.get(CL500_ENV)

@@ -1,4 +1,4 @@
-"""Tokenizers: UTF-8 bytes (default, vocabulary 256) or a char vocabulary."""
+"""Tokenizers: UTF-8 bytes (default, vocabulary 256), a char vocabulary, or a pretrained model's own."""
 from __future__ import annotations
 
 import torch
@@ -20,6 +20,25 @@ class ByteTokenizer:
 
     def to_dict(self) -> dict:
         return {"kind": self.kind}
+
+
+class PretrainedCorpusTokenizer:
+    """A pretrained model's tokenizer (`encode(text) -> ids`, e.g. models.hf.TextTokenizer) over corpus bytes."""
+    kind = "pretrained"
+
+    def __init__(self, text_tokenizer):
+        self.text = text_tokenizer
+        self.vocab_size = text_tokenizer.vocab_size
+
+    def encode(self, data: bytes, source: str = "text") -> torch.Tensor:  # (N,) int64
+        return torch.tensor(self.text.encode(decode_utf8(data, source)), dtype=torch.long)
+
+    def decode(self, ids) -> str:
+        return self.text.decode([int(i) for i in ids])
+
+    def to_dict(self) -> dict:
+        record = self.text.to_dict() if hasattr(self.text, "to_dict") else {}
+        return {**record, "kind": self.kind}
 
 
 class CharTokenizer:

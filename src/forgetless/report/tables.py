@@ -68,9 +68,10 @@ def write_csv(results: dict, path: Path):
                             + [m["trainable_params"], m["total_params"], m["peak_rss_mb"]])
 
 
-SEQUENCE_COLUMNS = [("op", "OP", "{:.2f}"), ("bwt", "BWT (GEM)", "{:+.2f}"), ("bwt_drop", "drop (MoRAM BWT)", "{:+.2f}"),
-                    ("forgetting", "forgetting", "{:.2f}"), ("la", "LA", "{:.2f}"),
-                    ("fwt", "FWT", "{:+.2f}"), ("wall_s", "wall s", "{:.1f}")]
+SEQUENCE_COLUMNS = [("op", "OP", "{:.2f}"), ("op_tasks", "OP tasks 1..T", "{:.2f}"), ("bwt", "BWT (GEM)", "{:+.2f}"),
+                    ("bwt_drop", "drop (MoRAM BWT)", "{:+.2f}"), ("forgetting", "forgetting", "{:.2f}"),
+                    ("la", "LA", "{:.2f}"), ("fwt", "FWT", "{:+.2f}"),
+                    ("general_ppl_change", "general PPL change", "{:+.1%}"), ("wall_s", "wall s", "{:.1f}")]
 
 
 def sequence_columns(results: dict) -> list[tuple[str, str, str]]:

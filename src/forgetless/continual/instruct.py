@@ -1,0 +1,182 @@
+"""The instruction-task sequence on a pretrained model (docs/DESIGN.md §3.4): tasks 1..T (prompt/answer
+files, e.g. the cl500 streams) learned in order, the loss on the answer tokens only.
+
+R[t][i] = the score (%) on task i's test rows after training through task t (label accuracy by answer
+log-likelihood, or exact match of a greedy answer); column 0 is general ability, next-token accuracy
+on held-out general text, so the R metrics of `continual.metrics` apply as in the corpus sequence.
+Beside R: general-text perplexity and held-out tasks (never trained) after every task.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import hashlib
+import itertools
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from forgetless.adapted import architecture_fingerprint, attach, resolve_device
+from forgetless.continual.evaluate import evaluate
+from forgetless.continual.metrics import sequence_metrics
+from forgetless.continual.scoring import score_task
+from forgetless.continual.two_domain import build_arms, fresh, mean_nested, mean_std, provenance, run_or_reuse_arm
+from forgetless.data.domains import Domain, load_domains
+from forgetless.data.instructions import Encoded, InstructionSampler, InstructionTask, encode, load_task
+from forgetless.data.splits import eval_windows
+from forgetless.errors import ForgetlessError
+from forgetless.methods import Method, MethodSpec
+from forgetless.monitor import PeakRSS
+from forgetless.presets import RunConfig
+from forgetless.progress import progress_task
+from forgetless.train import autocast, train
+
+METRICS = ["op", "op_tasks", "bwt", "bwt_drop", "forgetting", "fwt", "la", "general_ppl_change"]
+
+
+@dataclasses.dataclass
+class Stream:
+    """What every arm of a run shares: the tasks, their encoded training rows, general text, held-out tasks."""
+    tasks: list[InstructionTask]
+    train: list[Encoded]
+    general: Domain
+    held_out: list[InstructionTask]
+    mix_from: Encoded | None  # rows mixed into every task (e.g. Lima), else the earlier tasks' rows
+
+    def fingerprint(self) -> list[str]:
+        return [task_hash(t) for t in [*self.tasks, *self.held_out]] + [self.general.fingerprint]
+
+
+def run_instruction_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[int], out: Path,
+                             preset: str, device: str = "auto", model: str = "smollm2-135m") -> dict:
+    """Every (method, seed) arm over the instruction tasks `cfg.data.tasks` on the pretrained `model`."""
+    from forgetless.models.hf import describe, load_model
+    device = resolve_device(device)
+    autocast(device, cfg.adapt.precision)  # refuse a precision the device lacks before any work
+    lm, tokenizer = load_model(model, device)
+    results = run_on(lm, tokenizer, cfg, methods, seeds, out, preset, model)
+    return {**results, **provenance(device), "model": model, "bases": {model: describe(lm)}}
+
+
+def run_on(lm: nn.Module, tokenizer, cfg: RunConfig, methods, seeds: list[int], out: Path, preset: str,
+           model: str) -> dict:
+    """The protocol on a loaded model (each arm adapts its own copy) and its tokenizer."""
+    built = build_arms(cfg, methods)
+    stream = load_stream(cfg, tokenizer)
+    arms: dict[str, list[dict]] = {label: [] for label in built}
+    with progress_task("bench arms", total=len(seeds) * len(built)) as advance:
+        for seed, (label, method) in itertools.product(seeds, built.items()):
+            run_config = {"protocol": "instructions", "config": cfg.to_dict(), "method": method.name,
+                          "options": method.options(), "model": [model, architecture_fingerprint(lm)],
+                          "stream": stream.fingerprint()}
+            arms[label].append(run_or_reuse_arm(
+                out / "arms" / label / f"seed{seed}.json", run_config,
+                lambda arm_dir: instruction_arm(copy.deepcopy(lm), tokenizer, fresh(method), stream, cfg, seed,
+                                                arm_dir)))
+            advance(1)
+    return {
+        "protocol": "sequence", "kind": "instructions", "preset": preset, "seeds": list(seeds),
+        "tasks": [cfg.data.general, *cfg.data.tasks], "held_out_tasks": list(cfg.data.held_out_tasks),
+        "score": "column 0: next-token accuracy (%) on held-out general text; tasks: label accuracy or "
+                 "exact match (%) on test rows", "date": datetime.date.today().isoformat(),
+        "config": cfg.to_dict(),
+        "methods": {label: summarize(runs, built[label]) for label, runs in arms.items()},
+    }
+
+
+def load_stream(cfg: RunConfig, tokenizer) -> Stream:
+    data = cfg.data
+    if not data.tasks:
+        raise ForgetlessError("the instruction sequence needs tasks: --tasks dbpedia,amazon,... (cl500 names or files)")
+    tasks = [load_task(spec) for spec in data.tasks]
+    take = (lambda rows: rows[:data.train_examples]) if data.train_examples else (lambda rows: rows)
+    train_rows = [encode(take(t.train), tokenizer, cfg.model.block_size) for t in tasks]
+    (general,), _ = load_domains([data.general], tokenizer, cfg.model.block_size, data.val_fraction, data.eval_windows)
+    mix_from = encode(take(load_task(data.mix_from).train), tokenizer, cfg.model.block_size) \
+        if data.mix_from != "earlier" else None
+    return Stream(tasks, train_rows, general, [load_task(spec) for spec in data.held_out_tasks], mix_from)
+
+
+def instruction_arm(model: nn.Module, tokenizer, method: Method, stream: Stream, cfg: RunConfig, seed: int,
+                    out_dir: Path | None = None) -> dict:
+    """Attach `method`, train it on every task in order, score everything after each task."""
+    torch.manual_seed(seed)
+    adapted = attach(model, method)
+    rows, held, general_ppl, wall, loss = [], [], [], 0.0, []
+
+    def score_all():
+        general = evaluate(adapted.model, stream.general.windows)
+        rows.append([100 * general["acc"]] + [score(adapted.model, tokenizer, t, cfg) for t in stream.tasks])
+        held.append([score(adapted.model, tokenizer, t, cfg) for t in stream.held_out])
+        general_ppl.append(general["ppl"])
+
+    score_all()
+    with PeakRSS() as memory:
+        for t, (task, rows_t) in enumerate(zip(stream.tasks, stream.train), start=1):
+            t0 = time.perf_counter()
+            history, params = learn_task(adapted, t, rows_t, stream, cfg, seed)
+            wall += time.perf_counter() - t0
+            loss += [[t, s, v] for s, v in history.loss]
+            score_all()
+    if out_dir is not None:
+        adapted.save_pretrained(out_dir / f"seed{seed}")
+    return {"method": method.name, "seed": seed, "r_matrix": rows, "held_out": held, "general_ppl": general_ppl,
+            **metrics(rows, general_ppl), "trainable_params": sum(p.numel() for _, p in params),
+            "total_params": sum(p.numel() for p in adapted.model.parameters()), "wall_s": wall,
+            "peak_rss_mb": memory.peak_mb, "loss": loss}
+
+
+def learn_task(adapted, t: int, rows: Encoded, stream: Stream, cfg: RunConfig, seed: int):
+    """Task t: start it (EWC protects the rows learned last, or general text before task 1), then train
+    on its rows, a fraction `mix` of each batch drawn from the mixing set or the earlier tasks' rows."""
+    method = adapted.method
+    previous = stream.general.windows if t == 1 else windows_of(stream.train[t - 2], cfg.model.block_size)
+    adapted.start_task(t, previous)
+    mix = cfg.adapt.mix if method.cfg.mix is None else method.cfg.mix
+    other = stream.mix_from or (joined(stream.train[:t - 1]) if t > 1 else None)
+    adapt = dataclasses.replace(cfg.adapt, lr=method.cfg.lr or cfg.adapt.lr, mix=mix if other else 0.0,
+                                optimizer=method.cfg.optimizer or cfg.adapt.optimizer)
+    sampler = InstructionSampler(rows, adapt.batch_size, 1000 * seed + t, other if adapt.mix else None, adapt.mix)
+    params = adapted.trainable_parameters()
+    history = train(adapted.model, params, sampler, adapt, lambda m, batch: adapted.losses(batch), hooks=method,
+                    desc=f"{method.name} seed {seed} task {t}")
+    adapted.end_task(t)
+    return history, params
+
+
+def score(model: nn.Module, tokenizer, task: InstructionTask, cfg: RunConfig) -> float:
+    return score_task(model, tokenizer, task, cfg.data.test_rows or None, cfg.adapt.batch_size)["score"]
+
+
+def metrics(rows: list[list[float]], general_ppl: list[float]) -> dict:
+    """The R metrics with general ability as task 0, OP over the tasks alone, and the general PPL change."""
+    T = len(rows) - 1
+    return {**sequence_metrics(rows), "op_tasks": sum(rows[T][1:]) / T,
+            "general_ppl_change": general_ppl[-1] / general_ppl[0] - 1}
+
+
+def windows_of(rows: Encoded, block_size: int) -> torch.Tensor:
+    """The rows' tokens (prompt and answer) as one stream, cut into windows (W, block_size + 1)."""
+    stream = torch.cat([torch.cat([x, y[-1:]]) for x, y in zip(rows.x, rows.y)])
+    return eval_windows(stream, block_size, 64)
+
+
+def joined(parts: list[Encoded]) -> Encoded:
+    return Encoded([x for p in parts for x in p.x], [y for p in parts for y in p.y], parts[0].pad_id)
+
+
+def task_hash(task: InstructionTask) -> str:
+    text = repr([task.name, [(e.prompt, e.answer) for e in task.train + task.test], task.labels])
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def summarize(runs: list[dict], method: Method) -> dict:
+    return {"method": method.name, **{m: mean_std([r[m] for r in runs]) for m in METRICS},
+            "wall_s": mean_std([r["wall_s"] for r in runs]), "r_matrix": mean_nested([r["r_matrix"] for r in runs]),
+            "held_out": mean_nested([r["held_out"] for r in runs]),
+            "general_ppl": mean_nested([r["general_ppl"] for r in runs]),
+            "trainable_params": runs[0]["trainable_params"], "total_params": runs[0]["total_params"],
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "options": method.options()}
