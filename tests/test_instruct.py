@@ -1,0 +1,63 @@
+"""The instruction-task sequence on a (tiny, random) pretrained model: R with general ability as task 0,
+held-out tasks, general perplexity, saved and reused arms, the report."""
+import json
+
+import pytest
+
+from forgetless.continual.instruct import run_on
+from forgetless.errors import ForgetlessError
+from forgetless.presets import build_config
+from forgetless.report import write_report
+from tiny_lm import tiny_llama, tiny_tokenizer
+
+SMALL = {"data": {"tasks": ["dbpedia", "agnews"], "held_out_tasks": ["FOMC"], "train_examples": 16, "test_rows": 6,
+                  "eval_windows": 4},
+         "adapt": {"steps": 4, "batch_size": 4, "ckpt_every": 4}}
+
+
+def run(tmp_path, methods, mix=None):
+    tok = tiny_tokenizer()
+    cfg = build_config("real", {**SMALL, "adapt": {**SMALL["adapt"], **({"mix": mix} if mix is not None else {})}})
+    return run_on(tiny_llama(tok.vocab_size), tok, cfg, methods, [0], tmp_path, "real", "tiny-llama")
+
+
+def test_instruction_sequence_scores_every_task_after_every_task(tmp_path):
+    results = run(tmp_path, ["full", "lora", "ewc"])
+    assert results["tasks"] == ["pydoc-topics", "dbpedia", "agnews"] and results["held_out_tasks"] == ["FOMC"]
+    for label, m in results["methods"].items():
+        R = m["r_matrix"]
+        assert len(R) == 3 and all(len(row) == 3 for row in R), label           # rows: base, after task 1, 2
+        assert all(0 <= v <= 100 for row in R for v in row)
+        assert len(m["held_out"]) == 3 and all(len(row) == 1 for row in m["held_out"])
+        assert len(m["general_ppl"]) == 3 and all(p > 1 for p in m["general_ppl"])
+        assert m["op_tasks"]["mean"] == pytest.approx(sum(R[2][1:]) / 2)
+        assert m["general_ppl_change"]["mean"] == pytest.approx(m["general_ppl"][2] / m["general_ppl"][0] - 1)
+    full, lora = results["methods"]["full"], results["methods"]["lora"]
+    assert full["general_ppl"][1] != full["general_ppl"][0]            # training moved the model
+    assert full["r_matrix"][0] == lora["r_matrix"][0]                   # the same base before any task
+    assert lora["trainable_params"] < full["trainable_params"]
+    saved = tmp_path / "arms" / "lora" / "seed0"
+    assert json.loads((saved / "forgetless_config.json").read_text())["task"] == 2
+    files = write_report(results, tmp_path)
+    assert (tmp_path / "r_matrix.png") in files and "OP tasks 1..T" in (tmp_path / "results.md").read_text()
+    arm = (tmp_path / "arms" / "full" / "seed0.json").stat().st_mtime
+    run(tmp_path, ["full"])
+    assert (tmp_path / "arms" / "full" / "seed0.json").stat().st_mtime == arm  # reused, not run again
+
+
+def test_mixing_from_earlier_tasks_changes_the_second_task_only(tmp_path):
+    plain = run(tmp_path / "plain", ["lora"])["methods"]["lora"]
+    mixed = run(tmp_path / "mixed", ["lora"], mix=0.5)["methods"]["lora"]
+    assert mixed["r_matrix"][1] == plain["r_matrix"][1]  # task 1 has no earlier task to mix from
+    assert mixed["general_ppl"][2] != plain["general_ppl"][2]
+
+
+def test_instruction_errors_are_one_line(tmp_path):
+    tok = tiny_tokenizer()
+    cfg = build_config("real", {**SMALL, "data": {**SMALL["data"], "tasks": ["no-such-task"]}})
+    with pytest.raises(ForgetlessError, match="no cl500 task 'no-such-task'"):
+        run_on(tiny_llama(tok.vocab_size), tok, cfg, ["lora"], [0], tmp_path, "real", "tiny")
+    from forgetless.cli import app
+    from typer.testing import CliRunner
+    result = CliRunner().invoke(app, ["bench", "--protocol", "sequence", "--tasks", "dbpedia", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "instruction tasks need a pretrained model" in result.output
