@@ -319,3 +319,30 @@ def test_bench_optimizers_across_learning_rates(tmp_path):
 def test_bench_optimizer_errors(args, message, tmp_path):
     result = invoke("bench", "--preset", "smoke", "--seeds", 1, "--out", tmp_path, *args)
     assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+
+
+def test_export_merges_what_folds_and_keeps_the_rest_loadable(tmp_path):
+    run = tmp_path / "run"
+    result = invoke("bench", "--preset", "smoke", "--methods", "lora,neutral", "--seeds", 1, "--out", run,
+                    "--domain-a", "tinyshakespeare", "--domain-b", "renamed:tinyshakespeare")
+    assert result.exit_code == 0, result.output
+    r = invoke("export", run, "--method", "lora", "--out", tmp_path / "lora")
+    assert r.exit_code == 0 and "the merged model" in flat(r), r.output
+    ppl_b = json.loads((run / "results.json").read_text())["methods"]["lora"]["ppl_b_after"]["mean"]
+    r = invoke("eval", "--checkpoint", tmp_path / "lora" / "base.safetensors", "--corpus", "renamed:tinyshakespeare",
+               "--windows", 8)  # the smoke preset's held-out windows
+    assert r.exit_code == 0, r.output
+    printed = float(flat(r).split("renamed:tinyshakespeare │ ")[1].split()[0])
+    assert printed == pytest.approx(ppl_b, rel=1e-4)  # the merged weights are the adapted model
+    r = invoke("export", run, "--method", "neutral", "--out", tmp_path / "neutral")
+    assert r.exit_code == 0 and "forgetless.from_pretrained" in flat(r), r.output
+    assert "forgetless.from_pretrained" in (tmp_path / "neutral" / "LOADING.md").read_text()
+    r = invoke("export", run, "--method", "neutral", "--out", tmp_path / "neutral")
+    assert r.exit_code == 2 and "is not an empty folder" in flat(r)
+    r = invoke("export", run, "--method", "adapter", "--out", tmp_path / "x")
+    assert r.exit_code == 2 and "has no arm 'adapter'; its arms: full, lora, neutral" in flat(r), r.output
+
+
+def flat(result) -> str:
+    """The command's output with line wrapping undone."""
+    return " ".join(result.output.split())

@@ -234,6 +234,23 @@ def evaluate_cmd(checkpoint: Path = typer.Option(..., help="base checkpoint"),
 
 @app.command()
 @friendly
+def export(run: Path = typer.Argument(..., help="a bench output folder (holds results.json and arms/)"),
+           method: str = typer.Option(..., help="the arm to export, as in the results table, e.g. lora or lora[r=16]"),
+           out: Path = typer.Option(..., help="folder to write (must not exist or be empty)"),
+           seed: int = typer.Option(0, help="which seed's arm")):
+    """Export one arm for serving: a PEFT adapter (LoRA on a transformers model), merged weights where the
+    method folds exactly into them, else the forgetless folder with its loading example."""
+    from forgetless.export import export as run_export
+
+    form, folder = run_export(run, method, out, seed)
+    what = {"peft": "a PEFT adapter (PeftModel.from_pretrained(base, folder))",
+            "merged": "the merged model (no forgetless needed to load it)",
+            "forgetless": "the forgetless folder (forgetless.from_pretrained; see LOADING.md)"}[form]
+    out_console.print(f"wrote {escape(str(folder))}: {what}")
+
+
+@app.command()
+@friendly
 def report(run: Path = typer.Argument(..., help="a bench output folder (holds results.json)")):
     """Rewrite results.csv/md and the figures of a bench run from its results.json."""
     from forgetless.report import write_report

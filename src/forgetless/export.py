@@ -1,0 +1,118 @@
+"""`forgetless export RUN --method X --out DIR`: one trained arm of a bench run, in the form an
+inference stack loads (docs/DESIGN.md §7.5).
+
+    LoRA on a transformers model, one task    a PEFT adapter folder (PeftModel.from_pretrained)
+    a method that folds exactly into weights  the merged model (transformers save_pretrained, or a
+                                              forgetless base file for the byte GPT)
+    anything else                             the forgetless folder (forgetless.from_pretrained) and
+                                              a LOADING.md with the three lines that load it
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch.nn as nn
+
+from forgetless.adapted import CONFIG, Adapted, from_pretrained, writable_dir
+from forgetless.checkpoint import save_checkpoint
+from forgetless.continual.base_model import base_label, load_base
+from forgetless.errors import ForgetlessError
+from forgetless.methods import build_method
+from forgetless.models.gpt import GPT, GPTConfig
+
+PEFT_METHODS = ("lora", "seq-lora")
+
+
+def export(run: Path, label: str, out: Path, seed: int = 0) -> tuple[str, Path]:
+    """Export arm `label` (seed `seed`) of the bench run in `run` to `out`; returns (form, folder)."""
+    results = read_results(run)
+    if label not in results["methods"]:
+        raise ForgetlessError(f"{run} has no arm {label!r}; its arms: {', '.join(results['methods'])}")
+    saved = run / "arms" / label / f"seed{seed}"
+    if not (saved / CONFIG).is_file():
+        raise ForgetlessError(f"{saved} holds no saved method (seed {seed} of {label}); run the bench again "
+                              "with this version (earlier versions saved seed<k>.safetensors only)")
+    if out.is_file() or out.is_dir() and any(out.iterdir()):
+        raise ForgetlessError(f"--out {out} exists and is not an empty folder; choose another one")
+    model, tokenizer, spec = base_of(results, saved)
+    adapted = from_pretrained(model, saved)
+    out = writable_dir(out)
+    name = adapted.method.name
+    if name in PEFT_METHODS and spec != "byte-gpt" and adapted.task == 1:  # later tasks merged into the weights
+        return "peft", save_peft(adapted, out, tokenizer, spec)
+    if not adapted.injected() or merges(adapted):
+        return "merged", save_merged(adapted.merge_and_unload(), out, tokenizer, spec)
+    shutil.copytree(saved, out, dirs_exist_ok=True)
+    (out / "LOADING.md").write_text(loading_example(spec, out))
+    return "forgetless", out
+
+
+def read_results(run: Path) -> dict:
+    path = run / "results.json"
+    if not path.is_file():
+        raise ForgetlessError(f"{path} does not exist; give the --out folder of a `forgetless bench` run")
+    results = json.loads(path.read_text())
+    if results.get("protocol") not in ("two-domain", "sequence"):
+        raise ForgetlessError(f"{path} is not a bench run of a protocol (an optimizer or AUNN run?)")
+    return results
+
+
+def base_of(results: dict, saved: Path) -> tuple[nn.Module, object, str]:
+    """(a fresh copy of the base the arm adapted, its tokenizer or None, the model spec)."""
+    spec = results.get("model", "byte-gpt")
+    if spec != "byte-gpt":
+        from forgetless.models.hf import load_model
+        model, tokenizer = load_model(spec)
+        return model, tokenizer, spec
+    method = json.loads((saved / CONFIG).read_text())
+    model_cfg = build_method(method["method"], method["options"]).base_config(GPTConfig(**results["config"]["model"]))
+    base = results["bases"].get(base_label(model_cfg))
+    if base is None or not Path(base["path"]).is_file():
+        raise ForgetlessError(f"the base of this arm ({base_label(model_cfg)}) is not in the cache any more; "
+                              "run the bench again to pretrain it")
+    return load_base(Path(base["path"]))[0], None, spec
+
+
+def merges(adapted: Adapted) -> bool:
+    """Whether the method folds exactly into the base weights (it overrides Method.merge)."""
+    from forgetless.methods.base import Method
+    return type(adapted.method).merge is not Method.merge
+
+
+def save_peft(adapted: Adapted, out: Path, tokenizer, spec: str) -> Path:
+    """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors, PEFT's key names) that
+    `PeftModel.from_pretrained(base, out)` loads onto the base model."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    cfg = adapted.method.cfg
+    targets = [n for n, m in adapted.model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
+    LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets, task_type="CAUSAL_LM",
+               base_model_name_or_path=spec,
+               fan_in_fan_out=any(type(m).__name__ == "Conv1D" for m in adapted.model.modules())).save_pretrained(out)
+    tensors = {f"base_model.model.{k}": v.contiguous().cpu() for k, v in adapted.method_state().items()}
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(out)
+    return out
+
+
+def save_merged(model: nn.Module, out: Path, tokenizer, spec: str) -> Path:
+    if isinstance(model, GPT):
+        save_checkpoint(out / "base.safetensors", {f"model.{k}": v for k, v in model.state_dict().items()},
+                        {"kind": "base", "model_config": model.config.to_dict(), "tokenizer": {"kind": "bytes"}})
+        return out
+    model.save_pretrained(out)
+    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(out)
+    return out
+
+
+def loading_example(spec: str, out: Path) -> str:
+    load = ("from forgetless.continual.base_model import load_base\nmodel = load_base(BASE_CHECKPOINT)[0]"
+            if spec == "byte-gpt" else
+            f"from forgetless.models.hf import load_model\nmodel, tokenizer = load_model({spec!r})")
+    return ("This method does not fold into the base weights; load it on its base with forgetless:\n\n"
+            f"```python\nimport forgetless\n{load}\nadapted = forgetless.from_pretrained(model, {str(out)!r})\n```\n")
