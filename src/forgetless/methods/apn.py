@@ -271,8 +271,9 @@ def monitor_curves(results: dict, labels: list[str], path: Path) -> bool:
             axes[1, col].plot([e["step"] for e in evals], [e[key] for e in evals], ls="--", marker=".", label=f"base {name}")
         axes[1, col].set_title(f"pretraining: {label} on A", fontsize=9)
         axes[1, col].set_xlabel("pretraining step")
-    axes[0, 0].legend(fontsize=7)
-    axes[1, 0].legend(fontsize=7)
+    for ax in axes[:, 0]:
+        if ax.get_legend_handles_labels()[0]:  # a retrofit has no APN base whose pretraining to show
+            ax.legend(fontsize=7)
     save(fig, path, dpi=100)
     return True
 

@@ -1,0 +1,74 @@
+"""The protocols on a pretrained (tiny, random, local) transformers model, and `forgetless export`
+round trips: a PEFT adapter that PeftModel loads, merged weights that transformers loads."""
+import json
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
+
+from forgetless import from_pretrained
+from forgetless.cli import app
+from tiny_models import bpe_tokenizer, gguf_llama
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A smoke two-domain bench on hf:<a saved tiny Llama>, A and B two small local texts."""
+    root = tmp_path_factory.mktemp("real")
+    tokenizer = bpe_tokenizer()
+    gguf_llama(len(tokenizer)).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    (root / "a.txt").write_text("The capital of France is Paris. To be, or not to be. " * 300)
+    (root / "b.txt").write_text("def f(x):\n    return x + 1\n\nclass A:\n    pass\n" * 300)
+    result = runner.invoke(app, ["bench", "--model", f"hf:{root / 'model'}", "--preset", "smoke", "--methods",
+                                 "lora,o-lora,neutral,apn", "--seeds", "1", "--domain-a", str(root / "a.txt"),
+                                 "--domain-b", str(root / "b.txt"), "--out", str(root / "run")])
+    assert result.exit_code == 0, result.output
+    return root
+
+
+def test_two_domain_on_a_pretrained_model(run):
+    results = json.loads((run / "run" / "results.json").read_text())
+    assert results["model"] == f"hf:{run / 'model'}"
+    (described,) = results["bases"].values()
+    assert described["model_type"] == "llama"
+    for name, m in results["methods"].items():
+        assert m["ppl_b_after"]["mean"] < m["ppl_b_before"]["mean"], name  # every arm learned B
+    assert len({m["ppl_a_before"]["mean"] for m in results["methods"].values()}) == 1  # one base for all
+
+
+def logits_of_saved(run, ids):
+    model = AutoModelForCausalLM.from_pretrained(run / "model")
+    adapted = from_pretrained(model, run / "run" / "arms" / "lora" / "seed0")
+    with torch.no_grad():
+        return adapted(ids).logits
+
+
+def test_export_lora_is_a_peft_adapter(run):
+    result = runner.invoke(app, ["export", str(run / "run"), "--method", "lora", "--out", str(run / "peft")])
+    assert result.exit_code == 0 and "PEFT adapter" in " ".join(result.output.split()), result.output
+    ids = torch.randint(0, 200, (2, 12))
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(run / "model"), run / "peft")
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(ids).logits, logits_of_saved(run, ids), rtol=0, atol=1e-6)
+
+
+def test_export_o_lora_is_a_merged_transformers_model(run):
+    result = runner.invoke(app, ["export", str(run / "run"), "--method", "o-lora", "--out", str(run / "merged")])
+    assert result.exit_code == 0 and "merged model" in " ".join(result.output.split()), result.output
+    merged = AutoModelForCausalLM.from_pretrained(run / "merged")
+    adapted = from_pretrained(AutoModelForCausalLM.from_pretrained(run / "model"), run / "run" / "arms" / "o-lora" / "seed0")
+    ids = torch.randint(0, 200, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, rtol=0, atol=1e-5)
+    assert (run / "merged" / "tokenizer.json").is_file()
+
+
+def test_export_of_a_method_that_does_not_fold(run):
+    result = runner.invoke(app, ["export", str(run / "run"), "--method", "apn", "--out", str(run / "apn")])
+    assert result.exit_code == 0, result.output
+    assert "load_model" in (run / "apn" / "LOADING.md").read_text()
