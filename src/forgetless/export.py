@@ -10,7 +10,6 @@ inference stack loads (docs/DESIGN.md §7.5).
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch.nn as nn
@@ -37,14 +36,17 @@ def export(run: Path, label: str, out: Path, seed: int = 0) -> tuple[str, Path]:
     if out.is_file() or out.is_dir() and any(out.iterdir()):
         raise ForgetlessError(f"--out {out} exists and is not an empty folder; choose another one")
     model, tokenizer, spec = base_of(results, saved)
-    adapted = from_pretrained(model, saved)
+    return export_adapted(from_pretrained(model, saved), spec, tokenizer, out)
+
+
+def export_adapted(adapted: Adapted, spec: str, tokenizer, out: Path) -> tuple[str, Path]:
+    """Write `adapted` (on the base `spec` names) to `out` in the most portable form it allows."""
     out = writable_dir(out)
-    name = adapted.method.name
-    if name in PEFT_METHODS and spec != "byte-gpt" and adapted.task == 1:  # later tasks merged into the weights
+    if adapted.method.name in PEFT_METHODS and spec != "byte-gpt" and adapted.task == 1:  # later tasks: merged
         return "peft", save_peft(adapted, out, tokenizer, spec)
     if not adapted.injected() or merges(adapted):
         return "merged", save_merged(adapted.merge_and_unload(), out, tokenizer, spec)
-    shutil.copytree(saved, out, dirs_exist_ok=True)
+    adapted.save_pretrained(out)
     (out / "LOADING.md").write_text(loading_example(spec, out))
     return "forgetless", out
 
