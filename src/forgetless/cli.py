@@ -78,7 +78,7 @@ def bench(preset: str = PRESET,
     from forgetless.methods import MethodSpec, method_names
     from forgetless.methods.base import parse_method_specs
     from forgetless.report import write_report
-    from forgetless.report.tables import sequence_rows, terminal_rows
+    from forgetless.report.tables import sequence_terminal_rows, terminal_rows
 
     protocols = {"two-domain": run_two_domain, "sequence": run_sequence}
     if protocol not in protocols:
@@ -117,7 +117,7 @@ def bench(preset: str = PRESET,
         " → ".join(results["tasks"])
     table = Table(title=" · ".join([protocol, preset, *([model] if model != "byte-gpt" else []), where]),
                   caption=f"mean ± std over {seeds} seed(s); all columns in {out / 'results.md'}")
-    heads, body = terminal_rows(results) if protocol == "two-domain" else sequence_rows(results)
+    heads, body = terminal_rows(results) if protocol == "two-domain" else sequence_terminal_rows(results)
     for h in heads:
         table.add_column(h, justify="left" if h == "method" else "right", no_wrap=h == "method")
     for r in body:

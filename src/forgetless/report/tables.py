@@ -89,6 +89,16 @@ def sequence_rows(results: dict) -> tuple[list[str], list[list[str]]]:
     return heads, body
 
 
+SEQUENCE_TERMINAL = ["method", "OP", "BWT (GEM)", "LA", "FWT", "general PPL change", "trainable params"]
+
+
+def sequence_terminal_rows(results: dict) -> tuple[list[str], list[list[str]]]:
+    """The sequence columns that fit a terminal (those this run has); results.md has them all."""
+    heads, body = sequence_rows(results)
+    keep = [heads.index(h) for h in SEQUENCE_TERMINAL if h in heads]
+    return [heads[i] for i in keep], [[r[i] for i in keep] for r in body]
+
+
 def sequence_markdown(results: dict) -> str:
     heads, body = sequence_rows(results)
     lines = [f"Protocol sequence, preset {results['preset']}, tasks {' -> '.join(f'`{t}`' for t in results['tasks'])}, "
