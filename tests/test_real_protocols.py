@@ -101,7 +101,7 @@ def test_smollm2_lora_exports_as_a_peft_adapter_and_merges(tmp_path):
     with torch.no_grad():
         got = PeftModel.from_pretrained(fresh, tmp_path / "peft")(ids[:, :-1]).logits
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4)
-    save_merged(adapted.merge_and_unload(), tmp_path / "merged", tokenizer, "smollm2-135m")
+    save_merged(adapted.merge_and_unload(), tmp_path / "merged", tokenizer)
     with torch.no_grad():
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")(ids[:, :-1]).logits
     torch.testing.assert_close(merged, expected, rtol=0, atol=1e-3)

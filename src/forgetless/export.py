@@ -45,7 +45,7 @@ def export_adapted(adapted: Adapted, spec: str, tokenizer, out: Path) -> tuple[s
     if adapted.method.name in PEFT_METHODS and spec != "byte-gpt" and adapted.task == 1:  # later tasks: merged
         return "peft", save_peft(adapted, out, tokenizer, spec)
     if not adapted.injected() or merges(adapted):
-        return "merged", save_merged(adapted.merge_and_unload(), out, tokenizer, spec)
+        return "merged", save_merged(adapted.merge_and_unload(), out, tokenizer)
     adapted.save_pretrained(out)
     (out / "LOADING.md").write_text(loading_example(spec, out))
     return "forgetless", out
@@ -62,7 +62,7 @@ def read_results(run: Path) -> dict:
 
 
 def base_of(results: dict, saved: Path) -> tuple[nn.Module, object, str]:
-    """(a fresh copy of the base the arm adapted, its tokenizer or None, the model spec)."""
+    """(a fresh copy of the base the arm adapted, its tokenizer, the model spec)."""
     spec = results.get("model", "byte-gpt")
     if spec != "byte-gpt":
         from forgetless.models.hf import load_model
@@ -74,7 +74,8 @@ def base_of(results: dict, saved: Path) -> tuple[nn.Module, object, str]:
     if base is None or not Path(base["path"]).is_file():
         raise ForgetlessError(f"the base of this arm ({base_label(model_cfg)}) is not in the cache any more; "
                               "run the bench again to pretrain it")
-    return load_base(Path(base["path"]))[0], None, spec
+    model, tokenizer, _ = load_base(Path(base["path"]))
+    return model, tokenizer, spec
 
 
 def merges(adapted: Adapted) -> bool:
@@ -96,24 +97,24 @@ def save_peft(adapted: Adapted, out: Path, tokenizer, spec: str) -> Path:
                fan_in_fan_out=any(type(m).__name__ == "Conv1D" for m in adapted.model.modules())).save_pretrained(out)
     tensors = {f"base_model.model.{k}": v.contiguous().cpu() for k, v in adapted.method_state().items()}
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    if tokenizer is not None:
-        tokenizer.hf.save_pretrained(out)  # models.hf.TextTokenizer wraps the transformers tokenizer
+    tokenizer.hf.save_pretrained(out)  # models.hf.TextTokenizer wraps the transformers tokenizer
     return out
 
 
-def save_merged(model: nn.Module, out: Path, tokenizer, spec: str) -> Path:
+def save_merged(model: nn.Module, out: Path, tokenizer) -> Path:
+    """The merged model: a forgetless base file for our GPT, else a transformers folder with its tokenizer."""
     if isinstance(model, GPT):
         save_checkpoint(out / "base.safetensors", {f"model.{k}": v for k, v in model.state_dict().items()},
-                        {"kind": "base", "model_config": model.config.to_dict(), "tokenizer": {"kind": "bytes"}})
+                        {"kind": "base", "model_config": model.config.to_dict(), "tokenizer": tokenizer.to_dict()})
         return out
     model.save_pretrained(out)
-    if tokenizer is not None:
-        tokenizer.hf.save_pretrained(out)  # models.hf.TextTokenizer wraps the transformers tokenizer
+    tokenizer.hf.save_pretrained(out)
     return out
 
 
 def loading_example(spec: str, out: Path) -> str:
-    load = ("from forgetless.continual.base_model import load_base\nmodel = load_base(BASE_CHECKPOINT)[0]"
+    load = ("from forgetless.continual.base_model import load_base\n"
+            "model = load_base(BASE)[0]  # BASE: the base checkpoint of the run (results.json, bases)"
             if spec == "byte-gpt" else
             f"from forgetless.models.hf import load_model\nmodel, tokenizer = load_model({spec!r})")
     return ("This method does not fold into the base weights; load it on its base with forgetless:\n\n"
