@@ -105,3 +105,19 @@ def test_smollm2_lora_exports_as_a_peft_adapter_and_merges(tmp_path):
     with torch.no_grad():
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")(ids[:, :-1]).logits
     torch.testing.assert_close(merged, expected, rtol=0, atol=1e-3)
+
+
+def test_adapt_and_eval_take_a_pretrained_model(run, tmp_path):
+    model = f"hf:{run / 'model'}"
+    result = runner.invoke(app, ["adapt", "--model", model, "--method", "lora", "--domain-a", str(run / "a.txt"),
+                                 "--domain-b", str(run / "b.txt"), "--preset", "smoke", "--out", str(tmp_path / "arm")])
+    assert result.exit_code == 0, result.output
+    metrics = json.loads((tmp_path / "arm" / "metrics.json").read_text())
+    assert metrics["ppl_b_after"] < metrics["ppl_b_before"]
+    result = runner.invoke(app, ["eval", "--model", model, "--corpus", str(run / "b.txt"), "--block-size", "32",
+                                 "--windows", "8", "--method-state", str(tmp_path / "arm" / "seed0")])
+    assert result.exit_code == 0, result.output
+    assert f"{metrics['ppl_b_after']:.4f}" in result.output  # the saved LoRA reproduces the arm's PPL on B
+    result = runner.invoke(app, ["adapt", "--model", model, "--method", "lora", "--domain-b", str(run / "b.txt"),
+                                 "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2 and "--model with --domain-a" in " ".join(result.output.split())

@@ -161,7 +161,9 @@ def pretrain(out: Path = typer.Option(..., help="base checkpoint to write (.safe
 @app.command()
 @friendly(resume="run the same command again to resume from the last checkpoint")
 @with_config_flags
-def adapt(base: Path = typer.Option(..., help="base checkpoint from `forgetless pretrain`"),
+def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `forgetless pretrain` (or --model)"),
+          model: Optional[str] = typer.Option(None, "--model", help="a pretrained model instead of --base: "
+                                              "smollm2-135m, hf:PATH or a .gguf file (then --domain-a is needed)"),
           method: str = typer.Option(..., help="method name (see `forgetless methods`)"),
           domain_b: str = typer.Option(..., "--domain-b", help="corpus to adapt to"),
           domain_a: Optional[str] = typer.Option(None, "--domain-a", help="corpus to measure retention on (default: the base's)"),
@@ -179,16 +181,24 @@ def adapt(base: Path = typer.Option(..., help="base checkpoint from `forgetless 
 
     set_precision(flags, precision)
     cfg = run_config(preset, config_file, flags, set_)
-    model, tok, meta = load_base(base)
+    if (base is None) == (model is None) or model and not domain_a:
+        raise ForgetlessError("give --base (a pretrained forgetless GPT) or --model with --domain-a (the text whose "
+                              "retention is measured), not both")
     if (writable(out) / "metrics.json").exists():
         raise ForgetlessError(f"{out / 'metrics.json'} exists; choose another --out or delete it")
-    (a, b), _ = load_domains([domain_a or meta["domain"], domain_b], tok.to_dict(), model.config.block_size,
-                             cfg.data.val_fraction, cfg.data.eval_windows)
     (spec,) = as_specs([method])
     m = spec.build(cfg.methods.get(spec.name))
-    m.check_base(model)  # before any work: the base must be the one the method needs
-    result = run_arm(model.to(resolve_device(device)), m, a, b, cfg.adapt, seed, out_dir=out,
-                     run_config={"base": str(base), "adapt": cfg.adapt.__dict__, "options": m.options()})
+    if model:
+        from forgetless.models.hf import load_model
+        lm, text_tokenizer = load_model(model, device)
+        tokenizer, block_size = text_tokenizer, cfg.model.block_size
+    else:
+        lm, tok, meta = load_base(base)
+        tokenizer, block_size, domain_a = tok.to_dict(), lm.config.block_size, domain_a or meta["domain"]
+    m.check_base(lm)  # before any work: the base must be the one the method needs
+    (a, b), _ = load_domains([domain_a, domain_b], tokenizer, block_size, cfg.data.val_fraction, cfg.data.eval_windows)
+    result = run_arm(lm.to(resolve_device(device)), m, a, b, cfg.adapt, seed, out_dir=out,
+                     run_config={"base": str(base or model), "adapt": cfg.adapt.__dict__, "options": m.options()})
     write_json(out / "metrics.json", result)
     out_console.print(
         f"{method}: PPL_A {result['ppl_a_before']:.3f} → {result['ppl_a_after']:.3f} "
@@ -198,8 +208,11 @@ def adapt(base: Path = typer.Option(..., help="base checkpoint from `forgetless 
 
 @app.command("eval")
 @friendly
-def evaluate_cmd(checkpoint: Path = typer.Option(..., help="base checkpoint"),
+def evaluate_cmd(checkpoint: Optional[Path] = typer.Option(None, help="base checkpoint (or --model)"),
+                 model_spec: Optional[str] = typer.Option(None, "--model", help="a pretrained model instead of "
+                                                          "--checkpoint: smollm2-135m, hf:PATH or a .gguf file"),
                  corpus: list[str] = typer.Option(..., help="corpus spec or path (repeatable)"),
+                 block_size: int = typer.Option(256, help="with --model: window length in tokens"),
                  method: Optional[str] = typer.Option(None, help="with a .safetensors --method-state: its method"),
                  method_state: Optional[Path] = typer.Option(None, help="a method saved by `adapt` (its seed<N>/ "
                                                              "folder), or an older method .safetensors file"),
@@ -213,7 +226,14 @@ def evaluate_cmd(checkpoint: Path = typer.Option(..., help="base checkpoint"),
     from forgetless.data.domains import load_domains
     from forgetless.methods import build_method
 
-    model, tok, _ = load_base(checkpoint)
+    if (checkpoint is None) == (model_spec is None):
+        raise ForgetlessError("give --checkpoint (a forgetless GPT) or --model (a pretrained model), one of them")
+    if model_spec:
+        from forgetless.models.hf import load_model
+        model, tokenizer = load_model(model_spec, device)
+    else:
+        model, tok, _ = load_base(checkpoint)
+        tokenizer, block_size = tok.to_dict(), model.config.block_size
     model = model.to(resolve_device(device))
     if method_state is not None and method_state.is_dir():
         model = from_pretrained(model, method_state).model
@@ -226,7 +246,7 @@ def evaluate_cmd(checkpoint: Path = typer.Option(..., help="base checkpoint"),
         model = adapted.model
     table = Table("corpus", "PPL", "acc", "loss (nats)")
     for spec in corpus:
-        (d,), _ = load_domains([spec], tok.to_dict(), model.config.block_size, val_fraction, windows)
+        (d,), _ = load_domains([spec], tokenizer, block_size, val_fraction, windows)
         r = evaluate(model, d.windows)
         table.add_row(escape(spec), f"{r['ppl']:.4f}", f"{r['acc']:.4f}", f"{r['loss']:.4f}")
     out_console.print(table)
