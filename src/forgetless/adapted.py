@@ -137,8 +137,10 @@ class Adapted(nn.Module):
             out.update(self.method.report(self.model, windows_a, windows_a if windows_b is None else windows_b))
         return out
 
-    def figures(self, out_dir: str | Path, windows_a: torch.Tensor, windows_b: torch.Tensor | None = None) -> list[Path]:
-        """The method's own figures of its diagnostics on A and B; returns the files written."""
+    def figures(self, out_dir: str | Path, windows_a: torch.Tensor | None = None,
+                windows_b: torch.Tensor | None = None) -> list[Path]:
+        """The method's own figures of its diagnostics on held-out windows of A and B (methods whose
+        diagnostics need no data draw without them); returns the files written."""
         out_dir = writable_dir(out_dir)
         arm = {"method": self.method.name, "options": self.method.options(),
                "report": {"after": self.report(windows_a, windows_b)}}
