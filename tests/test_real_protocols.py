@@ -55,6 +55,8 @@ def test_export_lora_is_a_peft_adapter(run):
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(run / "model"), run / "peft")
     with torch.no_grad():
         torch.testing.assert_close(peft_model(ids).logits, logits_of_saved(run, ids), rtol=0, atol=1e-6)
+        base = AutoModelForCausalLM.from_pretrained(run / "model")(ids).logits
+    assert (peft_model(ids).logits - base).abs().max() > 1e-4  # the adapter is there, not the bare base
 
 
 def test_export_o_lora_is_a_merged_transformers_model(run):
@@ -65,6 +67,8 @@ def test_export_o_lora_is_a_merged_transformers_model(run):
     ids = torch.randint(0, 200, (2, 12))
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, adapted(ids).logits, rtol=0, atol=1e-5)
+        base = AutoModelForCausalLM.from_pretrained(run / "model")(ids).logits
+        assert (merged(ids).logits - base).abs().max() > 1e-4  # the LoRAs were folded in
     assert (run / "merged" / "tokenizer.json").is_file()
 
 

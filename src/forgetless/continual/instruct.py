@@ -130,10 +130,10 @@ def instruction_arm(model: nn.Module, tokenizer, method: Method, stream: Stream,
 
 
 def learn_task(adapted, t: int, rows: Encoded, stream: Stream, cfg: RunConfig, seed: int):
-    """Task t: start it (EWC protects the rows learned last, or general text before task 1), then train
+    """Task t: start it (EWC protects the rows learned last, or general text's training split before task 1), then train
     on its rows, a fraction `mix` of each batch drawn from the mixing set or the earlier tasks' rows."""
     method = adapted.method
-    previous = stream.general.windows if t == 1 else windows_of(stream.train[t - 2], cfg.model.block_size)
+    previous = stream.general if t == 1 else windows_of(stream.train[t - 2], cfg.model.block_size)
     adapted.start_task(t, previous)
     mix = cfg.adapt.mix if method.cfg.mix is None else method.cfg.mix
     other = stream.mix_from or (joined(stream.train[:t - 1]) if t > 1 else None)
