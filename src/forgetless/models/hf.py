@@ -64,7 +64,7 @@ class TextTokenizer:
         return {"kind": self.kind, "model": self.spec, "name_or_path": self.hf.name_or_path}
 
 
-def load_model(spec: str, device="cpu") -> tuple[nn.Module, TextTokenizer]:
+def load_model(spec: str, device="auto") -> tuple[nn.Module, TextTokenizer]:
     """The float32 causal LM and tokenizer that `spec` names, on `device` (see the module docstring)."""
     from forgetless.adapted import resolve_device
     device = resolve_device(str(device))
