@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from forgetless import attach, from_pretrained
 from forgetless.adapted import CONFIG, Adapted
+from forgetless.data.splits import Batch
 from forgetless.errors import ForgetlessError
 from forgetless.methods import build_method, method_names
 from forgetless.models.gpt import GPTConfig, logits_of
@@ -267,3 +268,26 @@ def test_every_method_trains_on_cuda():
         tensors = [*adapted.named_parameters(), *adapted.named_buffers()]
         assert all(t.is_cuda for _, t in tensors), (name, [n for n, t in tensors if not t.is_cuda][:3])
         assert any(not torch.equal(p, before[n]) for n, p in adapted.model.named_parameters()), name
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_answers_only_loss_runs_the_head_on_scored_positions_only(kind):
+    """With targets of -100 (prompt tokens), a transformers model computes logits only at the positions
+    some row scores; loss and gradients equal the all-positions loss."""
+    adapted = start(attached(kind, "lora")).eval()                   # no dropout: both passes alike
+    x = windows()[:, :-1]                                              # (4, T)
+    y = torch.full_like(x, -100)
+    y[0, 5:7], y[1, 9], y[3, 6] = x[0, 6:8], x[1, 10], x[3, 7]         # scored: positions 5, 6, 9
+    seen = []
+    head = adapted.model.get_output_embeddings()
+    hook = head.register_forward_hook(lambda m, inputs, out: seen.append(inputs[0].shape[1]))
+    loss = adapted.loss(Batch(x, y, torch.zeros(4, dtype=torch.bool)))
+    hook.remove()
+    grads = torch.autograd.grad(loss, [p for _, p in adapted.trainable_parameters()])
+    logits = logits_of(adapted.model, x)                               # (4, T, V): every position
+    full = torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)
+    full_grads = torch.autograd.grad(full, [p for _, p in adapted.trainable_parameters()])
+    assert seen == [3]
+    torch.testing.assert_close(loss, full)
+    for g, f in zip(grads, full_grads):
+        torch.testing.assert_close(g, f)

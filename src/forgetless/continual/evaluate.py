@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from forgetless.data.splits import Batch
-from forgetless.models.gpt import aux_loss, logits_of, recorded_forward
+from forgetless.models.gpt import aux_loss, logits_of, recorded_forward, takes_logits_to_keep
 
 
 @torch.no_grad()
@@ -43,12 +43,19 @@ def module_stats(model: nn.Module, windows: torch.Tensor, max_windows: int = 16)
 def training_loss(model: nn.Module, batch: Batch, extra=None, token_weights=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(LM loss + modules' auxiliary losses + `extra(model, batch)`, LM loss alone).
 
-    Targets of -100 are not scored (e.g. prompt tokens of instruction data); `token_weights(logits,
-    batch)` may return (B, T) weights for the LM loss (None: plain mean).
+    Targets of -100 are not scored (e.g. prompt tokens of instruction data): on a transformers model
+    the output head then runs only at positions some row scores (a third less time per step on
+    SmolLM2 with answers-only loss). `token_weights(logits, batch)` may return (B, T) weights for the
+    LM loss (None: plain mean); with it, every position's logits are computed.
     """
-    logits = logits_of(model, batch.x)                                               # (B, T, V)
-    per_token = F.cross_entropy(logits.flatten(0, 1).float(), batch.y.flatten(), reduction="none").view_as(batch.y)
     scored = batch.y != -100                                                         # (B, T)
+    keep = None
+    if token_weights is None and not scored.all() and takes_logits_to_keep(model):
+        keep = scored.any(0).nonzero().flatten()  # (P,) positions some row scores: the head skips the rest
+        batch = Batch(batch.x, batch.y[:, keep], batch.from_other)
+        scored = scored[:, keep]
+    logits = logits_of(model, batch.x, keep)                                         # (B, T or P, V)
+    per_token = F.cross_entropy(logits.flatten(0, 1).float(), batch.y.flatten(), reduction="none").view_as(batch.y)
     lm = per_token.mean() if scored.all() else per_token.sum() / scored.sum().clamp_min(1)
     weights = token_weights(logits, batch) if token_weights else None
     if weights is not None:

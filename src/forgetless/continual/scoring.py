@@ -10,7 +10,6 @@ than the model's context loses its beginning.
 from __future__ import annotations
 
 import contextlib
-import inspect
 
 import torch
 import torch.nn as nn
@@ -19,6 +18,7 @@ from forgetless.continual.evaluate import evaluate
 from forgetless.data.instructions import Example, InstructionTask, keep_end, prompt_ids, text_ids
 from forgetless.data.splits import check_length, eval_windows
 from forgetless.errors import ForgetlessError
+from forgetless.models.gpt import takes_logits_to_keep
 
 
 # ---- label accuracy --------------------------------------------------------------------------
@@ -192,11 +192,7 @@ def check_causal_lm(model: nn.Module):
 def last_logits_only(model: nn.Module) -> dict:
     """{"logits_to_keep": 1} when the model's forward takes it (transformers >= 4.50): a prompt pass then
     skips the output head on every position but the last."""
-    from transformers import PreTrainedModel
-
-    lm = next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)  # the outermost one
-    takes = lm is not None and "logits_to_keep" in inspect.signature(lm.forward).parameters
-    return {"logits_to_keep": 1} if takes else {}
+    return {"logits_to_keep": 1} if takes_logits_to_keep(model) else {}
 
 
 def pad_of(tokenizer) -> int:

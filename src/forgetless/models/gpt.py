@@ -5,7 +5,9 @@ so the same `target_modules` rules work on this model and on Hugging Face GPT-2.
 """
 from __future__ import annotations
 
+import inspect
 import math
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -173,10 +175,21 @@ def aux_loss(model: nn.Module) -> torch.Tensor | None:
     return torch.stack(losses).sum() if losses else None
 
 
-def logits_of(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
-    """Logits (B, T, V) from our GPT or from a Hugging Face causal LM."""
-    out = model(idx)
+def logits_of(model: nn.Module, idx: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits (B, T, V) from our GPT or from a Hugging Face causal LM; with `keep` (P,) positions, only
+    those (B, P, V), through the HF model's `logits_to_keep` (see `takes_logits_to_keep`)."""
+    out = model(idx) if keep is None else model(idx, logits_to_keep=keep)
     return out.logits if hasattr(out, "logits") else out
+
+
+def takes_logits_to_keep(model: nn.Module) -> bool:
+    """Whether the (outermost) transformers model's forward computes logits at chosen positions only
+    (`logits_to_keep`, transformers >= 4.50): the output head then skips every other position."""
+    transformers = sys.modules.get("transformers")  # not imported: no transformers model exists
+    if transformers is None:
+        return False
+    lm = next((m for m in model.modules() if isinstance(m, transformers.PreTrainedModel)), None)
+    return lm is not None and "logits_to_keep" in inspect.signature(lm.forward).parameters
 
 
 @torch.no_grad()
