@@ -1,10 +1,12 @@
 """The instruction-task sequence on a (tiny, random) pretrained model: R with general ability as task 0,
 held-out tasks, general perplexity, saved and reused arms, the report."""
+import copy
 import json
 
 import pytest
 
-from forgetless.continual.instruct import run_on
+from forgetless import attach
+from forgetless.continual.instruct import load_stream, run_on, scores
 from forgetless.errors import ForgetlessError
 from forgetless.presets import build_config
 from forgetless.report import write_report
@@ -43,6 +45,16 @@ def test_instruction_sequence_scores_every_task_after_every_task(tmp_path):
     arm = (tmp_path / "arms" / "full" / "seed0.json").stat().st_mtime
     run(tmp_path, ["full"])
     assert (tmp_path / "arms" / "full" / "seed0.json").stat().st_mtime == arm  # reused, not run again
+
+
+def test_the_shared_scores_before_training_are_each_methods_own():
+    """Every arm's row 0 is scored once on the bare model: attaching any method changes no score."""
+    tok = tiny_tokenizer()
+    cfg, lm = build_config("real", SMALL), tiny_llama(tok.vocab_size)
+    stream = load_stream(cfg, tok)
+    bare = scores(lm, tok, stream, cfg)
+    for name in ["lora", "o-lora", "moram", "moe-lora", "neutral", "adapter", "cms", "apn"]:
+        assert scores(attach(copy.deepcopy(lm), name).model, tok, stream, cfg) == bare, name
 
 
 def test_mixing_from_earlier_tasks_changes_the_second_task_only(tmp_path):

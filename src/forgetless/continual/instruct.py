@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime
+import functools
 import hashlib
 import itertools
 import time
@@ -67,6 +68,7 @@ def run_on(lm: nn.Module, tokenizer, cfg: RunConfig, methods, seeds: list[int], 
     built = build_arms(cfg, methods)
     stream = load_stream(cfg, tokenizer)
     arms: dict[str, list[dict]] = {label: [] for label in built}
+    before = functools.cache(lambda: scores(lm, tokenizer, stream, cfg))  # shared: attach is output-neutral
     with progress_task("bench arms", total=len(seeds) * len(built)) as advance:
         for seed, (label, method) in itertools.product(seeds, built.items()):
             run_config = {"protocol": "instructions", "config": cfg.to_dict(), "method": method.name,
@@ -75,7 +77,7 @@ def run_on(lm: nn.Module, tokenizer, cfg: RunConfig, methods, seeds: list[int], 
             arms[label].append(run_or_reuse_arm(
                 out / "arms" / label / f"seed{seed}.json", run_config,
                 lambda arm_dir: instruction_arm(copy.deepcopy(lm), tokenizer, fresh(method), stream, cfg, seed,
-                                                arm_dir)))
+                                                arm_dir, before())))
             advance(1)
     return {
         "protocol": "sequence", "kind": "instructions", "preset": preset, "seeds": list(seeds),
@@ -101,19 +103,21 @@ def load_stream(cfg: RunConfig, tokenizer) -> Stream:
 
 
 def instruction_arm(model: nn.Module, tokenizer, method: Method, stream: Stream, cfg: RunConfig, seed: int,
-                    out_dir: Path | None = None) -> dict:
-    """Attach `method`, train it on every task in order, score everything after each task."""
+                    out_dir: Path | None = None, before: tuple | None = None) -> dict:
+    """Attach `method`, train it on every task in order, score everything after each task. `before`: the
+    model's `scores` before training (the same for every method: attach changes no output, a contract
+    test checks it bit for bit), else scored here."""
     torch.manual_seed(seed)
     adapted = attach(model, method)
     rows, held, general_ppl, wall, loss = [], [], [], 0.0, []
 
-    def score_all():
-        general = evaluate(adapted.model, stream.general.windows)
-        rows.append([100 * general["acc"]] + [score(adapted.model, tokenizer, t, cfg) for t in stream.tasks])
-        held.append([score(adapted.model, tokenizer, t, cfg) for t in stream.held_out])
-        general_ppl.append(general["ppl"])
+    def score_all(now=None):
+        row, held_row, ppl = now or scores(adapted.model, tokenizer, stream, cfg)
+        rows.append(list(row))
+        held.append(list(held_row))
+        general_ppl.append(ppl)
 
-    score_all()
+    score_all(before)
     with PeakRSS() as memory:
         for t, (task, rows_t) in enumerate(zip(stream.tasks, stream.train), start=1):
             t0 = time.perf_counter()
@@ -145,6 +149,13 @@ def learn_task(adapted, t: int, rows: Encoded, stream: Stream, cfg: RunConfig, s
                     desc=f"{method.name} seed {seed} task {t}")
     adapted.end_task(t)
     return history, params
+
+
+def scores(model: nn.Module, tokenizer, stream: Stream, cfg: RunConfig) -> tuple[list[float], list[float], float]:
+    """(R row: general-text accuracy then each task's score, held-out tasks' scores, general-text PPL)."""
+    general = evaluate(model, stream.general.windows)
+    return ([100 * general["acc"]] + [score(model, tokenizer, t, cfg) for t in stream.tasks],
+            [score(model, tokenizer, t, cfg) for t in stream.held_out], general["ppl"])
 
 
 def score(model: nn.Module, tokenizer, task: InstructionTask, cfg: RunConfig) -> float:
