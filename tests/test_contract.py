@@ -291,3 +291,20 @@ def test_answers_only_loss_runs_the_head_on_scored_positions_only(kind):
     torch.testing.assert_close(loss, full)
     for g, f in zip(grads, full_grads):
         torch.testing.assert_close(g, f)
+
+
+@pytest.mark.parametrize("name, explicit", [("apn", {"apn": {"n_patches": 6}}), ("cms", {"level_hidden": 5})])
+def test_retrofits_on_transformers_models_follow_their_size_budget(name, explicit):
+    """APN and CMS beside a transformers model's MLPs have about retrofit_size x its parameters
+    (byte-GPT sizes would outweigh a pretrained model); a width given explicitly wins."""
+    total = sum(p.numel() for p in hf_llama().parameters())
+    for size in (0.5, 1.0):  # the tiny model is too small for a smaller budget of top_k patches at rank 32
+        adapted = attach(hf_llama(), name, retrofit_size=size)
+        added = sum(p.numel() for _, p in adapted.trainable_parameters())
+        assert added == pytest.approx(size * total, rel=0.15), (size, added, total)
+    given = attach(hf_llama(), name, **explicit)
+    widths = {m.cfg.n_patches for m in given.modules() if type(m).__name__ == "APN"} if name == "apn" else \
+        {level.c_fc.out_features for level in given.modules() if type(level).__name__ == "Level"}
+    assert widths == {6 if name == "apn" else 5}
+    with pytest.raises(ForgetlessError, match="retrofit_size must be positive"):
+        attach(hf_llama(), name, retrofit_size=0)

@@ -27,7 +27,7 @@ from forgetless.config import from_dict
 from forgetless.errors import ForgetlessError
 from forgetless.methods.base import Method, MethodConfig, find_modules, register_method, replace_module
 from forgetless.models.gpt import GPT, GPTConfig
-from forgetless.nn.adapter import Beside, input_width
+from forgetless.nn.adapter import Beside, input_width, n_params, width_for
 from forgetless.nn.apn import APN, APNConfig, routing_report
 
 PER_PATCH = ("prototypes", "gate_a", "gate_b", "decoders", "offset_in", "offset_out")  # first dim = K
@@ -54,6 +54,9 @@ class APNMethodConfig(MethodConfig):
     usage_decay: float = field(default=0.95, metadata={"help": "EMA decay of the patch usage counters"})
     param_matched: bool = field(default=False, metadata={"help": "choose n_patches so the base matches the dense one (within 5%)"})
     retrofit: bool = field(default=False, metadata={"help": "put APN beside the FFNs of the trained dense base"})
+    retrofit_size: float = field(default=0.05, metadata={
+        "help": "on transformers models: the APNs' parameters as a fraction of the model's (sets apn.n_patches "
+                "unless given)"})
 
     def __post_init__(self):
         super().__post_init__()
@@ -64,6 +67,8 @@ class APNMethodConfig(MethodConfig):
         if self.norm_cap < 0 or self.grad_cap <= 0 or self.novelty_window <= 0 or self.cooldown < 0:
             raise ForgetlessError("norm_cap >= 0, grad_cap > 0, novelty_window > 0 and cooldown >= 0 are required")
         from_dict(APNConfig, self.apn, "apn")  # validate early
+        if not self.retrofit_size > 0:
+            raise ForgetlessError(f"retrofit_size must be positive, got {self.retrofit_size}")
 
 
 def apn_modules(model: nn.Module) -> list[APN]:
@@ -73,10 +78,13 @@ def apn_modules(model: nn.Module) -> list[APN]:
 def matched_patches(model_cfg: GPTConfig, apn_cfg: APNConfig) -> int:
     """n_patches whose APN has as many parameters as the dense FFN (4x, biases) it replaces."""
     d, hidden = model_cfg.d_model, model_cfg.ffn_mult * model_cfg.d_model
-    dense = 2 * d * hidden + hidden + d
-    size = lambda K: sum(p.numel() for p in APN(d, dataclasses.replace(apn_cfg, n_patches=K, top_k=1)).parameters())  # noqa: E731
-    per_patch, fixed = size(2) - size(1), 2 * size(1) - size(2)
-    return max(apn_cfg.top_k, round((dense - fixed) / per_patch))
+    return patches_for(d, apn_cfg, 2 * d * hidden + hidden + d)
+
+
+def patches_for(d: int, apn_cfg: APNConfig, budget: float) -> int:
+    """n_patches (at least top_k) whose APN at width d has about `budget` parameters."""
+    return width_for(lambda K: n_params(APN(d, dataclasses.replace(apn_cfg, n_patches=K, top_k=1))), budget,
+                     least=apn_cfg.top_k)
 
 
 @register_method("apn")
@@ -109,8 +117,10 @@ class APNMethod(Method):
 
     def attach(self, model):
         if self.cfg.retrofit or not isinstance(model, GPT):
-            for name, module in find_modules(model, self.cfg.target_modules, self.cfg.exclude_modules):
-                replace_module(model, name, Beside(module, APN(input_width(module), self.apn_cfg, out_std=0.0)))
+            targets = find_modules(model, self.cfg.target_modules, self.cfg.exclude_modules)
+            apn_cfg = self.retrofit_config(model, targets)
+            for name, module in targets:
+                replace_module(model, name, Beside(module, APN(input_width(module), apn_cfg, out_std=0.0)))
         if not apn_modules(model):
             raise ForgetlessError(f"method {self.name} found no APN module: it needs an APN base (or retrofit=true)")
         needs_routing = self.cfg.local or self.cfg.allocate
@@ -119,6 +129,15 @@ class APNMethod(Method):
             m.record = needs_routing or self.cfg.gate_on == "router"
             m.update_gate = (self.cfg.gate_min, self.cfg.gate_max) if self.cfg.gate_on == "router" else None
         return model
+
+    def retrofit_config(self, model, targets) -> APNConfig:
+        """The APN options beside `targets`: on a transformers model, n_patches (unless given) sized so all
+        the APNs have `retrofit_size` times the model's parameters (the byte-GPT defaults, K = 256 of rank
+        32, would outweigh a 135M model)."""
+        if isinstance(model, GPT) or "n_patches" in self.cfg.apn or not targets:
+            return self.apn_cfg
+        budget = self.cfg.retrofit_size * n_params(model) / len(targets)
+        return dataclasses.replace(self.apn_cfg, n_patches=patches_for(input_width(targets[0][1]), self.apn_cfg, budget))
 
     def trainable_parameters(self, model):
         return [(f"{prefix}.{name}", p) for prefix, m in model.named_modules() if isinstance(m, APN)

@@ -24,7 +24,7 @@ import torch
 from forgetless.errors import ForgetlessError
 from forgetless.methods.base import Method, MethodConfig, find_modules, register_method, replace_module
 from forgetless.models.gpt import GPT, GPTConfig
-from forgetless.nn.adapter import Beside, linear_shape
+from forgetless.nn.adapter import Beside, input_width, n_params, width_for
 from forgetless.nn.cms import CMS, CMSConfig, Level
 
 
@@ -33,11 +33,16 @@ class CMSMethodConfig(MethodConfig, CMSConfig):
     target_modules: list[str] = field(default_factory=lambda: ["mlp"], metadata={
         "help": "on models other than the forgetless GPT: the MLPs that get a CMS chain beside them"})
     max_period: int = field(default=0, metadata={"help": "train only levels whose period is <= this (0: every level)"})
+    retrofit_size: float = field(default=0.05, metadata={
+        "help": "on transformers models: the chains' parameters as a fraction of the model's (sets the level "
+                "width unless level_hidden is given)"})
 
     def __post_init__(self):
         super().__post_init__()
         if self.max_period < 0:
             raise ForgetlessError(f"cms max_period must not be negative, got {self.max_period}")
+        if not self.retrofit_size > 0:
+            raise ForgetlessError(f"cms retrofit_size must be positive, got {self.retrofit_size}")
 
 
 def levels(model) -> list[tuple[str, Level]]:
@@ -67,11 +72,14 @@ class CMSMethod(Method):
 
     def retrofit(self, model):
         """A CMS chain beside every target MLP, its output projections at zero (attaching changes nothing);
-        each level's hidden width is the MLP's divided by the number of levels (or level_hidden)."""
+        the levels' hidden width is level_hidden, else sized so all the chains have `retrofit_size` times
+        the model's parameters (a chain as wide as the MLP would add 40 % to SmolLM2)."""
         opts = CMSConfig(**{f.name: getattr(self.cfg, f.name) for f in dataclasses.fields(CMSConfig)})
-        for name, mlp in find_modules(model, self.cfg.target_modules, self.cfg.exclude_modules):
-            d, hidden = next(shape for m in mlp.modules() if (shape := linear_shape(m)))
-            width = opts.level_hidden or max(1, hidden // len(opts.periods))
+        targets = find_modules(model, self.cfg.target_modules, self.cfg.exclude_modules)
+        budget = self.cfg.retrofit_size * n_params(model) / max(1, len(targets))
+        for name, mlp in targets:
+            d = input_width(mlp)
+            width = opts.level_hidden or width_for(lambda w: n_params(CMS(d, w, opts)), budget)
             replace_module(model, name, Beside(mlp, CMS(d, width, opts, zero_out=True)))
 
     def level_parameters(self, model, every: bool = False) -> list[tuple[str, torch.nn.Parameter]]:

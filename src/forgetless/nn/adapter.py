@@ -54,6 +54,17 @@ def lora_pair(r: int, d_in: int, d_out: int, like: torch.Tensor) -> tuple[nn.Par
     return nn.Parameter(down), nn.Parameter(torch.zeros(d_out, r, device=like.device, dtype=like.dtype))
 
 
+def width_for(params_of, budget: float, least: int = 1) -> int:
+    """The width n whose module has about `budget` parameters, for modules whose parameter count is
+    linear in n: `params_of(n)` counts them (built at n = 1 and 2 only)."""
+    one, two = params_of(1), params_of(2)
+    return max(least, round((budget - (2 * one - two)) / (two - one)))
+
+
+def n_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
 def input_width(module: nn.Module) -> int:
     """Width d of the input of an FFN-like module (first Linear or HF Conv1D inside it)."""
     for m in module.modules():
