@@ -73,3 +73,25 @@ def test_instruction_errors_are_one_line(tmp_path):
     from typer.testing import CliRunner
     result = CliRunner().invoke(app, ["bench", "--protocol", "sequence", "--tasks", "dbpedia", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "instruction tasks need a pretrained model" in result.output
+
+
+def test_neutral_mixes_general_text_without_targets_and_replay_mixes_earlier_tasks(tmp_path, monkeypatch):
+    """Neutral's l1 term silences its adapters on the mixed rows, so they are general-text windows (no LM
+    targets), never earlier tasks; a replay arm (lora with mix) draws earlier tasks' rows from task 2 on."""
+    from forgetless.continual import instruct
+    seen = []
+
+    class Recording(instruct.InstructionSampler):
+        def __init__(self, rows, batch_size, seed, other=None, p=0.0):
+            seen.append((other, p))
+            super().__init__(rows, batch_size, seed, other, p)
+
+    monkeypatch.setattr(instruct, "InstructionSampler", Recording)
+    run(tmp_path / "neutral", ["neutral"])
+    assert [p for _, p in seen] == [0.1, 0.1]
+    for other, _ in seen:
+        assert all((y == -100).all() for y in other.y) and all(len(x) == 256 for x in other.x)
+    seen.clear()
+    run(tmp_path / "replay", ["lora"], mix=0.5)
+    assert seen[0] == (None, 0.0) and seen[1][1] == 0.5
+    assert any((y != -100).any() for y in seen[1][0].y)                 # task 1's rows, answers scored

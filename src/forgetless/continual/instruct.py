@@ -26,7 +26,7 @@ from forgetless.continual.metrics import sequence_metrics
 from forgetless.continual.scoring import score_task
 from forgetless.continual.two_domain import build_arms, fresh, mean_nested, mean_std, provenance, run_or_reuse_arm
 from forgetless.data.domains import Domain, load_domains
-from forgetless.data.instructions import Encoded, InstructionSampler, InstructionTask, encode, load_task
+from forgetless.data.instructions import IGNORE, Encoded, InstructionSampler, InstructionTask, encode, load_task
 from forgetless.data.splits import eval_windows
 from forgetless.errors import ForgetlessError
 from forgetless.methods import Method, MethodSpec
@@ -46,6 +46,7 @@ class Stream:
     general: Domain
     held_out: list[InstructionTask]
     mix_from: Encoded | None  # rows mixed into every task (e.g. Lima), else the earlier tasks' rows
+    general_rows: Encoded     # windows of the general text's training split, no targets (see learn_task)
 
     def fingerprint(self) -> list[str]:
         return [task_hash(t) for t in [*self.tasks, *self.held_out]] + [self.general.fingerprint]
@@ -99,7 +100,8 @@ def load_stream(cfg: RunConfig, tokenizer) -> Stream:
     (general,), _ = load_domains([data.general], tokenizer, cfg.model.block_size, data.val_fraction, data.eval_windows)
     mix_from = encode(take(load_task(data.mix_from).train), tokenizer, cfg.model.block_size) \
         if data.mix_from != "earlier" else None
-    return Stream(tasks, train_rows, general, [load_task(spec) for spec in data.held_out_tasks], mix_from)
+    return Stream(tasks, train_rows, general, [load_task(spec) for spec in data.held_out_tasks], mix_from,
+                  untargeted(eval_windows(general.train, cfg.model.block_size, 256), train_rows[0].pad_id))
 
 
 def instruction_arm(model: nn.Module, tokenizer, method: Method, stream: Stream, cfg: RunConfig, seed: int,
@@ -135,12 +137,15 @@ def instruction_arm(model: nn.Module, tokenizer, method: Method, stream: Stream,
 
 def learn_task(adapted, t: int, rows: Encoded, stream: Stream, cfg: RunConfig, seed: int):
     """Task t: start it (EWC protects the rows learned last, or general text's training split before task 1), then train
-    on its rows, a fraction `mix` of each batch drawn from the mixing set or the earlier tasks' rows."""
+    on its rows, a fraction `mix` of each batch drawn from the mixing set, else the earlier tasks' rows (replay).
+    A method that mixes original data (Neutral: its l1 term silences the adapters on those rows) gets the mixing
+    set, else general-text windows without targets: they feed its term, the LM loss stays on the answers."""
     method = adapted.method
     previous = stream.general if t == 1 else windows_of(stream.train[t - 2], cfg.model.block_size)
     adapted.start_task(t, previous)
     mix = cfg.adapt.mix if method.cfg.mix is None else method.cfg.mix
-    other = stream.mix_from or (joined(stream.train[:t - 1]) if t > 1 else None)
+    earlier = joined(stream.train[:t - 1]) if t > 1 else None
+    other = stream.mix_from or (stream.general_rows if method.mixes_original else earlier)
     adapt = dataclasses.replace(cfg.adapt, lr=method.cfg.lr or cfg.adapt.lr, mix=mix if other else 0.0,
                                 optimizer=method.cfg.optimizer or cfg.adapt.optimizer)
     sampler = InstructionSampler(rows, adapt.batch_size, 1000 * seed + t, other if adapt.mix else None, adapt.mix)
@@ -173,6 +178,11 @@ def windows_of(rows: Encoded, block_size: int) -> torch.Tensor:
     """The rows' tokens (prompt and answer) as one stream, cut into windows (W, block_size + 1)."""
     stream = torch.cat([torch.cat([x, y[-1:]]) for x, y in zip(rows.x, rows.y)])
     return eval_windows(stream, block_size, 64)
+
+
+def untargeted(windows: torch.Tensor, pad_id: int) -> Encoded:
+    """Windows (W, T+1) as rows with every target -100: seen by the model, not by the LM loss."""
+    return Encoded(list(windows[:, :-1]), [torch.full((windows.shape[1] - 1,), IGNORE) for _ in windows], pad_id)
 
 
 def joined(parts: list[Encoded]) -> Encoded:

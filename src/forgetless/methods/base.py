@@ -129,6 +129,7 @@ class Method(StepHooks):
     Config = MethodConfig
     default_for: tuple[str, ...] = ("two-domain", "sequence")  # protocols whose `--methods all` runs it
     needs_previous = False  # start_task needs the data learned last (EWC's Fisher)
+    mixes_original = False  # its mixed rows must be original-distribution data, never earlier tasks (Neutral's l1)
 
     def __init__(self, cfg: MethodConfig):
         self.cfg = cfg

@@ -42,6 +42,7 @@ class NeutralMethodConfig(MethodConfig, NeutralConfig):
 class Neutral(Method):
     """Gated GLU adapters beside the FFNs, kept silent on original data by an l1 term (base frozen)."""
     Config = NeutralMethodConfig
+    mixes_original = True  # the l1 term silences the adapters on the mixed rows: they must not be earlier tasks
 
     def attach(self, model):
         base_params = sum(p.numel() for p in model.parameters())
