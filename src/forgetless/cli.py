@@ -116,7 +116,8 @@ def bench(preset: str = PRESET,
     where = f"A={cfg.data.domain_a} → B={cfg.data.domain_b}" if protocol == "two-domain" else \
         " → ".join(results["tasks"])
     table = Table(title=" · ".join([protocol, preset, *([model] if model != "byte-gpt" else []), where]),
-                  caption=f"mean ± std over {seeds} seed(s); all columns in {out / 'results.md'}")
+                  caption=f"{'mean ± std over ' + str(seeds) + ' seeds' if seeds > 1 else 'one seed: no std'}; "
+                          f"all columns in {out / 'results.md'}")
     heads, body = terminal_rows(results) if protocol == "two-domain" else sequence_terminal_rows(results)
     for h in heads:
         table.add_column(h, justify="left" if h == "method" else "right", no_wrap=h == "method")

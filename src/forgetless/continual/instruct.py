@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from forgetless.adapted import architecture_fingerprint, attach, resolve_device
 from forgetless.continual.evaluate import evaluate
-from forgetless.continual.metrics import sequence_metrics
+from forgetless.continual.metrics import backward_transfer, forgetting, sequence_metrics
 from forgetless.continual.scoring import score_task
 from forgetless.continual.two_domain import build_arms, fresh, mean_nested, mean_std, provenance, run_or_reuse_arm
 from forgetless.data.domains import Domain, load_domains
@@ -35,7 +35,8 @@ from forgetless.presets import RunConfig
 from forgetless.progress import progress_task
 from forgetless.train import autocast, train
 
-METRICS = ["op", "op_tasks", "bwt", "bwt_drop", "forgetting", "fwt", "la", "general_ppl_change"]
+METRICS = ["op", "op_tasks", "bwt", "bwt_drop", "bwt_tasks", "forgetting", "forgetting_tasks", "fwt", "la",
+           "general_ppl_change"]
 
 
 @dataclasses.dataclass
@@ -168,10 +169,11 @@ def score(model: nn.Module, tokenizer, task: InstructionTask, cfg: RunConfig) ->
 
 
 def metrics(rows: list[list[float]], general_ppl: list[float]) -> dict:
-    """The R metrics with general ability as task 0, OP over the tasks alone, and the general PPL change."""
+    """The R metrics with general ability as task 0; OP, BWT and forgetting over the tasks alone (the
+    TRACE / MoRAM columns; general ability has its own: column 0 and the general PPL change)."""
     T = len(rows) - 1
-    return {**sequence_metrics(rows), "op_tasks": sum(rows[T][1:]) / T,
-            "general_ppl_change": general_ppl[-1] / general_ppl[0] - 1}
+    return {**sequence_metrics(rows), "op_tasks": sum(rows[T][1:]) / T, "bwt_tasks": backward_transfer(rows, 1),
+            "forgetting_tasks": forgetting(rows, 1), "general_ppl_change": general_ppl[-1] / general_ppl[0] - 1}
 
 
 def windows_of(rows: Encoded, block_size: int) -> torch.Tensor:
@@ -195,6 +197,7 @@ def task_hash(task: InstructionTask) -> str:
 
 
 def summarize(runs: list[dict], method: Method) -> dict:
+    runs = [{**r, **metrics(r["r_matrix"], r["general_ppl"])} for r in runs]  # arms saved before a metric existed
     return {"method": method.name, **{m: mean_std([r[m] for r in runs]) for m in METRICS},
             "wall_s": mean_std([r["wall_s"] for r in runs]), "r_matrix": mean_nested([r["r_matrix"] for r in runs]),
             "held_out": mean_nested([r["held_out"] for r in runs]),

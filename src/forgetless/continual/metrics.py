@@ -21,17 +21,18 @@ def overall_performance(R) -> float:
     return sum(R[T]) / (T + 1)
 
 
-def backward_transfer(R) -> float:
-    """BWT = mean_{i<T} (R[T][i] - R[i][i]); negative = forgetting (the MoRAM source prints the
-    drop as a positive number)."""
+def backward_transfer(R, first: int = 0) -> float | None:
+    """BWT = mean_{first<=i<T} (R[T][i] - R[i][i]); negative = forgetting (the MoRAM source prints the
+    drop as a positive number). first=1 leaves out column 0 (e.g. general ability): the tasks' own BWT
+    as TRACE and MoRAM report it (None with no earlier task)."""
     T = check(R)
-    return sum(R[T][i] - R[i][i] for i in range(T)) / T
+    return sum(R[T][i] - R[i][i] for i in range(first, T)) / (T - first) if T > first else None
 
 
-def forgetting(R) -> float:
-    """mean_{i<T} (max_{i<=t<T} R[t][i] - R[T][i]): how far each task fell from its best."""
+def forgetting(R, first: int = 0) -> float | None:
+    """mean_{first<=i<T} (max_{i<=t<T} R[t][i] - R[T][i]): how far each task fell from its best."""
     T = check(R)
-    return sum(max(R[t][i] for t in range(i, T)) - R[T][i] for i in range(T)) / T
+    return sum(max(R[t][i] for t in range(i, T)) - R[T][i] for i in range(first, T)) / (T - first) if T > first else None
 
 
 def forward_transfer(R) -> float | None:

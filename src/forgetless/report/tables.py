@@ -43,10 +43,14 @@ def terminal_rows(results: dict) -> tuple[list[str], list[list[str]]]:
     return TERMINAL, [[r[i] for i in keep] for r in rows(results)]
 
 
+def seeds_text(seeds: list[int]) -> str:
+    return f"seeds {seeds} (mean ± std)" if len(seeds) > 1 else f"one seed ({seeds[0]}): no std"
+
+
 def markdown(results: dict) -> str:
     lines = [f"Protocol {results['protocol']}, preset {results['preset']}, domains "
-             f"A = `{results['domains']['a']}`, B = `{results['domains']['b']}`, seeds {results['seeds']} "
-             f"(mean ± std), {results['date']}.", "",
+             f"A = `{results['domains']['a']}`, B = `{results['domains']['b']}`, {seeds_text(results['seeds'])}, "
+             f"{results['date']}.", "",
              "| " + " | ".join(headers()) + " |", "|" + "---|" * len(headers())]
     lines += ["| " + " | ".join(r) + " |" for r in rows(results)]
     if results.get("pretraining"):
@@ -69,7 +73,8 @@ def write_csv(results: dict, path: Path):
 
 
 SEQUENCE_COLUMNS = [("op", "OP", "{:.2f}"), ("op_tasks", "OP tasks 1..T", "{:.2f}"), ("bwt", "BWT (GEM)", "{:+.2f}"),
-                    ("bwt_drop", "drop (MoRAM BWT)", "{:+.2f}"), ("forgetting", "forgetting", "{:.2f}"),
+                    ("bwt_drop", "drop (MoRAM BWT)", "{:+.2f}"), ("bwt_tasks", "BWT tasks", "{:+.2f}"),
+                    ("forgetting", "forgetting", "{:.2f}"), ("forgetting_tasks", "forgetting tasks", "{:.2f}"),
                     ("la", "LA", "{:.2f}"), ("fwt", "FWT", "{:+.2f}"),
                     ("general_ppl_change", "general PPL change", "{:+.1%}"), ("wall_s", "wall s", "{:.1f}")]
 
@@ -89,7 +94,8 @@ def sequence_rows(results: dict) -> tuple[list[str], list[list[str]]]:
     return heads, body
 
 
-SEQUENCE_TERMINAL = ["method", "OP", "BWT (GEM)", "LA", "FWT", "general PPL change", "trainable params"]
+SEQUENCE_TERMINAL = ["method", "OP", "OP tasks 1..T", "BWT (GEM)", "BWT tasks", "LA", "FWT", "general PPL change",
+                     "trainable params"]
 
 
 def sequence_terminal_rows(results: dict) -> tuple[list[str], list[list[str]]]:
@@ -102,7 +108,7 @@ def sequence_terminal_rows(results: dict) -> tuple[list[str], list[list[str]]]:
 def sequence_markdown(results: dict) -> str:
     heads, body = sequence_rows(results)
     lines = [f"Protocol sequence, preset {results['preset']}, tasks {' -> '.join(f'`{t}`' for t in results['tasks'])}, "
-             f"seeds {results['seeds']} (mean ± std), score: {results['score']}; BWT (GEM sign) < 0 = forgetting; "
+             f"{seeds_text(results['seeds'])}, score: {results['score']}; BWT (GEM sign) < 0 = forgetting; "
              f"drop = -BWT, the sign of the MoRAM source's BWT column (> 0 = forgetting); "
              f"{results['date']}.", "", "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     lines += ["| " + " | ".join(r) + " |" for r in body]
