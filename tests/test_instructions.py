@@ -25,8 +25,8 @@ def tok():
     return tiny_tokenizer()
 
 
-def records(n, answer=lambda i: f"answer {i}"):
-    return [{"prompt": f"Question {i}: what is {i} plus one?\nAnswer:", "answer": answer(i)} for i in range(n)]
+def records(n, answer=lambda i: f"answer {i}", start=0):
+    return [{"prompt": f"Question {i}: what is {i} plus one?\nAnswer:", "answer": answer(i)} for i in range(start, start + n)]
 
 
 def write_json(path, data):
@@ -49,10 +49,10 @@ def test_cl500_task_by_name_matches_its_files():
 def test_cl500_root_from_env_else_repository(tmp_path, monkeypatch):
     (tmp_path / "mini").mkdir()
     write_json(tmp_path / "mini" / "train.json", records(6))
-    (tmp_path / "mini" / "test.jsonl").write_text("\n".join(json.dumps(r) for r in records(2)))
+    (tmp_path / "mini" / "test.jsonl").write_text("\n".join(json.dumps(r) for r in records(2, start=6)))
     monkeypatch.setenv(CL500_ENV, str(tmp_path))
     task = load_task("mini")
-    assert (len(task.train), len(task.test), task.test[1].answer) == (6, 2, "answer 1")
+    assert (len(task.train), len(task.test), task.test[1].answer) == (6, 2, "answer 7")
     with pytest.raises(ForgetlessError, match=r"no cl500 task 'dbpedia' in .*; valid: mini$"):
         load_task("dbpedia")
     monkeypatch.setenv(CL500_ENV, str(tmp_path / "absent"))
@@ -90,6 +90,25 @@ def test_single_file_splits_off_a_deterministic_test_part(tmp_path, suffix):
     assert [ex.answer for ex in task.test] != [r["answer"] for r in data[-4:]]  # picked by permutation, not the tail
 
 
+def test_closed_answer_sets_become_labels_and_open_ones_do_not():
+    """FOMC and C-STANCE have no labels.json but answer A / B / C: scored by label likelihood; NumGLUE's
+    numbers and Lima's free text stay exact match / generation."""
+    assert load_task("FOMC").labels == ["A", "B", "C"] and load_task("C-STANCE").labels == ["A", "B", "C"]
+    assert load_task("NumGLUE-ds").labels is None and load_task("Lima").labels is None
+
+
+def test_test_prompts_seen_in_training_are_left_out(tmp_path, capsys):
+    write_json(tmp_path / "train.json", records(30))
+    write_json(tmp_path / "test.json", records(4, start=28))           # 28 and 29 were trained on
+    task = load_task(tmp_path)
+    assert [ex.prompt for ex in task.test] == [r["prompt"] for r in records(2, start=30)]
+    assert "2 of 4 test prompts are also training prompts" in capsys.readouterr().err
+    assert len(load_task("NumGLUE-ds").test) == 94                      # cl500 ships 6 of its 100 in train.json
+    write_json(tmp_path / "test.json", records(3, start=5))
+    with pytest.raises(ForgetlessError, match="every test prompt is also a training prompt"):
+        load_task(tmp_path)
+
+
 def test_missing_fields_name_the_fields_found(tmp_path):
     path = write_json(tmp_path / "alpaca.json", [{"instruction": "say hi", "output": "hi"}] * 3)
     with pytest.raises(ForgetlessError) as e:
@@ -107,7 +126,7 @@ def test_missing_fields_name_the_fields_found(tmp_path):
 def test_labels_must_cover_the_test_answers(tmp_path):
     sentiment = lambda i: ["positive", "negative", "neutral"][i % 3]  # noqa: E731
     write_json(tmp_path / "train.json", records(9, sentiment))
-    write_json(tmp_path / "test.json", records(6, sentiment))
+    write_json(tmp_path / "test.json", records(6, sentiment, start=100))
     write_json(tmp_path / "labels.json", ["positive", "negative", "neutral"])
     assert load_task(tmp_path).labels == ["positive", "negative", "neutral"]
     write_json(tmp_path / "labels.json", ["positive", "negative"])

@@ -4,7 +4,8 @@ targets, and a batch sampler with replay mixing.
 A task spec is one of
   - a cl500 task name, e.g. `dbpedia` (the folder is $FORGETLESS_CL500, else ../shared/data/cl500
     beside the repository);
-  - a folder with train and test files (.json, .jsonl or .csv) and, for classification, labels.json;
+  - a folder with train and test files (.json, .jsonl or .csv) and, for classification, labels.json
+    (without it, training answers of at most 20 distinct values covering the test answers are the labels);
   - one .json/.jsonl/.csv file, whose test part is split off deterministically.
 Records need the fields `prompt` and `answer`. A task's eval.json is never read: in cl500 it
 usually equals test.json, so choices use `validation_split` of the training examples instead.
@@ -31,6 +32,7 @@ REPO_CL500 = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "c
 FIELDS = ("prompt", "answer")
 SUFFIXES = (".json", ".jsonl", ".csv")
 IGNORE = -100  # target not scored
+MAX_INFERRED_LABELS = 20  # a task without labels.json whose training answers take at most this many values is classification
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ def load_task(spec: str | Path, test_fraction: float = 0.1) -> InstructionTask:
     path = Path(spec)
     if path.is_file():
         train, test = split_off(read_examples(path), test_fraction, seed=0, what=str(path))
-        return InstructionTask(path.stem, train, test)
+        return checked_task(path.stem, train, test, None)
     if path.is_dir():
         return load_folder(path, path.name, test_fraction)
     if len(path.parts) == 1 and path.suffix not in SUFFIXES:
@@ -110,7 +112,25 @@ def load_folder(folder: Path, name: str, test_fraction: float) -> InstructionTas
         if missing is not None:
             raise ForgetlessError(f"{name}: test answer {missing!r} is not in {folder / 'labels.json'} "
                                   f"({len(labels)} labels); add it there or remove labels.json")
-    return InstructionTask(name, train, test, labels)
+    return checked_task(name, train, test, labels)
+
+
+def checked_task(name: str, train: list[Example], test: list[Example], labels: list[str] | None) -> InstructionTask:
+    """The task without test rows whose prompt is also a training prompt (left out, with a warning: cl500's
+    NumGLUE-ds has 6 of 100), and with labels inferred when it has none but its training answers are a
+    small closed set covering every test answer (e.g. FOMC's A / B / C): then it is scored by label
+    likelihood, not by exact match of a free greedy answer."""
+    seen = {" ".join(ex.prompt.split()) for ex in train}
+    clean = [ex for ex in test if " ".join(ex.prompt.split()) not in seen]
+    if len(clean) < len(test):
+        console.print(f"[yellow]warning:[/yellow] {name}: {len(test) - len(clean)} of {len(test)} test prompts are "
+                      "also training prompts; they are left out of its test rows", highlight=False, soft_wrap=True)
+    if not clean:
+        raise ForgetlessError(f"{name}: every test prompt is also a training prompt; give test rows of their own")
+    answers = sorted({ex.answer for ex in train})
+    if labels is None and 2 <= len(answers) <= MAX_INFERRED_LABELS and {ex.answer for ex in clean} <= set(answers):
+        labels = answers
+    return InstructionTask(name, train, clean, labels)
 
 
 def data_file(folder: Path, part: str) -> Path | None:
