@@ -1,4 +1,5 @@
 """End to end through the CLI: smoke-preset bench, resume of arms, report, pretrain/adapt/eval, errors."""
+import io
 import json
 import math
 import os
@@ -54,7 +55,22 @@ def test_bench_smoke_writes_the_contract(smoke_run):
     for f in ["results.csv", "results.md", "retention_vs_adaptation.png", "forgetting_curves.png", "loss_curves.png"]:
         assert (out / f).stat().st_size > 100, f
     assert "| full |" in (out / "results.md").read_text()
-    assert "PPL_A" in result.output
+    assert "forgetting F" in result.output and "PPL_B after" in result.output
+
+
+def test_bench_table_fits_100_columns(smoke_run):
+    """The terminal table keeps the columns a user reads first and fits 100 columns, even with the
+    longest method labels; results.md has every column."""
+    from rich.console import Console
+
+    from forgetless.report.tables import terminal_table
+    out, _ = smoke_run
+    results = json.loads((out / "results.json").read_text())
+    results["methods"]["cms[periods=1,1,1,1;accumulate=updates]"] = next(iter(results["methods"].values()))
+    console = Console(width=100, file=io.StringIO(), record=True)
+    console.print(terminal_table(results, "two-domain · smoke", "mean ± std over 2 seeds"))
+    text = console.export_text()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 100, text
 
 
 def test_bench_rerun_reuses_finished_arms(smoke_run):

@@ -78,7 +78,7 @@ def bench(preset: str = PRESET,
     from forgetless.methods import MethodSpec, method_names
     from forgetless.methods.base import parse_method_specs
     from forgetless.report import write_report
-    from forgetless.report.tables import sequence_terminal_rows, terminal_rows
+    from forgetless.report.tables import terminal_table
 
     protocols = {"two-domain": run_two_domain, "sequence": run_sequence}
     if protocol not in protocols:
@@ -115,14 +115,10 @@ def bench(preset: str = PRESET,
     files = write_report(results, out)
     where = f"A={cfg.data.domain_a} → B={cfg.data.domain_b}" if protocol == "two-domain" else \
         " → ".join(results["tasks"])
-    table = Table(title=" · ".join([protocol, preset, *([model] if model != "byte-gpt" else []), where]),
-                  caption=f"{'mean ± std over ' + str(seeds) + ' seeds' if seeds > 1 else 'one seed: no std'}; "
-                          f"all columns in {out / 'results.md'}")
-    heads, body = terminal_rows(results) if protocol == "two-domain" else sequence_terminal_rows(results)
-    for h in heads:
-        table.add_column(h, justify="left" if h == "method" else "right", no_wrap=h == "method")
-    for r in body:
-        table.add_row(*map(escape, r))  # method specs such as ewc[lam=1e4] look like markup
+    title = " · ".join([protocol, preset, *([model] if model != "byte-gpt" else []), where])
+    caption = (f"{'mean ± std over ' + str(seeds) + ' seeds' if seeds > 1 else 'one seed: no std'}; "
+               f"all columns in {out / 'results.md'}")
+    table = terminal_table(results, title, caption)
     out_console.print(table)
     out_console.print("wrote " + ", ".join(str(f) for f in files))
 

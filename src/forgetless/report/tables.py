@@ -34,13 +34,29 @@ def headers() -> list[str]:
     return ["method"] + [h for _, h, _ in COLUMNS] + ["trainable params", "peak RSS MB"]
 
 
-TERMINAL = ["method", "PPL_A after", "PPL_B after", "forgetting F", "gain G", "trainable params", "wall s"]
+TERMINAL = ["method", "forgetting F", "gain G", "PPL_B after", "trainable params"]
 
 
 def terminal_rows(results: dict) -> tuple[list[str], list[list[str]]]:
-    """The columns that fit a terminal; results.md has them all."""
+    """The columns that fit a 100-column terminal (trainable params without their share); results.md
+    has them all."""
     keep = [headers().index(h) for h in TERMINAL]
-    return TERMINAL, [[r[i] for i in keep] for r in rows(results)]
+    return TERMINAL, [[r[i] for i in keep[:-1]] + [f"{m['trainable_params']:,}"]
+                      for r, m in zip(rows(results), results["methods"].values())]
+
+
+def terminal_table(results: dict, title: str, caption: str):
+    """The rich table `forgetless bench` prints: the terminal columns of either protocol."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    heads, body = terminal_rows(results) if results["protocol"] == "two-domain" else sequence_terminal_rows(results)
+    table = Table(title=title, caption=caption)
+    for h in heads:
+        table.add_column(h, justify="left" if h == "method" else "right", no_wrap=True)
+    for r in body:
+        table.add_row(*map(escape, r))  # method specs such as ewc[lam=1e4] look like markup
+    return table
 
 
 def seeds_text(seeds: list[int]) -> str:
@@ -99,9 +115,13 @@ SEQUENCE_TERMINAL = ["method", "OP", "OP tasks 1..T", "BWT (GEM)", "BWT tasks", 
 
 
 def sequence_terminal_rows(results: dict) -> tuple[list[str], list[list[str]]]:
-    """The sequence columns that fit a terminal (those this run has); results.md has them all."""
+    """The sequence columns that fit a terminal (those this run has; on instruction streams the task-only
+    OP and BWT replace those with general ability as task 0); results.md has them all."""
     heads, body = sequence_rows(results)
-    keep = [heads.index(h) for h in SEQUENCE_TERMINAL if h in heads]
+    wanted = [h for h in SEQUENCE_TERMINAL if h in heads]
+    if "OP tasks 1..T" in heads:
+        wanted = [h for h in wanted if h not in ("OP", "BWT (GEM)")]
+    keep = [heads.index(h) for h in wanted]
     return [heads[i] for i in keep], [[r[i] for i in keep] for r in body]
 
 
