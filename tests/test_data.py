@@ -7,7 +7,7 @@ import torch
 from forgetless.data.corpora import (TINY_SHA256, Corpus, Document, load_corpus, rename_characters,
                                      tinyshakespeare_path)
 from forgetless.data.domains import load_domains
-from forgetless.data.splits import Sampler, disjoint, eval_windows, split_corpus
+from forgetless.data.splits import Sampler, disjoint, eval_windows, split_all, split_corpus
 from forgetless.data.tokenizers import ByteTokenizer, CharTokenizer
 from forgetless.errors import ForgetlessError
 
@@ -164,3 +164,20 @@ def test_single_work_shift_is_not_partitioned():
     a, b = disjoint(tiny, load_corpus("renamed:tinyshakespeare"))
     assert a.nbytes == tiny.nbytes and len(b.docs) == 1 and b.nbytes > 1_000_000
     assert ByteTokenizer().encode(b"").numel() == 0
+
+
+@pytest.mark.parametrize("specs", [
+    ["shakespeare-modern", "shakespeare-folio", "shakespeare-poems", "renamed:shakespeare-modern", "python-stdlib"],
+    ["shakespeare-folio", "renamed:shakespeare-folio", "shakespeare-modern", "renamed:shakespeare-modern"],
+])
+def test_no_corpus_trains_on_another_corpus_held_out_works(specs):
+    """The default sequence (and any list of corpora sharing works, e.g. renamed copies): every corpus's
+    training works are disjoint from every corpus's held-out works."""
+    corpora = [load_corpus(s) for s in specs]
+    corpora[0], corpora[1] = disjoint(corpora[0], corpora[1])
+    splits = split_all(corpora)
+    held = {key for s in splits for key in s.val_keys}
+    for spec, split in zip(specs, splits):
+        assert split.train_keys and not set(split.train_keys) & held, spec
+    by_spec = dict(zip(specs, splits))  # a renamed copy holds out the works its original holds out
+    assert set(by_spec["shakespeare-modern"].val_keys) <= set(by_spec["renamed:shakespeare-modern"].val_keys)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from forgetless.data.corpora import Corpus, load_corpus
-from forgetless.data.splits import check_length, disjoint, eval_windows, split_corpus
+from forgetless.data.splits import check_length, disjoint, eval_windows, split_all
 from forgetless.data.tokenizers import ByteTokenizer, CharTokenizer, PretrainedCorpusTokenizer, tokenizer_from_dict
 
 
@@ -22,7 +22,8 @@ class Domain:
 
 def load_domains(specs: list[str], tokenizer: str | dict, block_size: int, val_fraction: float,
                  max_windows: int) -> tuple[list[Domain], object]:
-    """Load corpora, make the first two share no work, tokenize, split and window them.
+    """Load corpora, make the first two share no work, tokenize, split and window them (a work held
+    out by one corpus is held out by all: no corpus trains on another's held-out works).
 
     `tokenizer` is "bytes", "chars" (vocabulary built from these corpora), a saved tokenizer dict, or a
     pretrained model's tokenizer (an object with `encode(text)`).
@@ -30,7 +31,7 @@ def load_domains(specs: list[str], tokenizer: str | dict, block_size: int, val_f
     corpora = [load_corpus(s) for s in specs]
     if len(corpora) >= 2:
         corpora[0], corpora[1] = disjoint(corpora[0], corpora[1])
-    splits = [split_corpus(c, val_fraction) for c in corpora]
+    splits = split_all(corpora, val_fraction)
     tok = make_tokenizer(tokenizer, corpora, splits)
     domains = []
     for spec, corpus, split in zip(specs, corpora, splits):

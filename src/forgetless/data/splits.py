@@ -1,7 +1,7 @@
 """Deterministic train/val splits, fixed evaluation windows, batch samplers and mixing."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,19 +16,32 @@ class Split:
     train: bytes
     val: bytes
     val_keys: list[str]
+    train_keys: list[str] = field(default_factory=list)  # works in train (empty for a tail split)
 
 
-def split_corpus(corpus: Corpus, val_fraction: float = 0.1) -> Split:
-    """Hold out whole documents (plays) when there are >= 4, else the tail of the text."""
+def split_all(corpora: list[Corpus], val_fraction: float = 0.1) -> list[Split]:
+    """Split every corpus; a work held out by one corpus is held out by every corpus that has it (e.g.
+    modern, Folio and renamed versions of one play), so no corpus trains on another's held-out works."""
+    held = {key for c in corpora for key in split_corpus(c, val_fraction).val_keys}
+    return [split_corpus(c, val_fraction, held) for c in corpora]
+
+
+def split_corpus(corpus: Corpus, val_fraction: float = 0.1, also_held: set[str] = frozenset()) -> Split:
+    """Hold out whole documents (plays) when there are >= 4, else the tail of the text; documents
+    whose key is in `also_held` are held out too."""
     if not 0.0 < val_fraction < 1.0:
         raise ForgetlessError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
     docs = sorted(corpus.docs, key=lambda d: d.key)
     if len(docs) >= 4:
         n_val = max(1, round(len(docs) * val_fraction))
         picks = {int((j + 0.5) * len(docs) / n_val) for j in range(n_val)}
-        val = [d for i, d in enumerate(docs) if i in picks]
-        train = [d for i, d in enumerate(docs) if i not in picks]
-        return Split(join(train), join(val), [d.key for d in val])
+        is_val = [i in picks or d.key in also_held for i, d in enumerate(docs)]
+        val = [d for d, v in zip(docs, is_val) if v]
+        train = [d for d, v in zip(docs, is_val) if not v]
+        if not train:
+            raise ForgetlessError(f"corpus {corpus.name!r}: every work is held out by this or another corpus "
+                                  "of the run; give it works of its own")
+        return Split(join(train), join(val), [d.key for d in val], [d.key for d in train])
     data = join(docs)
     cut = int(len(data) * (1 - val_fraction))
     return Split(data[:cut], data[cut:], [])
