@@ -55,7 +55,7 @@ def test_bench_smoke_writes_the_contract(smoke_run):
     for f in ["results.csv", "results.md", "retention_vs_adaptation.png", "forgetting_curves.png", "loss_curves.png"]:
         assert (out / f).stat().st_size > 100, f
     assert "| full |" in (out / "results.md").read_text()
-    assert "forgetting F" in result.output and "PPL_B after" in result.output
+    assert "F %" in result.output and "PPL_B after" in result.output
 
 
 def test_bench_table_fits_100_columns(smoke_run):

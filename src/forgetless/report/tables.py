@@ -34,15 +34,18 @@ def headers() -> list[str]:
     return ["method"] + [h for _, h, _ in COLUMNS] + ["trainable params", "peak RSS MB"]
 
 
-TERMINAL = ["method", "forgetting F", "gain G", "PPL_B after", "trainable params"]
-
-
 def terminal_rows(results: dict) -> tuple[list[str], list[list[str]]]:
-    """The columns that fit a 100-column terminal (trainable params without their share); results.md
-    has them all."""
-    keep = [headers().index(h) for h in TERMINAL]
-    return TERMINAL, [[r[i] for i in keep[:-1]] + [f"{m['trainable_params']:,}"]
-                      for r, m in zip(rows(results), results["methods"].values())]
+    """The columns a user reads first, narrow enough for a 100-column terminal (F in %, trainable
+    params without their share); results.md has them all."""
+    with_std = len(results["seeds"]) > 1
+    body = [[name, cell(scaled(m["forgetting"], 100), "{:+.1f}", with_std),
+             cell(m["adaptation_gain"], "{:.3f}", with_std), cell(m["ppl_b_after"], "{:.3f}", with_std),
+             f"{m['trainable_params']:,}"] for name, m in results["methods"].items()]
+    return ["method", "F %", "gain G", "PPL_B after", "trainable params"], body
+
+
+def scaled(stat: dict, factor: float) -> dict:
+    return {k: None if v is None else factor * v for k, v in stat.items()}
 
 
 def terminal_table(results: dict, title: str, caption: str):
@@ -52,8 +55,9 @@ def terminal_table(results: dict, title: str, caption: str):
 
     heads, body = terminal_rows(results) if results["protocol"] == "two-domain" else sequence_terminal_rows(results)
     table = Table(title=title, caption=caption)
-    for h in heads:
-        table.add_column(h, justify="left" if h == "method" else "right", no_wrap=True)
+    for h in heads:  # a long method label folds onto a second line; numbers never do
+        table.add_column(h, justify="left" if h == "method" else "right", no_wrap=h != "method",
+                         overflow="fold" if h == "method" else "ellipsis")
     for r in body:
         table.add_row(*map(escape, r))  # method specs such as ewc[lam=1e4] look like markup
     return table
