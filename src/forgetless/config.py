@@ -90,9 +90,11 @@ def load_file(path: str | Path) -> dict:
 
 
 @functools.cache
+@functools.cache
 def code_fingerprint() -> str:
     """Short hash of the package sources that compute results (all but the CLI, reports and aunn/),
-    recorded with cached bases and bench arms so that reusing one made by other code is flagged."""
+    recorded with cached bases and bench arms so that reusing one made by other code is flagged.
+    Read once per process (the CLI reads it at start): the code that ran, not files edited since."""
     root = Path(__file__).parent
     sources = sorted(f for f in root.rglob("*.py")
                      if f.relative_to(root).parts[0] not in ("report", "aunn") and not f.name.startswith("cli"))
