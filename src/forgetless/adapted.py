@@ -121,8 +121,7 @@ class Adapted(nn.Module):
         """(training loss, LM loss alone) of `batch`: LM loss (token-weighted if the method says so)
         + the modules' auxiliary losses + the method's extra loss."""
         batch = Batch.of(batch).to(self.device)
-        overrides = type(self.method).token_weights is not Method.token_weights
-        return training_loss(self.model, batch, self.method.extra_loss, self.method.token_weights if overrides else None)
+        return training_loss(self.model, batch, self.method.extra_loss, self.method.token_weights)
 
     def loss(self, batch) -> torch.Tensor:
         return self.losses(batch)[0]

@@ -80,7 +80,7 @@ def bench(preset: str = PRESET,
     from forgetless.methods import MethodSpec, method_names
     from forgetless.methods.base import parse_method_specs
     from forgetless.report import write_report
-    from forgetless.report.tables import terminal_table
+    from forgetless.report.tables import seeds_text, terminal_table
 
     protocols = {"two-domain": run_two_domain, "sequence": run_sequence}
     if protocol not in protocols:
@@ -118,9 +118,7 @@ def bench(preset: str = PRESET,
     where = f"A={cfg.data.domain_a} → B={cfg.data.domain_b}" if protocol == "two-domain" else \
         " → ".join(results["tasks"])
     title = " · ".join([protocol, preset, *([model] if model != "byte-gpt" else []), where])
-    caption = (f"{'mean ± std over ' + str(seeds) + ' seeds' if seeds > 1 else 'one seed: no std'}; "
-               f"all columns in {out / 'results.md'}")
-    table = terminal_table(results, title, caption)
+    table = terminal_table(results, title, f"{seeds_text(results['seeds'])}; all columns in {out / 'results.md'}")
     out_console.print(table)
     out_console.print("wrote " + ", ".join(str(f) for f in files))
 

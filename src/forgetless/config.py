@@ -90,7 +90,6 @@ def load_file(path: str | Path) -> dict:
 
 
 @functools.cache
-@functools.cache
 def code_fingerprint() -> str:
     """Short hash of the package sources that compute results (all but the CLI, reports and aunn/),
     recorded with cached bases and bench arms so that reusing one made by other code is flagged.

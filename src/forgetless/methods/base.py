@@ -130,6 +130,9 @@ class Method(StepHooks):
     default_for: tuple[str, ...] = ("two-domain", "sequence")  # protocols whose `--methods all` runs it
     needs_previous = False  # start_task needs the data learned last (EWC's Fisher)
     mixes_original = False  # its mixed rows must be original-distribution data, never earlier tasks (Neutral's l1)
+    # token_weights(logits (B, T, V), batch) -> (B, T) weights of each token's LM loss (None: all 1), e.g. to gate
+    # updates by entropy; a method that defines it gets every position's logits (None here: only scored ones)
+    token_weights = None
 
     def __init__(self, cfg: MethodConfig):
         self.cfg = cfg
@@ -162,10 +165,6 @@ class Method(StepHooks):
 
     def extra_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor | None:
         """A loss added to the LM loss (after the forward pass of `batch`)."""
-        return None
-
-    def token_weights(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor | None:
-        """(B, T) weights of each token's LM loss (None: all 1), e.g. to gate updates by entropy."""
         return None
 
     def report(self, model: nn.Module, windows_a: torch.Tensor, windows_b: torch.Tensor) -> dict:
