@@ -362,3 +362,15 @@ def test_export_merges_what_folds_and_keeps_the_rest_loadable(tmp_path):
 def flat(result) -> str:
     """The command's output with line wrapping undone."""
     return " ".join(result.output.split())
+
+
+def test_real_presets_start_full_weight_methods_at_a_fine_tuning_lr():
+    """On a pretrained model, full/ffn/ewc default to 5e-5 (the preset's 5e-4 is for added modules); options given
+    in a config, --set or brackets win; presets for forgetless's own GPTs keep one lr for all."""
+    from forgetless.methods import MethodSpec
+    from forgetless.presets import build_config
+    cfg = build_config("real", merge_overrides(None, {"methods": {"full": {"lr": "1e-4"}, "lora": {"r": "4"}}}))
+    assert cfg.methods["ewc"]["lr"] == 5e-5 and cfg.methods["full"]["lr"] == "1e-4" and cfg.methods["lora"] == {"r": "4"}
+    assert MethodSpec("ffn").build(build_config("real-full").methods.get("ffn")).cfg.lr == 5e-5
+    assert MethodSpec("lora").build(build_config("real").methods.get("lora")).cfg.lr == MethodSpec("lora").build().cfg.lr
+    assert build_config("quick").methods == {}

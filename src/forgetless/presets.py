@@ -69,6 +69,10 @@ class RunConfig:
 
 SECTIONS = {"model": GPTConfig, "pretrain": PretrainConfig, "adapt": AdaptConfig, "data": DataConfig}
 
+# on a pretrained model, methods that train its own weights start at the usual fine-tuning lr (transformers'
+# Trainer default); the preset's 5e-4 suits the small added modules and wrecks a pretrained model's weights
+FULL_WEIGHT_LRS = {name: {"lr": 5e-5} for name in ("full", "ffn", "ewc")}
+
 PRESETS: dict[str, dict] = {
     "smoke": dict(
         model=dict(n_layer=2, n_head=2, d_model=32, block_size=32),
@@ -91,12 +95,14 @@ PRESETS: dict[str, dict] = {
         model=dict(block_size=256),
         adapt=dict(steps=32, batch_size=8, lr=5e-4, warmup=3, eval_every=1000, ckpt_every=8),
         data=dict(domain_a="pydoc-topics", domain_b="python-stdlib", tasks=["dbpedia", "amazon", "yahoo", "agnews"],
-                  held_out_tasks=["FOMC"], train_examples=256, test_rows=50, eval_windows=32)),
+                  held_out_tasks=["FOMC"], train_examples=256, test_rows=50, eval_windows=32),
+        methods=FULL_WEIGHT_LRS),
     "real-full": dict(  # every example, more test rows: for GPUs
         model=dict(block_size=512),
         adapt=dict(steps=63, batch_size=8, lr=5e-4, warmup=5, eval_every=1000, ckpt_every=16),
         data=dict(domain_a="pydoc-topics", domain_b="python-stdlib", tasks=["dbpedia", "amazon", "yahoo", "agnews"],
-                  held_out_tasks=["FOMC", "ScienceQA"], train_examples=500, test_rows=0, eval_windows=128)),
+                  held_out_tasks=["FOMC", "ScienceQA"], train_examples=500, test_rows=0, eval_windows=128),
+        methods=FULL_WEIGHT_LRS),
 }
 
 
@@ -115,4 +121,7 @@ def build_config(preset: str, overrides: dict | None = None) -> RunConfig:
     methods = overrides.get("methods") or {}
     if not isinstance(methods, dict):
         raise ForgetlessError("config section 'methods' must map method names to their options")
+    preset_methods = PRESETS[preset].get("methods", {})  # per-method defaults; given options win
+    methods = {name: {**preset_methods.get(name, {}), **(methods.get(name) or {})}
+               for name in [*preset_methods, *[n for n in methods if n not in preset_methods]]}
     return RunConfig(methods=methods, **parts)
