@@ -220,8 +220,11 @@ def test_config_file_applies(tmp_path, text_file):
     results = json.loads((tmp_path / "run" / "results.json").read_text())
     assert results["config"]["adapt"]["steps"] == 4 and results["config"]["adapt"]["eval_every"] == 2
     assert results["methods"]["lora"]["options"]["r"] == 2
-    assert results["methods"]["lora"]["curves"]["step"] == [0, 2, 4]
+    lora = results["methods"]["lora"]
+    assert lora["curves"]["step"] == [0, 2, 4]  # the final score is the curve's last point, scored once
+    assert lora["curves"]["ppl_b"]["mean"][-1] == lora["ppl_b_after"]["mean"]
     assert list(results["methods"]) == ["full", "lora"]  # full joins as the reference for G
+    assert results["methods"]["full"]["ppl_a_before"] == lora["ppl_a_before"]  # one base: one "before", shared
 
 
 def test_char_base_refuses_unseen_characters(tmp_path, text_file):

@@ -146,9 +146,11 @@ def module_hooks(model: nn.Module, params: list[tuple[str, nn.Parameter]]) -> li
 
 def train(model: nn.Module, params: list[tuple[str, nn.Parameter]], sampler: Sampler, cfg: TrainConfig,
           loss_fn: LossFn, *, evaluate: Callable[[], dict] | None = None, ckpt_path: Path | None = None,
-          run_config: dict | None = None, desc: str = "train", hooks: StepHooks | None = None) -> History:
+          run_config: dict | None = None, desc: str = "train", hooks: StepHooks | None = None,
+          evaluate_at_end: bool = True) -> History:
     """Train `params` of `model` on batches from `sampler`, moved to the model's device; resume from
-    `ckpt_path` when it exists and `run_config` matches."""
+    `ckpt_path` when it exists and `run_config` matches. `evaluate` runs at step 0, every `eval_every`
+    steps and at the end (unless `evaluate_at_end` is False: the caller scores the final model itself)."""
     if not params:
         raise ForgetlessError("nothing to train: the method selected no parameters (check target_modules)")
     run_config = run_config or {}
@@ -197,7 +199,8 @@ def train(model: nn.Module, params: list[tuple[str, nn.Parameter]], sampler: Sam
             scaler.update()
             hooks.after_step(model, opt, done, done == cfg.steps)
             history.loss.append([done, round(lm_loss.item(), 5)])
-            if evaluate is not None and (done % cfg.eval_every == 0 or done == cfg.steps):
+            if evaluate is not None and (done == cfg.steps and evaluate_at_end or
+                                         done < cfg.steps and done % cfg.eval_every == 0):
                 history.evals.append({"step": done, **evaluate()})
             if done % cfg.ckpt_every == 0 or done == cfg.steps:
                 checkpoint(done)

@@ -45,13 +45,14 @@ def score(model: nn.Module, a: Domain, b: Domain) -> dict:
 
 
 def run_arm(model: nn.Module, method: Method, a: Domain, b: Domain, cfg: AdaptConfig, seed: int,
-            out_dir: Path | None = None, run_config: dict | None = None) -> dict:
+            out_dir: Path | None = None, run_config: dict | None = None, before: dict | None = None) -> dict:
     """Attach `method` to `model` (a pretrained base, on its device), adapt on B, return the arm's metrics.
 
-    With `out_dir`, training checkpoints there (resumable) and the method is saved (save_pretrained)
-    in `out_dir/seed<seed>/`.
+    `before` is `score(model, a, b)` when the caller has it (arms on one base share it). With `out_dir`,
+    training checkpoints there (resumable) and the method is saved (save_pretrained) in `out_dir/seed<seed>/`.
+    The last point of the curve is the final score (not computed twice).
     """
-    before = score(model, a, b)
+    before = before or score(model, a, b)
     torch.manual_seed(seed)
     adapted = attach(model, method)
     model = adapted.model
@@ -70,9 +71,10 @@ def run_arm(model: nn.Module, method: Method, a: Domain, b: Domain, cfg: AdaptCo
         t0 = time.perf_counter()
         history, params = adapt_task(adapted, b, a, cfg, 1, seed, evaluate=curve_point, ckpt_path=ckpt,
                                      run_config={**(run_config or {}), "arm": [method.name, seed]},
-                                     desc=f"{method.name} seed {seed}")
+                                     desc=f"{method.name} seed {seed}", evaluate_at_end=False)
         wall = time.perf_counter() - t0 - eval_s
     after = score(model, a, b)
+    history.evals.append({"step": cfg.steps, **after})
     report_after = method.report(model, a.windows, b.windows)
     if out_dir:
         adapted.save_pretrained(out_dir / f"seed{seed}")

@@ -18,7 +18,7 @@ from forgetless import __version__
 from forgetless.adapted import resolve_device
 from forgetless.checkpoint import write_json
 from forgetless.config import code_fingerprint, stable_hash
-from forgetless.continual.arm import run_arm
+from forgetless.continual.arm import run_arm, score
 from forgetless.continual.base_model import base_label, cached_base, load_base, warn_if_other_code
 from forgetless.data.domains import load_domains
 from forgetless.methods import MethodSpec, build_method
@@ -51,6 +51,15 @@ def run_two_domain(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[
     bases, summary = arm_bases(built, cfg, a, tokenizer, device, model, pretrained)
 
     arms: dict[str, list[dict]] = {name: [] for name in built}
+    befores: dict[str, dict] = {}  # base name -> its scores on A and B, shared by the arms on it
+
+    def run(base_name, load, method, seed, arm_dir, run_config):
+        model = load()
+        if base_name not in befores:
+            befores[base_name] = score(model, a, b)
+        return run_arm(model, fresh(method), a, b, cfg.adapt, seed, out_dir=arm_dir, run_config=run_config,
+                       before=befores[base_name])
+
     with progress_task("bench arms", total=len(seeds) * len(built)) as advance:
         for seed, (name, method) in itertools.product(seeds, built.items()):
             base_name, load = bases[name]
@@ -58,8 +67,7 @@ def run_two_domain(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[
                           "base": base_name, "domains": [a.fingerprint, b.fingerprint]}
             arms[name].append(run_or_reuse_arm(
                 out / "arms" / name / f"seed{seed}.json", run_config,
-                lambda arm_dir: run_arm(load(), fresh(method), a, b, cfg.adapt, seed, out_dir=arm_dir,
-                                        run_config=run_config)))
+                lambda arm_dir: run(base_name, load, method, seed, arm_dir, run_config)))
             advance(1)
 
     return {
