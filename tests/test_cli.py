@@ -377,3 +377,29 @@ def test_real_presets_start_full_weight_methods_at_a_fine_tuning_lr():
     assert MethodSpec("ffn").build(build_config("real-full").methods.get("ffn")).cfg.lr == 5e-5
     assert MethodSpec("lora").build(build_config("real").methods.get("lora")).cfg.lr == MethodSpec("lora").build().cfg.lr
     assert build_config("quick").methods == {}
+
+
+def test_bench_prints_its_plan_first(tmp_path, text_file, monkeypatch):
+    """Before any work: the bases to pretrain, the arms to run and an estimate from timed steps; a second run
+    finds the base cached and the arms saved, with nothing left to estimate."""
+    monkeypatch.setenv("FORGETLESS_CACHE", str(tmp_path / "cache"))  # no base cached by other tests
+    args = ("bench", "--preset", "smoke", "--methods", "lora", "--seeds", 1, "--out", tmp_path / "run",
+            "--domain-a", text_file, "--domain-b", f"renamed:{text_file}")
+    first = invoke(*args)
+    assert first.exit_code == 0, first.output
+    plan = next(line for line in first.output.splitlines() if line.startswith("plan:"))
+    assert "pretrain 1 of 1 base" in plan and "run 2 of 2 arms" in plan and "about" in plan  # lora + full (G)
+    assert first.output.index("plan:") < first.output.index("pretrain dense base")
+    again = invoke(*args)
+    assert "plan: pretrain 0 of 1 base (1 cached), run 0 of 2 arms (2 saved) · about 0s" in again.output
+
+
+def test_plan_counts_and_estimates():
+    """The estimate adds what is left: done jobs count as nothing; pretrained models get no estimate."""
+    from forgetless.continual.plan import Job, Plan, n_evaluations
+    from forgetless.train import TrainConfig
+    plan = Plan([Job("base", "dense", 100.0, False), Job("arm", "lora seed 0", 30.0, False),
+                 Job("arm", "lora seed 1", 0.0, True)], calibration_s=2.0)
+    assert plan.seconds == 130.0 and "run 1 of 2 arms (1 saved)" in plan.summary() and "about 2m 10s" in plan.summary()
+    assert Plan(plan.jobs, calibrated=False).summary() == "plan: pretrain 1 of 1 base, run 1 of 2 arms (1 saved)"
+    assert n_evaluations(TrainConfig(steps=200, eval_every=20)) == 11 and n_evaluations(TrainConfig(steps=10, eval_every=4)) == 4

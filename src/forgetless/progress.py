@@ -8,7 +8,9 @@ import time
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (BarColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn,
+                           TimeRemainingColumn)
+from rich.text import Text
 
 console = Console(stderr=True)
 _live: Progress | None = None
@@ -16,21 +18,22 @@ LOG_EVERY_S = 30.0
 
 
 @contextlib.contextmanager
-def progress_task(desc: str, total: int, completed: int = 0):
-    """Yield `advance(n, **fields)`; shows a bar with loss and ETA on stderr (plain lines off a terminal)."""
+def progress_task(desc: str, total: int, completed: int = 0, percent: bool = False):
+    """Yield `advance(n, **fields)`; shows a bar with loss and ETA on stderr (plain lines off a terminal).
+    `percent`: the count is in units a user does not read (e.g. estimated seconds): show a percentage."""
     if not console.is_terminal:
-        with plain_progress(desc, total, completed) as advance:
+        with plain_progress(desc, total, completed, percent) as advance:
             yield advance
         return
     global _live
     owner = _live is None
     if owner:
-        _live = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+        _live = Progress(TextColumn("[bold]{task.description}"), BarColumn(), CountColumn(),
                          TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
                          console=console, transient=False)
         _live.start()
     progress = _live
-    task = progress.add_task(escape(desc), total=total, completed=completed, info="")
+    task = progress.add_task(escape(desc), total=total, completed=completed, info="", percent=percent)
     try:
         def advance(n: int = 1, **fields):
             progress.update(task, advance=n, info=escape(info_text(fields)))
@@ -43,8 +46,15 @@ def progress_task(desc: str, total: int, completed: int = 0):
             progress.remove_task(task)
 
 
+class CountColumn(ProgressColumn):
+    """12/32, or 38% for a task counted in units a user does not read."""
+
+    def render(self, task) -> Text:
+        return Text(f"{task.percentage:>3.0f}%" if task.fields.get("percent") else f"{task.completed:.0f}/{task.total:.0f}")
+
+
 @contextlib.contextmanager
-def plain_progress(desc: str, total: int, completed: int = 0):
+def plain_progress(desc: str, total: int, completed: int = 0, percent: bool = False):
     """`progress_task` for logs: "desc: 12/32 loss 2.31 · 1m 40s, ~2m 47s left" lines."""
     start, done, last = time.monotonic(), completed, {"at": time.monotonic(), "info": ""}
 
@@ -52,7 +62,8 @@ def plain_progress(desc: str, total: int, completed: int = 0):
         elapsed = time.monotonic() - start
         rate = (done - completed) / elapsed if elapsed > 0 else 0.0
         left = f", ~{duration(max(0, total - done) / rate)} left" if rate > 0 and done < total else ""
-        console.print(f"{desc}: {done}/{total} {last['info']}".rstrip() + f" · {duration(elapsed)}{left}",
+        count = f"{100 * done / max(total, 1):.0f}%" if percent else f"{done}/{total}"
+        console.print(f"{desc}: {count} {last['info']}".rstrip() + f" · {duration(elapsed)}{left}",
                       markup=False, highlight=False, soft_wrap=True)
         last["at"] = time.monotonic()
 

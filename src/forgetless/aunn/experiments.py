@@ -57,7 +57,7 @@ def build_config(name: str, overrides: dict):
 def run_experiment(name: str, overrides: dict, seeds: list[int], out: Path) -> tuple[dict, list[Path]]:
     """Run (or reuse) every seed, then summarise; returns (results, files written). CPU times are
     measured with torch's current number of threads (the CLI sets one by default)."""
-    from forgetless.continual.two_domain import run_or_reuse_arm
+    from forgetless.continual.plan import run_or_reuse_arm
 
     if not seeds:
         raise ForgetlessError("give at least one seed")

@@ -59,10 +59,8 @@ def base_label(model_cfg: GPTConfig) -> str:
 def cached_base(model_cfg: GPTConfig, cfg: PretrainConfig, domain: Domain, tokenizer,
                 device: torch.device | None = None) -> Path:
     """Path of the cached base for this config, pretraining it first (resumably) if needed."""
-    key = stable_hash({"model": model_cfg, "train": cfg, "data": domain.fingerprint,
-                       "tokenizer": tokenizer.to_dict(), "windows": domain.windows.shape[0]})
-    folder = cache_dir() / "bases" / f"{base_label(model_cfg)}-{key}"
-    path = folder / "base.safetensors"
+    path = base_path(model_cfg, cfg, domain, tokenizer)
+    folder = path.parent
     if path.exists():
         warn_if_other_code(load_checkpoint(path)[1].get("code"), f"cached base {folder}",
                            "delete that folder to pretrain it again")
@@ -72,6 +70,13 @@ def cached_base(model_cfg: GPTConfig, cfg: PretrainConfig, domain: Domain, token
                  device=device)
         ckpt.unlink(missing_ok=True)
     return path
+
+
+def base_path(model_cfg: GPTConfig, cfg: PretrainConfig, domain: Domain, tokenizer) -> Path:
+    """Where the base of this config is cached (whether or not it exists yet)."""
+    key = stable_hash({"model": model_cfg, "train": cfg, "data": domain.fingerprint,
+                       "tokenizer": tokenizer.to_dict(), "windows": domain.windows.shape[0]})
+    return cache_dir() / "bases" / f"{base_label(model_cfg)}-{key}" / "base.safetensors"
 
 
 def warn_if_other_code(saved: str | None, what: str, fix: str):

@@ -24,7 +24,8 @@ from forgetless.adapted import architecture_fingerprint, attach, resolve_device
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.metrics import backward_transfer, forgetting, sequence_metrics
 from forgetless.continual.scoring import score_task
-from forgetless.continual.two_domain import build_arms, fresh, mean_nested, mean_std, provenance, run_or_reuse_arm
+from forgetless.continual.plan import run_or_reuse_arm
+from forgetless.continual.two_domain import build_arms, fresh, mean_nested, mean_std, provenance
 from forgetless.data.domains import Domain, load_domains
 from forgetless.data.instructions import IGNORE, Encoded, InstructionSampler, InstructionTask, encode, load_task
 from forgetless.data.splits import eval_windows

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import itertools
 import time
 from pathlib import Path
 
@@ -20,14 +19,14 @@ from forgetless.adapted import attach, resolve_device
 from forgetless.continual.arm import adapt_task
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.metrics import sequence_metrics
-from forgetless.continual.two_domain import (arm_bases, build_arms, fresh, load_pretrained, mean_nested, mean_std,
-                                             provenance, run_or_reuse_arm)
+from forgetless.continual.plan import run_arms
+from forgetless.continual.two_domain import (build_arms, fresh, load_pretrained, mean_nested, mean_std,
+                                             provenance)
 from forgetless.data.domains import Domain, load_domains
 from forgetless.errors import ForgetlessError
 from forgetless.methods import Method, MethodSpec
 from forgetless.monitor import PeakRSS
 from forgetless.presets import AdaptConfig, RunConfig
-from forgetless.progress import progress_task
 from forgetless.train import autocast
 
 METRICS = ["op", "bwt", "bwt_drop", "forgetting", "fwt", "la"]
@@ -71,17 +70,19 @@ def run_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[in
     tasks, tokenizer = load_domains(specs, pretrained[1] if pretrained else cfg.data.tokenizer, cfg.model.block_size,
                                     cfg.data.val_fraction, cfg.data.eval_windows)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size))
-    bases, summary = arm_bases(built, cfg, tasks[0], tokenizer, device, model, pretrained)
-    arms: dict[str, list[dict]] = {label: [] for label in built}
-    with progress_task("bench arms", total=len(seeds) * len(built)) as advance:
-        for seed, (label, method) in itertools.product(seeds, built.items()):
-            base_name, load = bases[label]
-            run_config = {"protocol": "sequence", "config": cfg.to_dict(), "method": method.name,
-                          "options": method.options(), "base": base_name, "tasks": [t.fingerprint for t in tasks]}
-            arms[label].append(run_or_reuse_arm(
-                out / "arms" / label / f"seed{seed}.json", run_config,
-                lambda _: run_sequence_arm(load(), fresh(method), tasks, cfg.adapt, seed)))
-            advance(1)
+
+    def arm_config(label, method, base_name):
+        return {"protocol": "sequence", "config": cfg.to_dict(), "method": method.name, "options": method.options(),
+                "base": base_name, "tasks": [t.fingerprint for t in tasks]}
+
+    def arm_seconds(calibration, method, base_cfg):
+        T, windows = len(tasks) - 1, sum(t.windows.shape[0] for t in tasks)
+        return (T * cfg.adapt.steps * calibration.step(base_cfg, method, cfg.adapt.batch_size)
+                + (T + 1) * windows * calibration.window(base_cfg))
+
+    arms, summary = run_arms(built, seeds, cfg, tasks[0], tokenizer, device, model, pretrained, out, arm_config,
+                             lambda label, method, seed, base_name, load, arm_dir:
+                             run_sequence_arm(load(), fresh(method), tasks, cfg.adapt, seed), arm_seconds)
     return {
         "protocol": "sequence", "preset": preset, "seeds": list(seeds), "tasks": specs, **provenance(device),
         "score": "next-token accuracy on held-out windows, %", "date": datetime.date.today().isoformat(),

@@ -5,26 +5,21 @@ saved under `out/arms/` as it finishes, so an interrupted bench resumes where it
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import datetime
-import itertools
-import json
 import math
 import statistics
 from pathlib import Path
 
 from forgetless import __version__
 from forgetless.adapted import resolve_device
-from forgetless.checkpoint import write_json
-from forgetless.config import code_fingerprint, stable_hash
 from forgetless.continual.arm import run_arm, score
-from forgetless.continual.base_model import base_label, cached_base, load_base, warn_if_other_code
+from forgetless.continual.plan import n_evaluations, run_arms
 from forgetless.data.domains import load_domains
 from forgetless.methods import MethodSpec, build_method
 from forgetless.methods.base import as_specs
 from forgetless.presets import RunConfig
-from forgetless.progress import console, progress_task
+from forgetless.progress import console
 from forgetless.train import autocast
 
 METRICS = ["ppl_a_before", "ppl_b_before", "ppl_a_after", "ppl_b_after", "acc_a_before", "acc_b_before",
@@ -48,28 +43,25 @@ def run_two_domain(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[
                                      pretrained[1] if pretrained else cfg.data.tokenizer,
                                      cfg.model.block_size, cfg.data.val_fraction, cfg.data.eval_windows)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size))
-    bases, summary = arm_bases(built, cfg, a, tokenizer, device, model, pretrained)
-
-    arms: dict[str, list[dict]] = {name: [] for name in built}
     befores: dict[str, dict] = {}  # base name -> its scores on A and B, shared by the arms on it
 
-    def run(base_name, load, method, seed, arm_dir, run_config):
+    def run(label, method, seed, base_name, load, arm_dir):
         model = load()
         if base_name not in befores:
             befores[base_name] = score(model, a, b)
-        return run_arm(model, fresh(method), a, b, cfg.adapt, seed, out_dir=arm_dir, run_config=run_config,
-                       before=befores[base_name])
+        return run_arm(model, fresh(method), a, b, cfg.adapt, seed, out_dir=arm_dir,
+                       run_config=arm_config(label, method, base_name), before=befores[base_name])
 
-    with progress_task("bench arms", total=len(seeds) * len(built)) as advance:
-        for seed, (name, method) in itertools.product(seeds, built.items()):
-            base_name, load = bases[name]
-            run_config = {"config": cfg.to_dict(), "method": method.name, "options": method.options(),
-                          "base": base_name, "domains": [a.fingerprint, b.fingerprint]}
-            arms[name].append(run_or_reuse_arm(
-                out / "arms" / name / f"seed{seed}.json", run_config,
-                lambda arm_dir: run(base_name, load, method, seed, arm_dir, run_config)))
-            advance(1)
+    def arm_config(label, method, base_name):
+        return {"config": cfg.to_dict(), "method": method.name, "options": method.options(), "base": base_name,
+                "domains": [a.fingerprint, b.fingerprint]}
 
+    def arm_seconds(calibration, method, base_cfg):
+        return (cfg.adapt.steps * calibration.step(base_cfg, method, cfg.adapt.batch_size)
+                + n_evaluations(cfg.adapt) * (a.windows.shape[0] + b.windows.shape[0]) * calibration.window(base_cfg))
+
+    arms, summary = run_arms(built, seeds, cfg, a, tokenizer, device, model, pretrained, out, arm_config, run,
+                             arm_seconds)
     return {
         "protocol": "two-domain", "preset": preset, "seeds": list(seeds), **provenance(device), "model": model,
         "domains": {"a": cfg.data.domain_a, "b": cfg.data.domain_b},
@@ -89,24 +81,6 @@ def load_pretrained(model: str, device) -> tuple | None:
     return load_model(model, device)
 
 
-def arm_bases(built: dict, cfg: RunConfig, domain, tokenizer, device, model: str, pretrained) -> tuple[dict, dict]:
-    """Arm label -> (base name, loader of a fresh copy on `device`), and the bases' summary: forgetless
-    GPTs pretrained on `domain` (cached, one per base kind), or copies of the `pretrained` model."""
-    if pretrained:
-        return pretrained_bases(built, model, pretrained[0])
-    paths, by_base = bases_for(built, cfg, domain, tokenizer, device)
-    return ({label: (path.parent.name, lambda path=path: load_base(path)[0].to(device)) for label, path in paths.items()},
-            bases_summary(by_base))
-
-
-def pretrained_bases(built: dict, spec: str, lm) -> tuple[dict, dict]:
-    """Every arm adapts its own copy of the loaded model: label -> (base name, loader), and the summary."""
-    from forgetless.adapted import architecture_fingerprint
-    from forgetless.models.hf import describe
-    name = f"{spec}-{architecture_fingerprint(lm)['hash']}"
-    return {label: (name, lambda: copy.deepcopy(lm)) for label in built}, {spec: describe(lm)}
-
-
 def provenance(device) -> dict:
     return {"forgetless_version": __version__, "device": str(device)}
 
@@ -118,44 +92,9 @@ def build_arms(cfg: RunConfig, methods: list[MethodSpec | str]) -> dict:
     return {spec.label: spec.build(cfg.methods.get(spec.name)) for spec in as_specs(methods)}
 
 
-def bases_for(built: dict, cfg: RunConfig, domain, tokenizer, device=None) -> tuple[dict[str, Path], dict[str, Path]]:
-    """(arm label -> its base checkpoint, base label -> checkpoint); each base is pretrained once."""
-    by_base: dict[str, Path] = {}
-    for method in built.values():
-        model_cfg = method.base_config(cfg.model)
-        if base_label(model_cfg) not in by_base:
-            by_base[base_label(model_cfg)] = cached_base(model_cfg, cfg.pretrain, domain, tokenizer, device)
-    return {label: by_base[base_label(m.base_config(cfg.model))] for label, m in built.items()}, by_base
-
-
-def bases_summary(by_base: dict[str, Path]) -> dict:
-    out = {}
-    for label, path in by_base.items():
-        m = load_base(path)[2]
-        out[label] = {"path": str(path), "pretrain_wall_s": m["wall_s"], "ffn": m["model_config"]["ffn"],
-                      "ffn_options": m["model_config"]["ffn_options"], "pretrain_steps": m["train_config"]["steps"],
-                      "evals": m["history"]["evals"]}
-    return out
-
-
 def fresh(method):
     """A new instance of the same method and options (no state carried between arms)."""
     return build_method(method.name, method.options())
-
-
-def run_or_reuse_arm(arm_path: Path, run_config: dict, run) -> dict:
-    """The arm's saved result if its config matches, else `run(arm_dir)`, saved."""
-    key = stable_hash(run_config)
-    if arm_path.exists():
-        saved = json.loads(arm_path.read_text())
-        if saved.get("config_hash") == key:
-            warn_if_other_code(saved.get("code"), f"arm {arm_path}", "delete it to run the arm again")
-            return saved
-    result = run(arm_path.parent)
-    result["config_hash"] = key
-    result["code"] = code_fingerprint()
-    write_json(arm_path, result)
-    return result
 
 
 def adaptation_gain(arm: dict, full: dict) -> float:

@@ -1,0 +1,235 @@
+"""The plan of a bench run, printed before its first step: the bases to pretrain (or found cached), the
+arms to run (or found saved) and the time they should take, from a few training steps and one evaluation
+timed on this machine. The run's bar then counts estimated seconds, so its time left corrects itself
+with the speed the run really has.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from forgetless.adapted import attach
+from forgetless.checkpoint import write_json
+from forgetless.config import code_fingerprint, stable_hash
+from forgetless.continual.base_model import base_label, base_path, cached_base, load_base, warn_if_other_code
+from forgetless.continual.evaluate import evaluate
+from forgetless.methods import Method, build_method
+from forgetless.models.gpt import GPT, GPTConfig
+from forgetless.progress import console, duration, progress_task
+
+
+@dataclass
+class Job:
+    kind: str        # "base" (pretraining) or "arm" (a method and seed)
+    label: str
+    seconds: float   # estimated
+    done: bool       # a cached base or a saved arm: no work left
+
+
+@dataclass
+class Plan:
+    jobs: list[Job] = field(default_factory=list)
+    calibration_s: float = 0.0
+    calibrated: bool = True  # False: no estimate (a pretrained model: each loop shows its own time left)
+
+    @property
+    def seconds(self) -> float:
+        """Estimated seconds of the work left."""
+        return sum(j.seconds for j in self.jobs if not j.done)
+
+    def summary(self) -> str:
+        """One line: 'plan: pretrain 1 of 2 bases (1 cached), run 36 arms (0 saved) · about 9m 10s ...'."""
+        parts = []
+        for kind, verb, kept in (("base", "pretrain", "cached"), ("arm", "run", "saved")):
+            jobs = [j for j in self.jobs if j.kind == kind]
+            if jobs:
+                todo = sum(not j.done for j in jobs)
+                noun = f"{kind}{'s' if len(jobs) > 1 else ''}"
+                parts.append(f"{verb} {todo} of {len(jobs)} {noun}" + (f" ({len(jobs) - todo} {kept})" if todo < len(jobs) else ""))
+        if not self.calibrated:
+            return f"plan: {', '.join(parts)}"
+        threads = torch.get_num_threads()
+        return (f"plan: {', '.join(parts)} · about {duration(self.seconds)} "
+                f"(from steps timed here, {threads} thread{'s' if threads > 1 else ''}, in {self.calibration_s:.1f} s)")
+
+    def show(self):
+        console.print(self.summary(), highlight=False, soft_wrap=True)
+
+
+class Calibration:
+    """Seconds per training step (per base config, method and batch size) and per evaluated window, timed
+    on fresh random-weight models on `device`: speed does not depend on the weights' values."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.cache, self.spent = device, {}, 0.0
+
+    def step(self, model_cfg: GPTConfig, method: Method | None, batch_size: int) -> float:
+        """Seconds per optimizer step of `method` (None: pretraining, every weight) on a `model_cfg` GPT."""
+        key = stable_hash([model_cfg.to_dict(), method and [method.name, method.options()], batch_size])
+        if key not in self.cache:
+            self.cache[key] = self.timed(lambda: step_seconds(model_cfg, method, batch_size, self.device))
+        return self.cache[key]
+
+    def window(self, model_cfg: GPTConfig) -> float:
+        """Seconds to evaluate one held-out window."""
+        key = stable_hash([model_cfg.to_dict(), "eval"])
+        if key not in self.cache:
+            self.cache[key] = self.timed(lambda: window_seconds(model_cfg, self.device))
+        return self.cache[key]
+
+    def timed(self, fn) -> float:
+        t0 = time.perf_counter()
+        value = fn()
+        self.spent += time.perf_counter() - t0
+        return value
+
+
+def step_seconds(model_cfg: GPTConfig, method: Method | None, batch_size: int, device: torch.device,
+                 timed: int = 2) -> float:
+    """Mean time of `timed` AdamW steps (after one warm-up step) on random tokens."""
+    torch.manual_seed(0)
+    model = GPT(model_cfg).to(device)
+    windows = torch.randint(model_cfg.vocab_size, (batch_size, model_cfg.block_size + 1), device=device)  # (B, T+1)
+    if method is None:
+        adapted = attach(model, build_method("full"))
+    else:
+        adapted = attach(model, build_method(method.name, method.options()))
+        adapted.start_task(1, windows if adapted.method.needs_previous else None)
+    opt = torch.optim.AdamW([p for _, p in adapted.trainable_parameters()], lr=0.0)
+    times = []
+    for _ in range(timed + 1):
+        t0 = time.perf_counter()
+        loss = adapted.losses(windows)[0]
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return sum(times[1:]) / timed
+
+
+def window_seconds(model_cfg: GPTConfig, device: torch.device, n: int = 16) -> float:
+    """Time per window of evaluating `n` random windows (after a warm-up)."""
+    torch.manual_seed(0)
+    model = GPT(model_cfg).to(device)
+    windows = torch.randint(model_cfg.vocab_size, (n, model_cfg.block_size + 1), device=device)  # (n, T+1)
+    evaluate(model, windows[:2])
+    t0 = time.perf_counter()
+    evaluate(model, windows)
+    return (time.perf_counter() - t0) / n
+
+
+# ---- a bench run: bases, then arms, planned and under one bar ---------------------------------------
+def run_arms(built: dict, seeds: list[int], cfg, domain, tokenizer, device, model: str, pretrained, out: Path,
+             run_config, run, arm_seconds) -> tuple[dict, dict]:
+    """Every (seed, arm) of `built` (label -> Method), saved under `out/arms/` as it finishes and reused when
+    its config matches. First the plan; then one bar over the bases to pretrain on `domain` (cached; a
+    `pretrained` (model, tokenizer) needs none) and the arms.
+
+    `run_config(label, method, base_name)` is an arm's config (its saved result is reused while it matches);
+    `run(label, method, seed, base_name, load, arm_dir)` runs it (`load()` is a fresh copy of its base);
+    `arm_seconds(calibration, method, base_cfg)` estimates it. Returns (label -> results per seed, bases summary)."""
+    if pretrained:
+        name = pretrained_name(model, pretrained[0])
+        names, paths = {label: name for label in built}, {}
+    else:
+        paths = {label: base_path(m.base_config(cfg.model), cfg.pretrain, domain, tokenizer) for label, m in built.items()}
+        names = {label: path.parent.name for label, path in paths.items()}
+    todo = [(seed, label, out / "arms" / label / f"seed{seed}.json", run_config(label, built[label], names[label]))
+            for seed, label in itertools.product(seeds, built)]
+    plan = make_plan(built, cfg, paths, todo, device, arm_seconds, not pretrained, domain.windows.shape[0])
+    plan.show()
+    units = {id(j): max(1, round(j.seconds)) if plan.calibrated else 1 for j in plan.jobs}
+    results: dict[str, list[dict]] = {label: [] for label in built}
+    with progress_task("bench", total=sum(units[id(j)] for j in plan.jobs if not j.done), percent=plan.calibrated) as advance:
+        base_jobs = iter(j for j in plan.jobs if j.kind == "base")
+        for path in dict.fromkeys(paths.values()):  # distinct bases, in arm order
+            job = next(base_jobs)
+            label = next(label for label in built if paths[label] == path)
+            cached_base(built[label].base_config(cfg.model), cfg.pretrain, domain, tokenizer, device)
+            advance(0 if job.done else units[id(job)])
+        arm_jobs = [j for j in plan.jobs if j.kind == "arm"]
+        for (seed, label, arm_path, config), job in zip(todo, arm_jobs):
+            load = (lambda: copy.deepcopy(pretrained[0])) if pretrained else \
+                (lambda path=paths[label]: load_base(path)[0].to(device))
+            results[label].append(run_or_reuse_arm(
+                arm_path, config, lambda arm_dir: run(label, built[label], seed, names[label], load, arm_dir)))
+            advance(0 if job.done else units[id(job)])
+    if pretrained:
+        from forgetless.models.hf import describe
+        return results, {model: describe(pretrained[0])}
+    return results, bases_summary(paths)
+
+
+def make_plan(built: dict, cfg, paths: dict, todo: list, device, arm_seconds, calibrated: bool,
+              n_windows: int) -> Plan:
+    """The jobs of `run_arms`, each marked done (cached base, saved arm) or estimated (when `calibrated`)."""
+    calibration = Calibration(device) if calibrated else None
+    jobs = []
+    for path in dict.fromkeys(paths.values()):
+        base_cfg = built[next(label for label in built if paths[label] == path)].base_config(cfg.model)
+        done = path.exists()
+        seconds = 0.0 if done or not calibration else pretrain_seconds(calibration, base_cfg, cfg.pretrain, n_windows)
+        jobs.append(Job("base", base_label(base_cfg), seconds, done))
+    for seed, label, arm_path, config in todo:
+        done = saved_arm(arm_path, config) is not None
+        method = built[label]
+        seconds = 0.0 if done or not calibration else arm_seconds(calibration, method, method.base_config(cfg.model))
+        jobs.append(Job("arm", f"{label} seed {seed}", seconds, done))
+    return Plan(jobs, calibration.spent if calibration else 0.0, calibrated)
+
+
+def pretrain_seconds(calibration: Calibration, model_cfg: GPTConfig, cfg, n_windows: int) -> float:
+    return (cfg.steps * calibration.step(model_cfg, None, cfg.batch_size)
+            + n_evaluations(cfg) * n_windows * calibration.window(model_cfg))
+
+
+def n_evaluations(cfg) -> int:
+    """Curve points of a training run: step 0, every `eval_every` steps, the end."""
+    return 1 + math.ceil(cfg.steps / cfg.eval_every)
+
+
+def pretrained_name(spec: str, lm) -> str:
+    from forgetless.adapted import architecture_fingerprint
+    return f"{spec}-{architecture_fingerprint(lm)['hash']}"
+
+
+def bases_summary(paths: dict[str, Path]) -> dict:
+    out = {}
+    for path in dict.fromkeys(paths.values()):
+        m = load_base(path)[2]
+        out[base_label(GPTConfig(**m["model_config"]))] = {
+            "path": str(path), "pretrain_wall_s": m["wall_s"], "ffn": m["model_config"]["ffn"],
+            "ffn_options": m["model_config"]["ffn_options"], "pretrain_steps": m["train_config"]["steps"],
+            "evals": m["history"]["evals"]}
+    return out
+
+
+def saved_arm(arm_path: Path, run_config: dict) -> dict | None:
+    """The arm's saved result when its config matches `run_config`, else None."""
+    if arm_path.exists():
+        saved = json.loads(arm_path.read_text())
+        if saved.get("config_hash") == stable_hash(run_config):
+            return saved
+    return None
+
+
+def run_or_reuse_arm(arm_path: Path, run_config: dict, run) -> dict:
+    """The arm's saved result if its config matches, else `run(arm_dir)`, saved."""
+    saved = saved_arm(arm_path, run_config)
+    if saved is not None:
+        warn_if_other_code(saved.get("code"), f"arm {arm_path}", "delete it to run the arm again")
+        return saved
+    result = run(arm_path.parent)
+    result["config_hash"] = stable_hash(run_config)
+    result["code"] = code_fingerprint()
+    write_json(arm_path, result)
+    return result
