@@ -329,7 +329,10 @@ def test_bench_optimizers_across_learning_rates(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--optimizers", "adamw,adam"], "unknown optimizer 'adam' in --optimizers; valid: adamw"),
-    (["--lrs", "1e-3"], "--lrs goes with --optimizers"),
+    (["--optimizers", "adamw", "--sweep", "full.lr=1e-3,3e-3"], "--sweep does not go with --optimizers"),
+    (["--methods", "lora", "--sweep", "lora=4"], "--sweep 'lora=4': write METHOD.OPTION=V1,V2"),
+    (["--methods", "lora", "--sweep", "lora.rank=4,8"], "unknown config key methods.lora.rank"),
+    (["--methods", "lora", "--lrs", "fast"], "methods.lora.lr: cannot read 'fast'"),
     (["--optimizers", "adamw", "--lrs", "fast"], "--lrs takes numbers"),
     (["--optimizers", "adamw", "--protocol", "sequence"], "--optimizers runs the two-domain protocol"),
     (["--methods", "lora[r=4]", "--optimizers", "adamw"], "give plain method names"),
@@ -403,3 +406,22 @@ def test_plan_counts_and_estimates():
     assert plan.seconds == 130.0 and "run 1 of 2 arms (1 saved)" in plan.summary() and "about 2m 10s" in plan.summary()
     assert Plan(plan.jobs, calibrated=False).summary() == "plan: pretrain 1 of 1 base, run 1 of 2 arms (1 saved)"
     assert n_evaluations(TrainConfig(steps=200, eval_every=20)) == 11 and n_evaluations(TrainConfig(steps=10, eval_every=4)) == 4
+
+
+def test_sweep_draws_a_frontier_and_its_operating_points(tmp_path, text_file):
+    """--sweep and --lrs add an arm per value; the arms of one method make a frontier curve, figure and table."""
+    result = invoke("bench", "--preset", "smoke", "--methods", "lora", "--sweep", "lora.r=2,8", "--lrs", "3e-3",
+                    "--seeds", 1, "--out", tmp_path, "--domain-a", text_file, "--domain-b", f"renamed:{text_file}")
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert list(results["methods"]) == ["full", "lora", "lora[r=2]", "lora[r=8]", "lora[lr=3e-3]"]  # full: G's reference
+    frontier = results["frontier"]
+    assert set(frontier) == {"lora, r", "lora, lr", "full"}  # curves with their plain arm; full at one setting
+    g = {label: m["adaptation_gain"]["mean"] for label, m in results["methods"].items()}
+    f = {label: 100 * m["forgetting"]["mean"] for label, m in results["methods"].items()}
+    arms = ["lora", "lora[lr=3e-3]"]
+    ok = [a for a in arms if f[a] <= 5]
+    assert frontier["lora, lr"]["best_g_at_f_le_5"] == ({"value": max(g[a] for a in ok), "arm": max(ok, key=g.get)}
+                                                        if ok else None)
+    assert "Operating points" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "frontier.png").stat().st_size > 1000

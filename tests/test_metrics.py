@@ -51,3 +51,30 @@ def test_bad_matrix():
         sequence_metrics([[1, 2]])
     with pytest.raises(ForgetlessError, match="square"):
         sequence_metrics([[1, 2], [3]])
+
+
+def test_frontier_curves_and_operating_points():
+    """A method run at several values of one option is a curve (its plain arm at the protocol's lr joins it);
+    operating points pick the best arm under each limit, None when no arm qualifies."""
+    from forgetless.report.frontier import curves, operating_points
+
+    def arm(f, g, lr=None):
+        return {"forgetting": {"mean": f, "std": 0.0}, "adaptation_gain": {"mean": g, "std": 0.0},
+                "options": {"lr": lr}}
+    results = {"protocol": "two-domain", "config": {"adapt": {"lr": 3e-4, "mix": 0.0}},
+               "methods": {"full": arm(0.20, 1.0), "full[lr=1e-4]": arm(0.04, 0.8), "full[lr=3e-5]": arm(0.01, 0.5),
+                           "lora": arm(0.015, 0.7, lr=1e-3)}}
+    assert [(v, label) for v, label, _ in curves(results)["full, lr"]] == [
+        ("3e-5", "full[lr=3e-5]"), ("1e-4", "full[lr=1e-4]"), ("0.0003", "full")]
+    points = operating_points(results)
+    assert points["full, lr"] == {"best_g_at_f_le_5": {"value": 0.8, "arm": "full[lr=1e-4]"},
+                                  "best_g_at_f_le_2": {"value": 0.5, "arm": "full[lr=3e-5]"},
+                                  "best_f_at_g_ge_0.9": {"value": 20.0, "arm": "full"}}
+    assert points["lora"]["best_f_at_g_ge_0.9"] is None and points["lora"]["best_g_at_f_le_2"]["value"] == 0.7
+    sequence = {"protocol": "sequence", "config": {"adapt": {"lr": 1e-3}},
+                "methods": {"a": {"la": {"mean": 50.0}, "bwt": {"mean": -9.0}, "options": {}},
+                            "a[lr=1e-4]": {"la": {"mean": 49.5}, "bwt": {"mean": -4.0}, "options": {}},
+                            "b": {"la": {"mean": 40.0}, "bwt": {"mean": -1.0}, "options": {}}}}
+    seq_points = operating_points(sequence)
+    assert seq_points["a, lr"]["best_bwt_at_matched_la"] == {"value": -4.0, "arm": "a[lr=1e-4]"}
+    assert seq_points["b"]["best_bwt_at_matched_la"] is None  # LA 10 points below the best: not matched

@@ -66,8 +66,10 @@ def bench(preset: str = PRESET,
                                                    "a base pretrained with each (loss curves), and every method "
                                                    "(default: full) adapted with each (two-domain)"),
           pretrain_seeds: int = typer.Option(1, help="with --optimizers: pretraining runs per optimizer"),
-          lrs: Optional[str] = typer.Option(None, "--lrs", help="with --optimizers: adapt at each of these learning "
-                                            "rates too, e.g. 1e-4,3e-4,1e-3 (trade-off curves per optimizer)"),
+          lrs: Optional[str] = typer.Option(None, "--lrs", help="adapt every method at each of these learning rates "
+                                            "too, e.g. 1e-4,3e-4,1e-3 (frontier curves; with --optimizers: per optimizer)"),
+          sweep: Optional[list[str]] = typer.Option(None, "--sweep", help="METHOD.OPTION=V1,V2,... (repeatable): an "
+                                                    "arm per value, e.g. lora.lr=1e-4,1e-3; frontier figure and table"),
           model: str = MODEL, device: str = DEVICE, precision: Optional[str] = PRECISION,
           config_file: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET, flags: dict = None):
     """Pretrain (cached) or load a pretrained model, adapt every method, write results.json/csv/md and figures."""
@@ -78,7 +80,7 @@ def bench(preset: str = PRESET,
     from forgetless.continual.sequence import run_sequence
     from forgetless.continual.two_domain import run_two_domain
     from forgetless.methods import MethodSpec, method_names
-    from forgetless.methods.base import parse_method_specs
+    from forgetless.methods.base import parse_method_specs, sweep_specs
     from forgetless.report import write_report
     from forgetless.report.tables import seeds_text, terminal_table
 
@@ -96,9 +98,9 @@ def bench(preset: str = PRESET,
             flags.setdefault("data", {})[key] = value
     set_precision(flags, precision)
     cfg = run_config(preset, config_file, flags, set_)
-    if lrs and not optimizers:
-        raise ForgetlessError("--lrs goes with --optimizers (e.g. --optimizers adamw,muon --lrs 1e-4,3e-4)")
     if optimizers:
+        if sweep:
+            raise ForgetlessError("--sweep does not go with --optimizers; sweep learning rates there with --lrs")
         if protocol != "two-domain" or pretrain_seeds <= 0:
             raise ForgetlessError("--optimizers runs the two-domain protocol with --pretrain-seeds >= 1")
         names = ["full"] if methods == "all" else methods.split(",")
@@ -107,6 +109,7 @@ def bench(preset: str = PRESET,
                                  lrs.split(",") if lrs else None, device)
     else:
         specs = [MethodSpec(n) for n in method_names(protocol)] if methods == "all" else parse_method_specs(methods)
+        specs = sweep_specs(specs, sweep, lrs)
         out = writable(out or Path("runs") / f"{protocol}-{preset}")
         instructions = protocol == "sequence" and any(is_task_spec(t) for t in cfg.data.tasks)
         if instructions and model == "byte-gpt":

@@ -112,6 +112,33 @@ def parse_method_specs(text: str) -> list[MethodSpec]:
     return out
 
 
+def sweep_specs(specs: list[MethodSpec], sweeps: list[str] | None = None, lrs: str | None = None) -> list[MethodSpec]:
+    """`specs` plus one arm per swept value: 'lora.r=4,16' adds lora[r=4] and lora[r=16]; `lrs` '1e-4,1e-3'
+    adds NAME[lr=...] for every method in `specs`. Arms already there are not added twice."""
+    items = [(name, option, values) for item in sweeps or [] for name, option, values in [parse_sweep(item)]]
+    if lrs:
+        items += [(name, "lr", [v.strip() for v in lrs.split(",") if v.strip()])
+                  for name in dict.fromkeys(s.name for s in specs)]
+    out = list(specs)
+    for name, option, values in items:
+        for value in values:
+            spec = MethodSpec(name, {option: value})
+            spec.build()  # a bad name, option or value fails here, before any work
+            if spec.label not in {s.label for s in out}:
+                out.append(spec)
+    return out
+
+
+def parse_sweep(item: str) -> tuple[str, str, list[str]]:
+    """'lora.lr=1e-4,1e-3' -> ('lora', 'lr', ['1e-4', '1e-3'])."""
+    key, eq, values = item.partition("=")
+    name, dot, option = key.strip().partition(".")
+    values = [v.strip() for v in values.split(",") if v.strip()]
+    if not (eq and dot and name and option and values):
+        raise ForgetlessError(f"--sweep {item!r}: write METHOD.OPTION=V1,V2,..., e.g. --sweep lora.lr=1e-4,3e-4,1e-3")
+    return name, option, values
+
+
 def as_specs(methods) -> list[MethodSpec]:
     """MethodSpecs from MethodSpecs, or from spec text ('lora[r=16]') given to the Python API."""
     return [m for item in methods for m in ([item] if isinstance(item, MethodSpec) else parse_method_specs(item))]

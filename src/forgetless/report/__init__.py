@@ -5,18 +5,28 @@ from pathlib import Path
 
 from forgetless.checkpoint import write_json
 from forgetless.report.figures import method_figures, r_heatmaps, write_figures
+from forgetless.report.frontier import curves, frontier_figure, frontier_markdown, operating_points
 from forgetless.report.tables import markdown, sequence_markdown, write_csv, write_sequence_csv
 
 
 def write_report(results: dict, out: Path) -> list[Path]:
+    """results.json/csv/md and figures in `out`; a run with sweeps also gets `frontier` (JSON, Markdown)
+    and frontier.png."""
     out.mkdir(parents=True, exist_ok=True)
+    if curves(results):
+        results["frontier"] = operating_points(results)
     write_json(out / "results.json", results)
-    if results["protocol"] == "sequence":
-        write_sequence_csv(results, out / "results.csv")
-        (out / "results.md").write_text(sequence_markdown(results))
+    sequence = results["protocol"] == "sequence"
+    (write_sequence_csv if sequence else write_csv)(results, out / "results.csv")
+    text = sequence_markdown(results) if sequence else markdown(results)
+    if results.get("frontier"):
+        text += "\n".join(frontier_markdown(results["frontier"])) + "\n"
+    (out / "results.md").write_text(text)
+    if sequence:
         r_heatmaps(results, out / "r_matrix.png")
-        return [out / "results.json", out / "results.csv", out / "results.md", out / "r_matrix.png",
-                *method_figures(results, out)]
-    write_csv(results, out / "results.csv")
-    (out / "results.md").write_text(markdown(results))
-    return [out / "results.json", out / "results.csv", out / "results.md", *write_figures(results, out)]
+        figures = [out / "r_matrix.png", *method_figures(results, out)]
+    else:
+        figures = write_figures(results, out)
+    if frontier_figure(results, out / "frontier.png"):
+        figures.append(out / "frontier.png")
+    return [out / "results.json", out / "results.csv", out / "results.md", *figures]

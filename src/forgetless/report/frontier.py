@@ -1,0 +1,129 @@
+"""Trade-off frontiers: a method run at several values of one option (`--sweep`, `--lrs`, or arms like
+lora[lr=1e-4]) is a curve, not a point. Two-domain: forgetting F against adaptation gain G; sequence:
+BWT against LA (accuracy on each task just after learning it). Beside the figure, each curve's operating
+points: the best G at F <= 5 % and <= 2 %, the best F at G >= 0.9 (two-domain), the best BWT at LA within
+1 point of the best LA of all arms (sequence), so methods are compared at matched adaptation.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from forgetless.report.figures import colors, plt, save
+
+SWEPT = re.compile(r"([\w-]+)\[(\w+)=([^;\]]+)\]")
+F_LIMITS, G_TARGET, LA_MARGIN = (5.0, 2.0), 0.9, 1.0
+
+
+def axes_of(results: dict) -> tuple[tuple[str, str, float], tuple[str, str, float]]:
+    """((x key, x label, scale), (y key, y label, scale)) of the protocol's frontier."""
+    if results["protocol"] == "two-domain":
+        return ("forgetting", "forgetting F on A (%)  ← better", 100.0), ("adaptation_gain", "adaptation gain G  ↑ better", 1.0)
+    bwt = "bwt_tasks" if "bwt_tasks" in next(iter(results["methods"].values())) else "bwt"
+    return ("la", "LA: accuracy on each task after learning it (%)  → better", 1.0), (bwt, f"{bwt} (< 0 = forgetting)  ↑ better", 1.0)
+
+
+def curves(results: dict) -> dict[str, list[tuple[str, str, dict]]]:
+    """'lora, lr' -> [(value, arm label, arm)] sorted by value, for every method run at >= 2 values of one
+    option (its plain arm counts, at its own option value or the protocol's for lr and mix)."""
+    adapt = results["config"]["adapt"]
+    swept: dict[tuple[str, str], list] = {}
+    for label, m in results["methods"].items():
+        match = SWEPT.fullmatch(label)
+        if match:
+            swept.setdefault((match.group(1), match.group(2)), []).append((match.group(3), label, m))
+    out = {}
+    for (name, option), points in swept.items():
+        plain = results["methods"].get(name)
+        if plain is not None:
+            value = plain.get("options", {}).get(option)
+            value = adapt.get(option) if value is None else value
+            if value is not None and all(not same(value, v) for v, _, _ in points):
+                points.append((str(value), name, plain))
+        if len(points) >= 2:
+            out[f"{name}, {option}"] = sorted(points, key=lambda p: number(p[0]))
+    return out
+
+
+def operating_points(results: dict) -> dict[str, dict]:
+    """Per curve (and per method run at one setting): its best arms at matched forgetting or adaptation."""
+    (xk, _, xs), (yk, _, ys) = axes_of(results)
+    groups = curves(results)
+    in_curves = {label for points in groups.values() for _, label, _ in points}
+    groups.update({label: [("", label, m)] for label, m in results["methods"].items() if label not in in_curves})
+    out = {}
+    for key, points in groups.items():
+        arms = [(label, xs * m[xk]["mean"], ys * m[yk]["mean"]) for _, label, m in points]
+        if results["protocol"] == "two-domain":
+            row = {f"best_g_at_f_le_{limit:g}": best([(g, label) for label, f, g in arms if f <= limit], max)
+                   for limit in F_LIMITS}
+            row[f"best_f_at_g_ge_{G_TARGET:g}"] = best([(f, label) for label, f, g in arms if g >= G_TARGET], min)
+        else:
+            top = max(m[xk]["mean"] for m in results["methods"].values())
+            row = {"best_bwt_at_matched_la": best([(b, label) for label, la, b in arms if la >= top - LA_MARGIN], max)}
+        out[key] = row
+    return out
+
+
+def best(candidates: list[tuple[float, str]], pick) -> dict | None:
+    """{'value', 'arm'} of the best candidate, None when no arm qualifies."""
+    if not candidates:
+        return None
+    value, arm = pick(candidates)
+    return {"value": value, "arm": arm}
+
+
+def frontier_figure(results: dict, path: Path) -> bool:
+    """Every arm as a point (± std over seeds both ways); the arms of one sweep joined in order of value."""
+    groups = curves(results)
+    if not groups:
+        return False
+    (xk, xlabel, xs), (yk, ylabel, ys) = axes_of(results)
+    in_curves = {label for points in groups.values() for _, label, _ in points}
+    color = colors([*groups, *[label for label in results["methods"] if label not in in_curves]])
+    fig, ax = plt.subplots(figsize=(8.5, 5))
+    for key, points in groups.items():
+        ms = [m for _, _, m in points]
+        x, y = [xs * m[xk]["mean"] for m in ms], [ys * m[yk]["mean"] for m in ms]
+        ax.errorbar(x, y, xerr=[xs * m[xk]["std"] for m in ms], yerr=[ys * m[yk]["std"] for m in ms], marker="o",
+                    capsize=2, color=color[key], label=key)
+        for (value, _, _), px, py in zip(points, x, y):
+            ax.annotate(value, (px, py), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color[key])
+    for label, m in results["methods"].items():
+        if label not in in_curves:
+            ax.errorbar(xs * m[xk]["mean"], ys * m[yk]["mean"], xerr=xs * m[xk]["std"], yerr=ys * m[yk]["std"],
+                        marker="s", capsize=2, color=color[label], label=label, linestyle="none")
+    if results["protocol"] == "two-domain":
+        for limit in F_LIMITS:
+            ax.axvline(limit, color="grey", lw=0.6, ls=":")
+        ax.axhline(G_TARGET, color="grey", lw=0.6, ls=":")
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=f"Trade-off frontier ({results['preset']}, "
+                                               f"{len(results['seeds'])} seed(s); bars: ± std over seeds)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
+    save(fig, path)
+    return True
+
+
+def frontier_markdown(points: dict[str, dict]) -> list[str]:
+    """The operating points as a Markdown table ('—': no arm qualifies)."""
+    heads = list(next(iter(points.values())))
+    names = {f"best_g_at_f_le_{limit:g}": f"best G at F ≤ {limit:g} %" for limit in F_LIMITS}
+    names |= {f"best_f_at_g_ge_{G_TARGET:g}": f"best F % at G ≥ {G_TARGET:g}",
+              "best_bwt_at_matched_la": f"best BWT at LA ≥ best LA − {LA_MARGIN:g}"}
+    lines = ["", "Operating points (arm means; '—': no arm qualifies):", "",
+             "| method | " + " | ".join(names[h] for h in heads) + " |", "|" + "---|" * (len(heads) + 1)]
+    for key, row in points.items():
+        cells = ["—" if row[h] is None else f"{row[h]['value']:.3g} (`{row[h]['arm']}`)" for h in heads]
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        return float("inf")
+
+
+def same(a, b) -> bool:
+    return number(str(a)) == number(str(b)) if number(str(a)) != float("inf") else str(a) == str(b)

@@ -1,0 +1,25 @@
+"""The harness benchmark runs a real (smoke) bench and accounts for its time."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_harness_splits_a_cold_run_into_phases(tmp_path, text_file):
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_harness.py"), "--threads", "1", "--",
+                          "--preset", "smoke", "--seeds", "1", "--methods", "lora", "--domain-a", str(text_file),
+                          "--domain-b", f"renamed:{text_file}"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    line = json.loads(run.stdout.strip().splitlines()[-1])
+    phases, total = line["phases_s"], line["baseline_ms"] / 1000
+    assert line["cold"] and phases["pretrain"] > 0 and phases["adapt"] > 0 and phases["evaluate"] > 0
+    assert abs(sum(phases.values()) - total) < 0.05 * total  # every second counted once
+    assert line["candidate_ms"] > 0  # the plan's estimate was caught
+
+
+def test_bench_harness_exits_with_the_cli_error(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_harness.py"), "--", "--preset", "nope"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "unknown preset 'nope'" in run.stdout + run.stderr
