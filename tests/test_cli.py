@@ -56,6 +56,17 @@ def test_bench_smoke_writes_the_contract(smoke_run):
         assert (out / f).stat().st_size > 100, f
     assert "| full |" in (out / "results.md").read_text()
     assert "F %" in result.output and "PPL_B after" in result.output
+    import platform
+    import re
+    from forgetless.config import code_fingerprint
+    assert results["python"] == platform.python_version() and results["torch"] == torch.__version__
+    assert results["code"] == code_fingerprint()
+    import forgetless
+    in_checkout = subprocess.run(["git", "-C", os.path.dirname(forgetless.__file__), "rev-parse", "HEAD"],
+                                 capture_output=True, text=True)
+    assert (re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", results["git_commit"]) and
+            results["git_commit"].startswith(in_checkout.stdout.strip())) if in_checkout.returncode == 0 \
+        else results["git_commit"] is None
 
 
 def test_bench_table_fits_100_columns(smoke_run):

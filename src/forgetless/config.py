@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import subprocess
 import types
 import typing
 from pathlib import Path
@@ -101,6 +102,24 @@ def code_fingerprint() -> str:
     for f in sources:
         digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes())
     return digest.hexdigest()[:12]
+
+
+@functools.cache
+def git_commit() -> str | None:
+    """The commit of the checkout the package runs from ('+dirty' when its files differ from it), None outside
+    a git checkout (an installed wheel)."""
+    root = Path(__file__).parent
+
+    def git(*args):
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
+    try:
+        head = git("rev-parse", "HEAD")
+        if head.returncode != 0:
+            return None
+        dirty = git("status", "--porcelain", "--untracked-files=no", ".").stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty else "")
 
 
 def stable_hash(obj, n: int = 12) -> str:

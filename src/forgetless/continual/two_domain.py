@@ -8,11 +8,15 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import platform
 import statistics
 from pathlib import Path
 
+import torch
+
 from forgetless import __version__
 from forgetless.adapted import resolve_device
+from forgetless.config import code_fingerprint, git_commit
 from forgetless.continual.arm import run_arm, score
 from forgetless.continual.plan import n_evaluations, run_arms
 from forgetless.data.domains import load_domains
@@ -82,7 +86,10 @@ def load_pretrained(model: str, device) -> tuple | None:
 
 
 def provenance(device) -> dict:
-    return {"forgetless_version": __version__, "device": str(device)}
+    """What made a results file: the package version, its code fingerprint and git commit (None outside a
+    checkout), the Python and torch versions, the device."""
+    return {"forgetless_version": __version__, "code": code_fingerprint(), "git_commit": git_commit(),
+            "python": platform.python_version(), "torch": torch.__version__, "device": str(device)}
 
 
 def build_arms(cfg: RunConfig, methods: list[MethodSpec | str]) -> dict:
