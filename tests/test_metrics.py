@@ -15,6 +15,18 @@ def test_sequence_metrics_by_hand():
     assert m["forgetting"] == pytest.approx(((50 - 40) + (60 - 55)) / 2)
     assert m["fwt"] == pytest.approx(25 - 20)  # task 2 before training it; task 1 has no earlier task
     assert m["la"] == pytest.approx((60 + 70) / 2) and m["bwt_drop"] == -m["bwt"]
+    assert m["op_tasks"] == pytest.approx((55 + 70) / 2) and m["bwt_tasks"] == pytest.approx(55 - 60)
+    assert m["bwt_drop_clipped"] == pytest.approx(60 - 55)
+
+
+def test_clipped_drop_counts_gains_as_no_drop():
+    """MoRAM's BWT column as a drop where gains do not cancel losses: task 1 drops 8, task 2 gains 5."""
+    R = [[50, 10, 20, 30],
+         [45, 60, 25, 31],
+         [44, 52, 70, 33],
+         [40, 52, 75, 80]]
+    m = sequence_metrics(R)
+    assert m["bwt_tasks"] == pytest.approx((-8 + 5) / 2) and m["bwt_drop_clipped"] == pytest.approx((8 + 0) / 2)
 
 
 def test_task_columns_leave_general_ability_out():

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from forgetless.adapted import architecture_fingerprint, attach, resolve_device
 from forgetless.continual.evaluate import evaluate
-from forgetless.continual.metrics import backward_transfer, forgetting, sequence_metrics
+from forgetless.continual.metrics import sequence_metrics
 from forgetless.continual.scoring import score_task
 from forgetless.continual.plan import run_or_reuse_arm
 from forgetless.continual.two_domain import build_arms, fresh, mean_nested, mean_std, provenance
@@ -36,8 +36,8 @@ from forgetless.presets import RunConfig
 from forgetless.progress import progress_task
 from forgetless.train import autocast, train
 
-METRICS = ["op", "op_tasks", "bwt", "bwt_drop", "bwt_tasks", "forgetting", "forgetting_tasks", "fwt", "la",
-           "general_ppl_change"]
+METRICS = ["op", "op_tasks", "bwt", "bwt_drop", "bwt_tasks", "bwt_drop_clipped", "forgetting", "forgetting_tasks",
+           "fwt", "la", "general_ppl_change"]
 
 
 @dataclasses.dataclass
@@ -172,9 +172,7 @@ def score(model: nn.Module, tokenizer, task: InstructionTask, cfg: RunConfig) ->
 def metrics(rows: list[list[float]], general_ppl: list[float]) -> dict:
     """The R metrics with general ability as task 0; OP, BWT and forgetting over the tasks alone (the
     TRACE / MoRAM columns; general ability has its own: column 0 and the general PPL change)."""
-    T = len(rows) - 1
-    return {**sequence_metrics(rows), "op_tasks": sum(rows[T][1:]) / T, "bwt_tasks": backward_transfer(rows, 1),
-            "forgetting_tasks": forgetting(rows, 1), "general_ppl_change": general_ppl[-1] / general_ppl[0] - 1}
+    return {**sequence_metrics(rows), "general_ppl_change": general_ppl[-1] / general_ppl[0] - 1}
 
 
 def windows_of(rows: Encoded, block_size: int) -> torch.Tensor:

@@ -49,9 +49,18 @@ def learning_accuracy(R) -> float:
     return sum(R[i][i] for i in range(1, T + 1)) / T
 
 
+def clipped_drop(R, first: int = 1) -> float | None:
+    """mean_{first<=i<T} max(0, R[i][i] - R[T][i]): the drop of each task, gains counted as no drop."""
+    T = check(R)
+    return sum(max(0.0, R[i][i] - R[T][i]) for i in range(first, T)) / (T - first) if T > first else None
+
+
 def sequence_metrics(R) -> dict:
     """OP, BWT (GEM sign), bwt_drop = -BWT (the MoRAM / TRACE sign: positive = forgetting), forgetting,
-    FWT and LA."""
-    bwt = backward_transfer(R)
+    FWT and LA; and over the new tasks 1..T alone (task 0, the base's domain, left out, as TRACE and
+    MoRAM report): op_tasks, bwt_tasks, forgetting_tasks, and bwt_drop_clipped (drops, gains as 0)."""
+    T, bwt = check(R), backward_transfer(R)
     return {"op": overall_performance(R), "bwt": bwt, "bwt_drop": -bwt, "forgetting": forgetting(R),
-            "fwt": forward_transfer(R), "la": learning_accuracy(R)}
+            "fwt": forward_transfer(R), "la": learning_accuracy(R), "op_tasks": sum(R[T][1:]) / T,
+            "bwt_tasks": backward_transfer(R, 1), "forgetting_tasks": forgetting(R, 1),
+            "bwt_drop_clipped": clipped_drop(R, 1)}

@@ -29,7 +29,8 @@ from forgetless.monitor import PeakRSS
 from forgetless.presets import AdaptConfig, RunConfig
 from forgetless.train import autocast
 
-METRICS = ["op", "bwt", "bwt_drop", "forgetting", "fwt", "la"]
+METRICS = ["op", "op_tasks", "bwt", "bwt_drop", "bwt_tasks", "bwt_drop_clipped", "forgetting", "forgetting_tasks",
+           "fwt", "la"]
 
 
 def run_sequence_arm(model: nn.Module, method: Method, tasks: list[Domain], cfg: AdaptConfig, seed: int) -> dict:

@@ -94,6 +94,7 @@ def write_csv(results: dict, path: Path):
 
 SEQUENCE_COLUMNS = [("op", "OP", "{:.2f}"), ("op_tasks", "OP tasks 1..T", "{:.2f}"), ("bwt", "BWT (GEM)", "{:+.2f}"),
                     ("bwt_drop", "drop (MoRAM BWT)", "{:+.2f}"), ("bwt_tasks", "BWT tasks", "{:+.2f}"),
+                    ("bwt_drop_clipped", "drop clipped (tasks)", "{:.2f}"),
                     ("forgetting", "forgetting", "{:.2f}"), ("forgetting_tasks", "forgetting tasks", "{:.2f}"),
                     ("la", "LA", "{:.2f}"), ("fwt", "FWT", "{:+.2f}"),
                     ("general_ppl_change", "general PPL change", "{:+.1%}"), ("wall_s", "wall s", "{:.1f}")]
