@@ -50,9 +50,23 @@ def test_split_by_play_is_deterministic():
 
 
 def test_tail_split_for_single_document(text_file):
-    split = split_corpus(load_corpus(str(text_file)), 0.25)
+    split = split_corpus(load_corpus(str(text_file)), 0.25, dev_fraction=0.15)
     data = text_file.read_bytes()
-    assert split.train + split.val == data and len(split.val) == len(data) - int(len(data) * 0.75)
+    assert split.train + split.dev + split.val == data and len(split.val) == len(data) - int(len(data) * 0.75)
+    assert len(split.dev) == int(len(data) * 0.75) - int(len(data) * 0.6)
+
+
+def test_validation_works_come_from_training_works():
+    """Whole works for validation, taken from the training works: disjoint from train and held-out; the
+    held-out works are those a split without validation holds out (reported numbers keep their windows)."""
+    corpus = load_corpus("shakespeare-folio")
+    split = split_corpus(corpus, 0.1, dev_fraction=0.1)
+    assert len(split.dev_keys) == round(35 * 0.1) and split.dev
+    assert not set(split.dev_keys) & set(split.train_keys) and not set(split.dev_keys) & set(split.val_keys)
+    assert set(split.dev_keys) | set(split.train_keys) | set(split.val_keys) == {d.key for d in corpus.docs}
+    assert split.val_keys == split_corpus(corpus, 0.1, dev_fraction=0.3).val_keys
+    with pytest.raises(ForgetlessError, match="dev_fraction must be in"):
+        split_corpus(corpus, 0.5, dev_fraction=0.5)
 
 
 def test_tinyshakespeare_from_env():
@@ -179,5 +193,7 @@ def test_no_corpus_trains_on_another_corpus_held_out_works(specs):
     held = {key for s in splits for key in s.val_keys}
     for spec, split in zip(specs, splits):
         assert split.train_keys and not set(split.train_keys) & held, spec
+    dev = {key for s in splits for key in s.dev_keys}  # validation works are nobody's training works either
+    assert dev and not dev & held and all(not set(s.train_keys) & dev for s in splits)
     by_spec = dict(zip(specs, splits))  # a renamed copy holds out the works its original holds out
     assert set(by_spec["shakespeare-modern"].val_keys) <= set(by_spec["renamed:shakespeare-modern"].val_keys)

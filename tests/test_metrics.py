@@ -78,15 +78,23 @@ def test_frontier_curves_and_operating_points():
                            "lora": arm(0.015, 0.7, lr=1e-3)}}
     assert [(v, label) for v, label, _ in curves(results)["full, lr"]] == [
         ("3e-5", "full[lr=3e-5]"), ("1e-4", "full[lr=1e-4]"), ("0.0003", "full")]
-    points = operating_points(results)
-    assert points["full, lr"] == {"best_g_at_f_le_5": {"value": 0.8, "arm": "full[lr=1e-4]"},
-                                  "best_g_at_f_le_2": {"value": 0.5, "arm": "full[lr=3e-5]"},
-                                  "best_f_at_g_ge_0.9": {"value": 20.0, "arm": "full"}}
+    points = operating_points(results)  # no validation numbers: chosen on the held-out ones
+    held = {"chosen_on": "held-out"}
+    assert points["full, lr"] == {"best_g_at_f_le_5": {"value": 0.8, "arm": "full[lr=1e-4]", "chosen_value": 0.8, **held},
+                                  "best_g_at_f_le_2": {"value": 0.5, "arm": "full[lr=3e-5]", "chosen_value": 0.5, **held},
+                                  "best_f_at_g_ge_0.9": {"value": 20.0, "arm": "full", "chosen_value": 20.0, **held}}
     assert points["lora"]["best_f_at_g_ge_0.9"] is None and points["lora"]["best_g_at_f_le_2"]["value"] == 0.7
+    for label, (f_dev, g_dev) in {"full": (0.21, 1.0), "full[lr=1e-4]": (0.06, 0.85), "full[lr=3e-5]": (0.012, 0.55),
+                                  "lora": (0.01, 0.7)}.items():
+        results["methods"][label].update(forgetting_dev={"mean": f_dev, "std": 0.0},
+                                         adaptation_gain_dev={"mean": g_dev, "std": 0.0})
+    chosen = operating_points(results)["full, lr"]["best_g_at_f_le_5"]  # 1e-4 forgets 6 % on validation: not it
+    assert chosen == {"value": 0.5, "arm": "full[lr=3e-5]", "chosen_value": 0.55, "chosen_on": "validation"}
     sequence = {"protocol": "sequence", "config": {"adapt": {"lr": 1e-3}},
                 "methods": {"a": {"la": {"mean": 50.0}, "bwt": {"mean": -9.0}, "options": {}},
                             "a[lr=1e-4]": {"la": {"mean": 49.5}, "bwt": {"mean": -4.0}, "options": {}},
                             "b": {"la": {"mean": 40.0}, "bwt": {"mean": -1.0}, "options": {}}}}
     seq_points = operating_points(sequence)
-    assert seq_points["a, lr"]["best_bwt_at_matched_la"] == {"value": -4.0, "arm": "a[lr=1e-4]"}
+    assert seq_points["a, lr"]["best_bwt_at_matched_la"] == {"value": -4.0, "arm": "a[lr=1e-4]", "chosen_value": -4.0,
+                                                             "chosen_on": "held-out"}
     assert seq_points["b"]["best_bwt_at_matched_la"] is None  # LA 10 points below the best: not matched

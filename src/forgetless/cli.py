@@ -150,7 +150,8 @@ def pretrain(out: Path = typer.Option(..., help="base checkpoint to write (.safe
     if ckpt.exists() and not resume:
         raise ForgetlessError(f"an interrupted run left {ckpt}; pass --resume to continue it, or delete it")
     (a,), tok = load_domains([cfg.data.domain_a], cfg.data.tokenizer, cfg.model.block_size,
-                             cfg.data.val_fraction, cfg.data.eval_windows)
+                             cfg.data.val_fraction, cfg.data.eval_windows,
+                                     cfg.data.dev_fraction)
     cfg.model.vocab_size = tok.vocab_size
     meta = run_pretrain(cfg.model, cfg.pretrain, a, tok, out, ckpt_path=ckpt, device=resolve_device(device))
     ckpt.unlink(missing_ok=True)
@@ -196,7 +197,8 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
         lm, tok, meta = load_base(base)
         tokenizer, block_size, domain_a = tok.to_dict(), lm.config.block_size, domain_a or meta["domain"]
     m.check_base(lm)  # before any work: the base must be the one the method needs
-    (a, b), _ = load_domains([domain_a, domain_b], tokenizer, block_size, cfg.data.val_fraction, cfg.data.eval_windows)
+    (a, b), _ = load_domains([domain_a, domain_b], tokenizer, block_size, cfg.data.val_fraction, cfg.data.eval_windows,
+                                     cfg.data.dev_fraction)
     result = run_arm(lm.to(resolve_device(device)), m, a, b, cfg.adapt, seed, out_dir=out,
                      run_config={"base": str(base or model), "adapt": cfg.adapt.__dict__, "options": m.options()})
     write_json(out / "metrics.json", result)

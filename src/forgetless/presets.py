@@ -23,6 +23,8 @@ class DataConfig:
         "help": "sequence protocol: corpora trained after the base, in order"})
     tokenizer: str = field(default="bytes", metadata={"help": "bytes (vocabulary 256) or chars (built from A and B)"})
     val_fraction: float = field(default=0.1, metadata={"help": "held-out share of each corpus (whole plays where it has them)"})
+    dev_fraction: float = field(default=0.1, metadata={
+        "help": "validation share of each corpus, carved from its training works: every choice (lr, knobs) is made on it"})
     eval_windows: int = field(default=128, metadata={"help": "fixed held-out windows per domain for PPL and accuracy"})
     general: str = field(default="pydoc-topics", metadata={
         "help": "instruction tasks: the corpus whose held-out windows measure general ability (task 0)"})

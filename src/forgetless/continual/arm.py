@@ -38,10 +38,15 @@ def adapt_task(adapted: Adapted, task: Domain, replay_from: Domain, cfg: AdaptCo
     return history, params
 
 
-def score(model: nn.Module, a: Domain, b: Domain) -> dict:
+def score(model: nn.Module, a: Domain, b: Domain, dev: bool = False) -> dict:
+    """PPL and accuracy on A's and B's held-out windows (and module monitors on B); with `dev`, PPL on
+    their validation windows too (ppl_a_dev, ppl_b_dev: what choices are made on)."""
     ea, eb = evaluate(model, a.windows), evaluate(model, b.windows)
     stats = {f"{k}_b": v for k, v in module_stats(model, b.windows).items()}  # e.g. APN routing on B
-    return {"ppl_a": ea["ppl"], "acc_a": ea["acc"], "ppl_b": eb["ppl"], "acc_b": eb["acc"], **stats}
+    out = {"ppl_a": ea["ppl"], "acc_a": ea["acc"], "ppl_b": eb["ppl"], "acc_b": eb["acc"], **stats}
+    if dev and a.dev_windows is not None and b.dev_windows is not None:
+        out.update(ppl_a_dev=evaluate(model, a.dev_windows)["ppl"], ppl_b_dev=evaluate(model, b.dev_windows)["ppl"])
+    return out
 
 
 def run_arm(model: nn.Module, method: Method, a: Domain, b: Domain, cfg: AdaptConfig, seed: int,
@@ -52,7 +57,7 @@ def run_arm(model: nn.Module, method: Method, a: Domain, b: Domain, cfg: AdaptCo
     training checkpoints there (resumable) and the method is saved (save_pretrained) in `out_dir/seed<seed>/`.
     The last point of the curve is the final score (not computed twice).
     """
-    before = before or score(model, a, b)
+    before = before or score(model, a, b, dev=True)
     torch.manual_seed(seed)
     adapted = attach(model, method)
     model = adapted.model
@@ -73,8 +78,8 @@ def run_arm(model: nn.Module, method: Method, a: Domain, b: Domain, cfg: AdaptCo
                                      run_config={**(run_config or {}), "arm": [method.name, seed]},
                                      desc=f"{method.name} seed {seed}", evaluate_at_end=False)
         wall = time.perf_counter() - t0 - eval_s
-    after = score(model, a, b)
-    history.evals.append({"step": cfg.steps, **after})
+    after = score(model, a, b, dev=True)
+    history.evals.append({"step": cfg.steps, **{k: v for k, v in after.items() if "_dev" not in k}})
     report_after = method.report(model, a.windows, b.windows)
     if out_dir:
         adapted.save_pretrained(out_dir / f"seed{seed}")
@@ -83,6 +88,7 @@ def run_arm(model: nn.Module, method: Method, a: Domain, b: Domain, cfg: AdaptCo
         "method": method.name, "seed": seed,
         **{f"{k}_before": v for k, v in before.items()}, **{f"{k}_after": v for k, v in after.items()},
         "forgetting": after["ppl_a"] / before["ppl_a"] - 1,
+        **({"forgetting_dev": after["ppl_a_dev"] / before["ppl_a_dev"] - 1} if "ppl_a_dev" in after else {}),
         "trainable_params": sum(p.numel() for _, p in params),
         "total_params": sum(p.numel() for p in model.parameters()),
         "wall_s": wall, "peak_rss_mb": memory.peak_mb,

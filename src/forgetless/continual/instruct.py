@@ -99,7 +99,8 @@ def load_stream(cfg: RunConfig, tokenizer) -> Stream:
     tasks = [load_task(spec) for spec in data.tasks]
     take = (lambda rows: rows[:data.train_examples]) if data.train_examples else (lambda rows: rows)
     train_rows = [encode(take(t.train), tokenizer, cfg.model.block_size) for t in tasks]
-    (general,), _ = load_domains([data.general], tokenizer, cfg.model.block_size, data.val_fraction, data.eval_windows)
+    (general,), _ = load_domains([data.general], tokenizer, cfg.model.block_size, data.val_fraction, data.eval_windows,
+                                  data.dev_fraction)
     mix_from = encode(take(load_task(data.mix_from).train), tokenizer, cfg.model.block_size) \
         if data.mix_from != "earlier" else None
     return Stream(tasks, train_rows, general, [load_task(spec) for spec in data.held_out_tasks], mix_from,

@@ -56,7 +56,8 @@ def pretraining_runs(cfg: RunConfig, optimizers: list[str], seeds: list[int], de
     loaded beside B, as the protocol does (works in both are split between them), so the base of the
     protocol's own optimizer is the one the adaptation arms start from."""
     (a, _), tokenizer = load_domains([cfg.data.domain_a, cfg.data.domain_b], cfg.data.tokenizer, cfg.model.block_size,
-                                     cfg.data.val_fraction, cfg.data.eval_windows)
+                                     cfg.data.val_fraction, cfg.data.eval_windows,
+                                     cfg.data.dev_fraction)
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
     out = {}
     for name in optimizers:

@@ -69,7 +69,8 @@ def run_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[in
     built = build_arms(cfg, methods)
     pretrained = load_pretrained(model, device)
     tasks, tokenizer = load_domains(specs, pretrained[1] if pretrained else cfg.data.tokenizer, cfg.model.block_size,
-                                    cfg.data.val_fraction, cfg.data.eval_windows)
+                                    cfg.data.val_fraction, cfg.data.eval_windows,
+                                     cfg.data.dev_fraction)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size))
 
     def arm_config(label, method, base_name):

@@ -28,6 +28,8 @@ from forgetless.train import autocast
 
 METRICS = ["ppl_a_before", "ppl_b_before", "ppl_a_after", "ppl_b_after", "acc_a_before", "acc_b_before",
            "acc_a_after", "acc_b_after", "forgetting", "adaptation_gain", "wall_s"]
+DEV_METRICS = ["ppl_a_dev_before", "ppl_b_dev_before", "ppl_a_dev_after", "ppl_b_dev_after", "forgetting_dev",
+               "adaptation_gain_dev"]  # on validation windows (absent from arms run before the split existed)
 
 
 def run_two_domain(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[int], out: Path, preset: str,
@@ -45,14 +47,15 @@ def run_two_domain(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[
     pretrained = load_pretrained(model, device)
     (a, b), tokenizer = load_domains([cfg.data.domain_a, cfg.data.domain_b],
                                      pretrained[1] if pretrained else cfg.data.tokenizer,
-                                     cfg.model.block_size, cfg.data.val_fraction, cfg.data.eval_windows)
+                                     cfg.model.block_size, cfg.data.val_fraction, cfg.data.eval_windows,
+                                     cfg.data.dev_fraction)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size))
     befores: dict[str, dict] = {}  # base name -> its scores on A and B, shared by the arms on it
 
     def run(label, method, seed, base_name, load, arm_dir):
         model = load()
         if base_name not in befores:
-            befores[base_name] = score(model, a, b)
+            befores[base_name] = score(model, a, b, dev=True)
         return run_arm(model, fresh(method), a, b, cfg.adapt, seed, out_dir=arm_dir,
                        run_config=arm_config(label, method, base_name), before=befores[base_name])
 
@@ -104,10 +107,11 @@ def fresh(method):
     return build_method(method.name, method.options())
 
 
-def adaptation_gain(arm: dict, full: dict) -> float:
-    """G = (ln PPL_B before - ln PPL_B after) / (same for full fine-tuning, same seed)."""
-    own = math.log(arm["ppl_b_before"]) - math.log(arm["ppl_b_after"])
-    ref = math.log(full["ppl_b_before"]) - math.log(full["ppl_b_after"])
+def adaptation_gain(arm: dict, full: dict, split: str = "") -> float:
+    """G = (ln PPL_B before - ln PPL_B after) / (same for full fine-tuning, same seed); split "_dev": on the
+    validation windows."""
+    own = math.log(arm[f"ppl_b{split}_before"]) - math.log(arm[f"ppl_b{split}_after"])
+    ref = math.log(full[f"ppl_b{split}_before"]) - math.log(full[f"ppl_b{split}_after"])
     return own / ref if ref != 0 else float("nan")
 
 
@@ -128,7 +132,10 @@ def summarize(runs: list[dict], full_runs: list[dict], method) -> dict:
     full_by_seed = {r["seed"]: r for r in full_runs}
     for r in runs:
         r["adaptation_gain"] = adaptation_gain(r, full_by_seed[r["seed"]])
+        if "ppl_b_dev_after" in r and "ppl_b_dev_after" in full_by_seed[r["seed"]]:
+            r["adaptation_gain_dev"] = adaptation_gain(r, full_by_seed[r["seed"]], "_dev")
     out = {m: mean_std([r[m] for r in runs]) for m in METRICS}
+    out.update({m: mean_std([r[m] for r in runs]) for m in DEV_METRICS if all(m in r for r in runs)})
     out.update(method=method.name, trainable_params=runs[0]["trainable_params"], total_params=runs[0]["total_params"],
                peak_rss_mb=max(r["peak_rss_mb"] for r in runs), options=method.options(),
                curves=mean_curves(runs))

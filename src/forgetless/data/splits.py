@@ -14,37 +14,56 @@ SEPARATOR = b"\n\n"
 @dataclass
 class Split:
     train: bytes
-    val: bytes
+    val: bytes                 # held out for the reported numbers (test)
     val_keys: list[str]
     train_keys: list[str] = field(default_factory=list)  # works in train (empty for a tail split)
+    dev: bytes = b""           # validation, carved from the training works: every choice is made on it
+    dev_keys: list[str] = field(default_factory=list)
 
 
-def split_all(corpora: list[Corpus], val_fraction: float = 0.1) -> list[Split]:
+def split_all(corpora: list[Corpus], val_fraction: float = 0.1, dev_fraction: float = 0.1) -> list[Split]:
     """Split every corpus; a work held out by one corpus is held out by every corpus that has it (e.g.
-    modern, Folio and renamed versions of one play), so no corpus trains on another's held-out works."""
-    held = {key for c in corpora for key in split_corpus(c, val_fraction).val_keys}
-    return [split_corpus(c, val_fraction, held) for c in corpora]
+    modern, Folio and renamed versions of one play), so no corpus trains on another's held-out works;
+    likewise a validation work of one corpus is validation (or held out) in all."""
+    held = {key for c in corpora for key in split_corpus(c, val_fraction, dev_fraction=dev_fraction).val_keys}
+    dev = {key for c in corpora for key in split_corpus(c, val_fraction, held, dev_fraction).dev_keys} - held
+    return [split_corpus(c, val_fraction, held, dev_fraction, dev) for c in corpora]
 
 
-def split_corpus(corpus: Corpus, val_fraction: float = 0.1, also_held: set[str] = frozenset()) -> Split:
-    """Hold out whole documents (plays) when there are >= 4, else the tail of the text; documents
-    whose key is in `also_held` are held out too."""
-    if not 0.0 < val_fraction < 1.0:
-        raise ForgetlessError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
+def split_corpus(corpus: Corpus, val_fraction: float = 0.1, also_held: set[str] = frozenset(),
+                 dev_fraction: float = 0.1, also_dev: set[str] = frozenset()) -> Split:
+    """Hold out whole documents (plays) when there are >= 4, else the tail of the text; documents whose
+    key is in `also_held` are held out too. The validation split takes whole training documents the same
+    way (>= 4 left, plus those in `also_dev`), else the tail of the training text."""
+    if not 0.0 < val_fraction < 1.0 or not 0.0 < dev_fraction < 1.0 or val_fraction + dev_fraction >= 1.0:
+        raise ForgetlessError(f"data.val_fraction and data.dev_fraction must be in (0, 1) with a sum below 1, "
+                              f"got {val_fraction} and {dev_fraction}")
     docs = sorted(corpus.docs, key=lambda d: d.key)
-    if len(docs) >= 4:
-        n_val = max(1, round(len(docs) * val_fraction))
-        picks = {int((j + 0.5) * len(docs) / n_val) for j in range(n_val)}
-        is_val = [i in picks or d.key in also_held for i, d in enumerate(docs)]
-        val = [d for d, v in zip(docs, is_val) if v]
-        train = [d for d, v in zip(docs, is_val) if not v]
-        if not train:
-            raise ForgetlessError(f"corpus {corpus.name!r}: every work is held out by this or another corpus "
-                                  "of the run; give it works of its own")
-        return Split(join(train), join(val), [d.key for d in val], [d.key for d in train])
-    data = join(docs)
-    cut = int(len(data) * (1 - val_fraction))
-    return Split(data[:cut], data[cut:], [])
+    if len(docs) < 4:
+        data = join(docs)
+        cut_dev, cut = int(len(data) * (1 - val_fraction - dev_fraction)), int(len(data) * (1 - val_fraction))
+        return Split(data[:cut_dev], data[cut:], [], dev=data[cut_dev:cut])
+    val, train = pick(docs, val_fraction * len(docs), also_held)
+    if not train:
+        raise ForgetlessError(f"corpus {corpus.name!r}: every work is held out by this or another corpus "
+                              "of the run; give it works of its own")
+    if len(train) >= 4:
+        dev, train = pick(train, dev_fraction * len(docs), also_dev)
+        train_data, dev_data = join(train), join(dev)
+    else:  # too few works to spare one: the tail of the training text
+        text, dev = join(train), []
+        cut = int(len(text) * (1 - dev_fraction / (1 - val_fraction)))
+        train_data, dev_data = text[:cut], text[cut:]
+    return Split(train_data, join(val), [d.key for d in val], [d.key for d in train], dev_data, [d.key for d in dev])
+
+
+def pick(docs: list[Document], share: float, also: set[str]) -> tuple[list[Document], list[Document]]:
+    """(picked, rest): max(1, round(share)) documents evenly spread over `docs` (sorted by key), plus those
+    whose key is in `also`."""
+    n = max(1, round(share))
+    picks = {int((j + 0.5) * len(docs) / n) for j in range(n)}
+    chosen = [i in picks or d.key in also for i, d in enumerate(docs)]
+    return [d for d, c in zip(docs, chosen) if c], [d for d, c in zip(docs, chosen) if not c]
 
 
 def join(docs: list[Document]) -> bytes:
