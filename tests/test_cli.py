@@ -441,3 +441,28 @@ def test_sweep_draws_a_frontier_and_its_operating_points(tmp_path, text_file):
         "chosen_on": "validation"} if ok else None)
     assert "Operating points" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "frontier.png").stat().st_size > 1000
+
+
+def test_base_seeds_pretrain_a_base_per_seed(tmp_path, text_file, monkeypatch):
+    """--base-seeds 2: seed s adapts base s, so PPL_A before varies over seeds; the ± says so and 95 %
+    intervals (Student t) come beside it."""
+    monkeypatch.setenv("FORGETLESS_CACHE", str(tmp_path / "cache"))
+    result = invoke("bench", "--preset", "smoke", "--methods", "lora", "--seeds", 2, "--base-seeds", 2, "--out",
+                    tmp_path / "run", "--domain-a", text_file, "--domain-b", f"renamed:{text_file}")
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert results["base_seeds"] == 2 and sorted(results["bases"]) == ["dense seed 0", "dense seed 1"]
+    before = results["methods"]["lora"]["ppl_a_before"]
+    assert before["std"] > 0 and before["ci95"] == pytest.approx(12.706 * before["std"] / math.sqrt(2))
+    assert "each seed on its own pretrained base" in (tmp_path / "run" / "results.md").read_text()
+    assert "95 % intervals of the mean" in (tmp_path / "run" / "results.md").read_text()
+    one = invoke("bench", "--preset", "smoke", "--methods", "lora", "--seeds", 2, "--out", tmp_path / "one",
+                 "--domain-a", text_file, "--domain-b", f"renamed:{text_file}")
+    assert one.exit_code == 0 and json.loads((tmp_path / "one" / "results.json").read_text())[
+        "methods"]["lora"]["ppl_a_before"]["std"] == 0  # one base: its variance is not in the ±
+    assert "adaptation seeds on one pretrained base" in " ".join(one.output.split())
+
+
+def test_base_seeds_need_forgetless_bases(tmp_path):
+    result = invoke("bench", "--model", "smollm2-135m", "--base-seeds", 2, "--out", tmp_path)
+    assert result.exit_code == 2 and "a pretrained --model has one base" in " ".join(result.output.split())

@@ -66,6 +66,8 @@ def bench(preset: str = PRESET,
                                                    "a base pretrained with each (loss curves), and every method "
                                                    "(default: full) adapted with each (two-domain)"),
           pretrain_seeds: int = typer.Option(1, help="with --optimizers: pretraining runs per optimizer"),
+          base_seeds: int = typer.Option(1, "--base-seeds", help="pretrain N bases (pretraining seeds); arm seed s "
+                                         "starts from base s mod N, so the ± includes the base's variance"),
           lrs: Optional[str] = typer.Option(None, "--lrs", help="adapt every method at each of these learning rates "
                                             "too, e.g. 1e-4,3e-4,1e-3 (frontier curves; with --optimizers: per optimizer)"),
           sweep: Optional[list[str]] = typer.Option(None, "--sweep", help="METHOD.OPTION=V1,V2,... (repeatable): an "
@@ -115,13 +117,19 @@ def bench(preset: str = PRESET,
         if instructions and model == "byte-gpt":
             raise ForgetlessError("instruction tasks need a pretrained model: add --model smollm2-135m (or hf:PATH, "
                                   "a .gguf file); byte-gpt takes text corpora as tasks")
-        run = run_instruction_sequence if instructions else protocols[protocol]
-        results = run(cfg, specs, list(range(seeds)), out, preset, device, model)
+        if base_seeds < 1 or base_seeds > 1 and model != "byte-gpt":
+            raise ForgetlessError(f"--base-seeds {base_seeds}: give N >= 1 bases to pretrain; a pretrained --model "
+                                  "has one base (its variance is not sampled)")
+        if instructions:
+            results = run_instruction_sequence(cfg, specs, list(range(seeds)), out, preset, device, model)
+        else:
+            results = protocols[protocol](cfg, specs, list(range(seeds)), out, preset, device, model, base_seeds)
     files = write_report(results, out)
     where = f"A={cfg.data.domain_a} → B={cfg.data.domain_b}" if protocol == "two-domain" else \
         " → ".join(results["tasks"])
     title = " · ".join([protocol, preset, *([model] if model != "byte-gpt" else []), where])
-    table = terminal_table(results, title, f"{seeds_text(results['seeds'])}; all columns in {out / 'results.md'}")
+    table = terminal_table(results, title, f"{seeds_text(results['seeds'], results.get('base_seeds'))}; "
+                                           f"all columns in {out / 'results.md'}")
     out_console.print(table)
     out_console.print("wrote " + ", ".join(str(f) for f in files))
 

@@ -6,6 +6,7 @@ with the speed the run really has.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import math
@@ -20,6 +21,7 @@ from forgetless.checkpoint import write_json
 from forgetless.config import code_fingerprint, stable_hash
 from forgetless.continual.base_model import base_label, base_path, cached_base, load_base, warn_if_other_code
 from forgetless.continual.evaluate import evaluate
+from forgetless.errors import ForgetlessError
 from forgetless.methods import Method, build_method
 from forgetless.models.gpt import GPT, GPTConfig
 from forgetless.progress import console, duration, progress_task
@@ -129,60 +131,63 @@ def window_seconds(model_cfg: GPTConfig, device: torch.device, n: int = 16) -> f
 
 # ---- a bench run: bases, then arms, planned and under one bar ---------------------------------------
 def run_arms(built: dict, seeds: list[int], cfg, domain, tokenizer, device, model: str, pretrained, out: Path,
-             run_config, run, arm_seconds) -> tuple[dict, dict]:
+             run_config, run, arm_seconds, base_seeds: int = 1) -> tuple[dict, dict]:
     """Every (seed, arm) of `built` (label -> Method), saved under `out/arms/` as it finishes and reused when
     its config matches. First the plan; then one bar over the bases to pretrain on `domain` (cached; a
-    `pretrained` (model, tokenizer) needs none) and the arms.
+    `pretrained` (model, tokenizer) needs none) and the arms. With `base_seeds` N > 1, arm seed s starts
+    from a base pretrained with seed pretrain.seed + s mod N (its own base, cached).
 
     `run_config(label, method, base_name)` is an arm's config (its saved result is reused while it matches);
     `run(label, method, seed, base_name, load, arm_dir)` runs it (`load()` is a fresh copy of its base);
     `arm_seconds(calibration, method, base_cfg)` estimates it. Returns (label -> results per seed, bases summary)."""
-    if pretrained:
-        name = pretrained_name(model, pretrained[0])
-        names, paths = {label: name for label in built}, {}
-    else:
-        paths = {label: base_path(m.base_config(cfg.model), cfg.pretrain, domain, tokenizer) for label, m in built.items()}
-        names = {label: path.parent.name for label, path in paths.items()}
-    todo = [(seed, label, out / "arms" / label / f"seed{seed}.json", run_config(label, built[label], names[label]))
+    if pretrained and base_seeds > 1:
+        raise ForgetlessError("--base-seeds pretrains forgetless's own bases; a pretrained --model has one base")
+    bases: dict[Path, tuple] = {}     # base checkpoint -> (model config, pretraining config)
+    base_of: dict[tuple, Path] = {}  # (label, seed) -> base checkpoint
+    if not pretrained:
+        for seed, (label, method) in itertools.product(seeds, built.items()):
+            pretrain = cfg.pretrain if base_seeds == 1 else \
+                dataclasses.replace(cfg.pretrain, seed=cfg.pretrain.seed + seed % base_seeds)
+            path = base_path(method.base_config(cfg.model), pretrain, domain, tokenizer)
+            bases.setdefault(path, (method.base_config(cfg.model), pretrain))
+            base_of[label, seed] = path
+    name_of = (lambda label, seed: pretrained_name(model, pretrained[0])) if pretrained else \
+        (lambda label, seed: base_of[label, seed].parent.name)
+    todo = [(seed, label, out / "arms" / label / f"seed{seed}.json", run_config(label, built[label], name_of(label, seed)))
             for seed, label in itertools.product(seeds, built)]
-    plan = make_plan(built, cfg, paths, todo, device, arm_seconds, not pretrained, domain.windows.shape[0])
+    plan = make_plan(built, cfg.model, bases, todo, device, arm_seconds, not pretrained, domain.windows.shape[0])
     plan.show()
     units = {id(j): max(1, round(j.seconds)) if plan.calibrated else 1 for j in plan.jobs}
     results: dict[str, list[dict]] = {label: [] for label in built}
     with progress_task("bench", total=sum(units[id(j)] for j in plan.jobs if not j.done), percent=plan.calibrated) as advance:
-        base_jobs = iter(j for j in plan.jobs if j.kind == "base")
-        for path in dict.fromkeys(paths.values()):  # distinct bases, in arm order
-            job = next(base_jobs)
-            label = next(label for label in built if paths[label] == path)
-            cached_base(built[label].base_config(cfg.model), cfg.pretrain, domain, tokenizer, device)
+        for (model_cfg, pretrain), job in zip(bases.values(), [j for j in plan.jobs if j.kind == "base"]):
+            cached_base(model_cfg, pretrain, domain, tokenizer, device)
             advance(0 if job.done else units[id(job)])
-        arm_jobs = [j for j in plan.jobs if j.kind == "arm"]
-        for (seed, label, arm_path, config), job in zip(todo, arm_jobs):
+        for (seed, label, arm_path, config), job in zip(todo, [j for j in plan.jobs if j.kind == "arm"]):
             load = (lambda: copy.deepcopy(pretrained[0])) if pretrained else \
-                (lambda path=paths[label]: load_base(path)[0].to(device))
+                (lambda path=base_of[label, seed]: load_base(path)[0].to(device))
             results[label].append(run_or_reuse_arm(
-                arm_path, config, lambda arm_dir: run(label, built[label], seed, names[label], load, arm_dir)))
+                arm_path, config, lambda arm_dir: run(label, built[label], seed, name_of(label, seed), load, arm_dir)))
             advance(0 if job.done else units[id(job)])
     if pretrained:
         from forgetless.models.hf import describe
         return results, {model: describe(pretrained[0])}
-    return results, bases_summary(paths)
+    return results, bases_summary(list(bases))
 
 
-def make_plan(built: dict, cfg, paths: dict, todo: list, device, arm_seconds, calibrated: bool,
+def make_plan(built: dict, model_cfg: GPTConfig, bases: dict, todo: list, device, arm_seconds, calibrated: bool,
               n_windows: int) -> Plan:
     """The jobs of `run_arms`, each marked done (cached base, saved arm) or estimated (when `calibrated`)."""
     calibration = Calibration(device) if calibrated else None
     jobs = []
-    for path in dict.fromkeys(paths.values()):
-        base_cfg = built[next(label for label in built if paths[label] == path)].base_config(cfg.model)
+    for path, (base_cfg, pretrain) in bases.items():
         done = path.exists()
-        seconds = 0.0 if done or not calibration else pretrain_seconds(calibration, base_cfg, cfg.pretrain, n_windows)
-        jobs.append(Job("base", base_label(base_cfg), seconds, done))
+        seconds = 0.0 if done or not calibration else pretrain_seconds(calibration, base_cfg, pretrain, n_windows)
+        jobs.append(Job("base", f"{base_label(base_cfg)} seed {pretrain.seed}", seconds, done))
     for seed, label, arm_path, config in todo:
         done = saved_arm(arm_path, config) is not None
         method = built[label]
-        seconds = 0.0 if done or not calibration else arm_seconds(calibration, method, method.base_config(cfg.model))
+        seconds = 0.0 if done or not calibration else arm_seconds(calibration, method, method.base_config(model_cfg))
         jobs.append(Job("arm", f"{label} seed {seed}", seconds, done))
     return Plan(jobs, calibration.spent if calibration else 0.0, calibrated)
 
@@ -202,14 +207,18 @@ def pretrained_name(spec: str, lm) -> str:
     return f"{spec}-{architecture_fingerprint(lm)['hash']}"
 
 
-def bases_summary(paths: dict[str, Path]) -> dict:
+def bases_summary(paths: list[Path]) -> dict:
+    """Base label -> its checkpoint, pretraining time, steps and curve; with several pretraining seeds,
+    one entry per seed ("dense seed 1")."""
+    metas = [load_base(path)[2] for path in paths]
+    several = len({m["train_config"]["seed"] for m in metas}) > 1
     out = {}
-    for path in dict.fromkeys(paths.values()):
-        m = load_base(path)[2]
-        out[base_label(GPTConfig(**m["model_config"]))] = {
+    for path, m in zip(paths, metas):
+        label = base_label(GPTConfig(**m["model_config"]))
+        out[f"{label} seed {m['train_config']['seed']}" if several else label] = {
             "path": str(path), "pretrain_wall_s": m["wall_s"], "ffn": m["model_config"]["ffn"],
             "ffn_options": m["model_config"]["ffn_options"], "pretrain_steps": m["train_config"]["steps"],
-            "evals": m["history"]["evals"]}
+            "pretrain_seed": m["train_config"]["seed"], "evals": m["history"]["evals"]}
     return out
 
 

@@ -57,7 +57,7 @@ def run_sequence_arm(model: nn.Module, method: Method, tasks: list[Domain], cfg:
 
 
 def run_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[int], out: Path, preset: str,
-                 device: str = "auto", model: str = "byte-gpt") -> dict:
+                 device: str = "auto", model: str = "byte-gpt", base_seeds: int = 1) -> dict:
     """Every (method, seed) arm over the corpus sequence on `device` (bases as in `run_two_domain`); the
     results dict of docs/DESIGN.md §6."""
     device = resolve_device(device)
@@ -84,9 +84,10 @@ def run_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[in
 
     arms, summary = run_arms(built, seeds, cfg, tasks[0], tokenizer, device, model, pretrained, out, arm_config,
                              lambda label, method, seed, base_name, load, arm_dir:
-                             run_sequence_arm(load(), fresh(method), tasks, cfg.adapt, seed), arm_seconds)
+                             run_sequence_arm(load(), fresh(method), tasks, cfg.adapt, seed), arm_seconds, base_seeds)
     return {
-        "protocol": "sequence", "preset": preset, "seeds": list(seeds), "tasks": specs, **provenance(device),
+        "protocol": "sequence", "preset": preset, "seeds": list(seeds), "base_seeds": base_seeds, "tasks": specs,
+        **provenance(device),
         "score": "next-token accuracy on held-out windows, %", "date": datetime.date.today().isoformat(),
         "config": cfg.to_dict(), "bases": summary, "model": model,
         "methods": {label: {"method": built[label].name,

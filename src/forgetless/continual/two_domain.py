@@ -33,7 +33,7 @@ DEV_METRICS = ["ppl_a_dev_before", "ppl_b_dev_before", "ppl_a_dev_after", "ppl_b
 
 
 def run_two_domain(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[int], out: Path, preset: str,
-                   device: str = "auto", model: str = "byte-gpt") -> dict:
+                   device: str = "auto", model: str = "byte-gpt", base_seeds: int = 1) -> dict:
     """Run every (method, seed) arm on `device` and return the results dict of docs/DESIGN.md §6. With
     `model` = byte-gpt the bases are GPTs pretrained on A (cached); otherwise every arm adapts a copy
     of that pretrained model (models.hf.load_model: hf:PATH, a .gguf, smollm2-135m), in its tokens."""
@@ -68,9 +68,10 @@ def run_two_domain(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[
                 + n_evaluations(cfg.adapt) * (a.windows.shape[0] + b.windows.shape[0]) * calibration.window(base_cfg))
 
     arms, summary = run_arms(built, seeds, cfg, a, tokenizer, device, model, pretrained, out, arm_config, run,
-                             arm_seconds)
+                             arm_seconds, base_seeds)
     return {
-        "protocol": "two-domain", "preset": preset, "seeds": list(seeds), **provenance(device), "model": model,
+        "protocol": "two-domain", "preset": preset, "seeds": list(seeds), "base_seeds": base_seeds,
+        **provenance(device), "model": model,
         "domains": {"a": cfg.data.domain_a, "b": cfg.data.domain_b},
         "held_out": {"a": a.val_keys, "b": b.val_keys},
         "date": datetime.date.today().isoformat(),
@@ -115,11 +116,22 @@ def adaptation_gain(arm: dict, full: dict, split: str = "") -> float:
     return own / ref if ref != 0 else float("nan")
 
 
+T_975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
+# Student t quantile 97.5 % for df 1..30 (beyond: the normal's 1.96)
+
+
 def mean_std(values: list[float | None]) -> dict:
-    """Mean and sample std over seeds; None (a metric that does not exist for this run) stays None."""
+    """Mean and sample std over seeds, and with >= 2 seeds `ci95`, the half-width of the 95 % interval of
+    the mean (Student t); None (a metric that does not exist for this run) stays None."""
     if any(v is None for v in values):
         return {"mean": None, "std": None}
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0}
+    n = len(values)
+    if n < 2:
+        return {"mean": statistics.fmean(values), "std": 0.0}
+    std = statistics.stdev(values)
+    t = T_975[n - 2] if n - 1 <= len(T_975) else statistics.NormalDist().inv_cdf(0.975)
+    return {"mean": statistics.fmean(values), "std": std, "ci95": t * std / math.sqrt(n)}
 
 
 def band(per_step: list[tuple[float, ...]]) -> dict:

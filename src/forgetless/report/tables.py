@@ -63,16 +63,39 @@ def terminal_table(results: dict, title: str, caption: str):
     return table
 
 
-def seeds_text(seeds: list[int]) -> str:
-    return f"seeds {seeds} (mean ± std)" if len(seeds) > 1 else f"one seed ({seeds[0]}): no std"
+def seeds_text(seeds: list[int], base_seeds: int | None = 1) -> str:
+    """Which seeds the numbers cover and which variance their ± includes."""
+    if len(seeds) == 1:
+        return f"one seed ({seeds[0]}): no std"
+    if base_seeds and base_seeds > 1:
+        return f"seeds {seeds} (mean ± std over seeds, each seed on its own pretrained base: {base_seeds} bases)"
+    return f"seeds {seeds} (mean ± std over adaptation seeds on one pretrained base)"
+
+
+def interval_lines(results: dict, keys: list[tuple[str, str, float]]) -> list[str]:
+    """A table of 95 % intervals of the mean (`ci95` of each stat) for `keys` (key, header, scale); none with
+    one seed or from files written before intervals existed."""
+    methods = results["methods"]
+    if len(results["seeds"]) < 2 or not any("ci95" in (m.get(k) or {}) for m in methods.values() for k, _, _ in keys):
+        return []
+    lines = ["", f"95 % intervals of the mean (Student t over {len(results['seeds'])} seeds; "
+                 f"{seeds_text(results['seeds'], results.get('base_seeds')).split('(', 1)[1].rstrip(')')}):", "",
+             "| method | " + " | ".join(h for _, h, _ in keys) + " |", "|" + "---|" * (len(keys) + 1)]
+    for name, m in methods.items():
+        cells = [f"{scale * m[k]['mean']:.4g} ± {scale * m[k]['ci95']:.2g}" if (m.get(k) or {}).get("ci95") is not None
+                 else "—" for k, _, scale in keys]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def markdown(results: dict) -> str:
     lines = [f"Protocol {results['protocol']}, preset {results['preset']}, domains "
-             f"A = `{results['domains']['a']}`, B = `{results['domains']['b']}`, {seeds_text(results['seeds'])}, "
+             f"A = `{results['domains']['a']}`, B = `{results['domains']['b']}`, {seeds_text(results['seeds'], results.get('base_seeds'))}, "
              f"{results['date']}.", "",
              "| " + " | ".join(headers()) + " |", "|" + "---|" * len(headers())]
     lines += ["| " + " | ".join(r) + " |" for r in rows(results)]
+    lines += interval_lines(results, [("forgetting", "F %", 100.0), ("adaptation_gain", "G", 1.0),
+                                      ("ppl_b_after", "PPL_B after", 1.0)])
     if results.get("pretraining"):
         lines += ["", "Pretraining on A with each optimizer (mean ± std over pretraining seeds):", "",
                   "| optimizer | final held-out PPL_A | training loss, last 100 steps | wall s |", "|---|---|---|---|"]
@@ -133,10 +156,12 @@ def sequence_terminal_rows(results: dict) -> tuple[list[str], list[list[str]]]:
 def sequence_markdown(results: dict) -> str:
     heads, body = sequence_rows(results)
     lines = [f"Protocol sequence, preset {results['preset']}, tasks {' -> '.join(f'`{t}`' for t in results['tasks'])}, "
-             f"{seeds_text(results['seeds'])}, score: {results['score']}; BWT (GEM sign) < 0 = forgetting; "
+             f"{seeds_text(results['seeds'], results.get('base_seeds'))}, score: {results['score']}; BWT (GEM sign) < 0 = forgetting; "
              f"drop = -BWT, the sign of the MoRAM source's BWT column (> 0 = forgetting); "
              f"{results['date']}.", "", "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     lines += ["| " + " | ".join(r) + " |" for r in body]
+    lines += interval_lines(results, [(k, h, 1.0) for k, h in (("op_tasks", "OP tasks 1..T"), ("bwt_tasks", "BWT tasks"),
+                                                               ("la", "LA")) if k in next(iter(results["methods"].values()))])
     for name, m in results["methods"].items():
         lines += ["", f"R matrix of `{name}` (row t = after task t, column i = task i):", "",
                   "| after \\ task | " + " | ".join(str(i) for i in range(len(m["r_matrix"]))) + " |",
