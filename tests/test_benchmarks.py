@@ -23,3 +23,10 @@ def test_bench_harness_exits_with_the_cli_error(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_harness.py"), "--", "--preset", "nope"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "unknown preset 'nope'" in run.stdout + run.stderr
+
+
+def test_reproduce_script_names_its_sections():
+    listed = subprocess.run(["bash", str(ROOT / "scripts" / "reproduce.sh"), "list"], capture_output=True, text=True)
+    assert listed.returncode == 0 and {"two-domain-quick", "real-standard", "first-run"} <= set(listed.stdout.split())
+    bad = subprocess.run(["bash", str(ROOT / "scripts" / "reproduce.sh"), "nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown section 'nope'" in bad.stderr

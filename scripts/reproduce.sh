@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Regenerate what docs/RESULTS.md shows, one section at a time, from the current code:
+#   bash scripts/reproduce.sh SECTION [SECTION ...]     (bash scripts/reproduce.sh list: the sections)
+# Each section runs its commands (runs/ keeps every output; finished arms are reused on a re-run), then
+# copies its results.md and figures to docs/figures/SECTION/, the files RESULTS.md shows and quotes.
+# Times are for 2 CPU cores; the real-* sections need `bash scripts/setup.sh real`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SECTIONS=(two-domain-quick tiny-renamed apn-ablation two-domain-neutral sequence-quick sequence-ablation
+          two-domain-cms sequence-cms optimizers-quick real-standard real-trace real-two-domain
+          first-run benchmarks aunn)
+
+publish() {  # publish RUN_DIR SECTION: its tables and figures, next to RESULTS.md
+    mkdir -p "docs/figures/$2"
+    cp "$1"/results.md "$1"/*.png "docs/figures/$2/" 2>/dev/null || true
+    echo "published $1 -> docs/figures/$2"
+}
+
+bench() {  # bench SECTION ARGS...: one forgetless bench into runs/SECTION, then publish it
+    local section=$1; shift
+    forgetless bench "$@" --out "runs/$section"
+    publish "runs/$section" "$section"
+}
+
+run_section() {
+    case "$1" in
+    two-domain-quick)   bench two-domain-quick ;;                                           # ~25-45 min
+    tiny-renamed)       bench tiny-renamed --domain-a tinyshakespeare --domain-b renamed:tinyshakespeare \
+                            --methods full,ffn,lora,apn,apn-local,apn-param-matched,apn-retrofit ;;
+    apn-ablation)       bench apn-ablation --seeds 1 --methods 'apn,apn[local=true],apn[local=true;decoders_only=true],apn[norm_cap=0.1],apn[update_rule=gain;lr=0.03],apn[gate_on=router;gate_min=0.3],apn[gate_on=entropy;gate_max=2.0],apn[allocate=true],apn[allocate=true;novelty_threshold=0.34],apn[train_prototypes=false]' ;;
+    two-domain-neutral) bench two-domain-neutral --methods 'full,ffn,lora,adapter,neutral,ewc,neutral[gate=none],neutral[gate=sigmoid],neutral[gate=none;alpha=0],neutral[mix=0],neutral[mix=0.01],neutral[mix=0.5],full[mix=0.01],full[mix=0.1],full[mix=0.5],lora[mix=0.1],adapter[mix=0.1]' ;;
+    sequence-quick)     bench sequence-quick --protocol sequence ;;
+    sequence-ablation)  bench sequence-ablation --protocol sequence --methods \
+                            'moram[top_k=0;tau=1;delta=none],moram[tau=1;delta=none],moram[top_k=0;delta=none],moram[top_k=0;tau=1],moram[delta=none],moram' ;;
+    two-domain-cms)     OMP_NUM_THREADS=1 bench two-domain-cms --seeds 3 \
+                            --methods 'full,ffn,lora,adapter,cms,cms-fast,cms[periods=1,1,1,1],cms[accumulate=updates]' ;;
+    sequence-cms)       OMP_NUM_THREADS=1 bench sequence-cms --protocol sequence --seeds 3 \
+                            --methods 'ffn,cms,cms-fast,cms[periods=1,1,1,1]' ;;
+    optimizers-quick)   OMP_NUM_THREADS=1 bench optimizers-quick --optimizers adamw,muon,delta,deep,l2reg \
+                            --lrs 3e-5,1e-4,3e-4,1e-3 --seeds 3 --pretrain-seeds 3 ;;
+    real-standard)      bench real-standard --model smollm2-135m --preset real --protocol sequence \
+                            --tasks dbpedia,amazon,yahoo,agnews --seeds 1 \
+                            --methods 'seq-lora,moram,o-lora,neutral,moram[lr=1e-3],seq-lora[mix=0.2],full,ewc,moe-lora' ;;
+    real-trace)         bench real-trace --model smollm2-135m --preset real --protocol sequence \
+                            --tasks FOMC,ScienceQA,NumGLUE-cm,NumGLUE-ds --data-held-out-tasks dbpedia --seeds 1 \
+                            --methods 'seq-lora,seq-lora[mix=0.2],moram,neutral,o-lora,full' ;;
+    real-two-domain)    bench real-two-domain --model smollm2-135m --preset real --seeds 1 \
+                            --methods full,lora,adapter,neutral,moram,apn,cms ;;
+    first-run)          /usr/bin/time -v forgetless bench --out runs/first-run 2>&1 | tee runs/first-run.log
+                        publish runs/first-run first-run ;;
+    benchmarks)         for b in apn cms moram optim train scoring real harness; do
+                            python "benchmarks/bench_$b.py" | tail -n 1; done | tee runs/benchmarks.jsonl ;;
+    aunn)               forgetless aunn bench toy --out runs/aunn-toy
+                        forgetless aunn bench shakespeare --out runs/aunn-shakespeare
+                        forgetless aunn bench digits --out runs/aunn-digits
+                        mkdir -p docs/figures/aunn
+                        for s in toy shakespeare digits; do cp runs/aunn-$s/*.png docs/figures/aunn/; done ;;
+    list)               printf '%s\n' "${SECTIONS[@]}" ;;
+    *)                  echo "unknown section '$1'; valid: ${SECTIONS[*]} (or list)" >&2; exit 2 ;;
+    esac
+}
+
+[ $# -gt 0 ] || { echo "usage: bash scripts/reproduce.sh SECTION [SECTION ...]; sections: ${SECTIONS[*]}" >&2; exit 2; }
+for section in "$@"; do run_section "$section"; done
