@@ -23,8 +23,9 @@ def run(tmp_path, methods, mix=None):
     return run_on(tiny_llama(tok.vocab_size), tok, cfg, methods, [0], tmp_path, "real", "tiny-llama")
 
 
-def test_instruction_sequence_scores_every_task_after_every_task(tmp_path):
+def test_instruction_sequence_scores_every_task_after_every_task(tmp_path, capsys):
     results = run(tmp_path, ["full", "lora", "ewc"])
+    assert "plan: run 3 of 3 arms" in capsys.readouterr().err
     assert results["tasks"] == ["pydoc-topics", "dbpedia", "agnews"] and results["held_out_tasks"] == ["FOMC"]
     for label, m in results["methods"].items():
         R = m["r_matrix"]
@@ -45,6 +46,7 @@ def test_instruction_sequence_scores_every_task_after_every_task(tmp_path):
     arm = (tmp_path / "arms" / "full" / "seed0.json").stat().st_mtime
     run(tmp_path, ["full"])
     assert (tmp_path / "arms" / "full" / "seed0.json").stat().st_mtime == arm  # reused, not run again
+    assert "plan: run 0 of 1 arm (1 saved)" in capsys.readouterr().err
 
 
 def test_the_shared_scores_before_training_are_each_methods_own():

@@ -24,7 +24,7 @@ from forgetless.adapted import architecture_fingerprint, attach, resolve_device
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.metrics import sequence_metrics
 from forgetless.continual.scoring import score_task
-from forgetless.continual.plan import run_or_reuse_arm
+from forgetless.continual.plan import Job, Plan, run_or_reuse_arm, saved_arm
 from forgetless.continual.two_domain import build_arms, fresh, mean_nested, mean_std, provenance
 from forgetless.data.domains import Domain, load_domains
 from forgetless.data.instructions import IGNORE, Encoded, InstructionSampler, InstructionTask, encode, load_task
@@ -72,13 +72,16 @@ def run_on(lm: nn.Module, tokenizer, cfg: RunConfig, methods, seeds: list[int], 
     stream = load_stream(cfg, tokenizer)
     arms: dict[str, list[dict]] = {label: [] for label in built}
     before = functools.cache(lambda: scores(lm, tokenizer, stream, cfg))  # shared: attach is output-neutral
-    with progress_task("bench arms", total=len(seeds) * len(built)) as advance:
-        for seed, (label, method) in itertools.product(seeds, built.items()):
-            run_config = {"protocol": "instructions", "config": cfg.to_dict(), "method": method.name,
-                          "options": method.options(), "model": [model, architecture_fingerprint(lm)],
-                          "stream": stream.fingerprint()}
+    todo = [(seed, label, method, out / "arms" / label / f"seed{seed}.json",
+             {"protocol": "instructions", "config": cfg.to_dict(), "method": method.name, "options": method.options(),
+              "model": [model, architecture_fingerprint(lm)], "stream": stream.fingerprint()})
+            for seed, (label, method) in itertools.product(seeds, built.items())]
+    Plan([Job("arm", f"{label} seed {seed}", 0.0, saved_arm(path, config) is not None)
+          for seed, label, _, path, config in todo], calibrated=False).show()
+    with progress_task("bench arms", total=len(todo)) as advance:
+        for seed, label, method, arm_path, run_config in todo:
             arms[label].append(run_or_reuse_arm(
-                out / "arms" / label / f"seed{seed}.json", run_config,
+                arm_path, run_config,
                 lambda arm_dir: instruction_arm(copy.deepcopy(lm), tokenizer, fresh(method), stream, cfg, seed,
                                                 arm_dir, before())))
             advance(1)
