@@ -35,7 +35,8 @@ class NarrowMethod(Method):
 def test_architecture_changing_method_gets_its_own_base(tmp_path, monkeypatch):
     monkeypatch.setitem(FFN_KINDS, "narrow", FFNKind(NarrowFFN))
     monkeypatch.setitem(METHODS, "narrow", NarrowMethod)
-    cfg = build_config("smoke", {"data": {"domain_a": "tinyshakespeare", "domain_b": "renamed:tinyshakespeare"}})
+    cfg = build_config("smoke", {"data": {"domain_a": "tinyshakespeare", "domain_b": "renamed:tinyshakespeare"},
+                                 "adapt": {"lr": 3e-3}})  # the smoke lr barely moves a 10-step MLP-only arm
     results = run_two_domain(cfg, ["full", "narrow"], [0], tmp_path, "smoke")
     assert set(results["bases"]) == {"dense", "narrow"}
     full, narrow = results["methods"]["full"], results["methods"]["narrow"]
