@@ -361,4 +361,6 @@ app.add_typer(aunn_app, name="aunn")
 
 
 def main():
+    from forgetless.distributed import init_from_env
+    init_from_env()
     app()
