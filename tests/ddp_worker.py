@@ -2,14 +2,14 @@
 one process (`python tests/ddp_worker.py ...`) or in N (`torchrun --nproc_per_node N tests/ddp_worker.py ...`).
 
 Rank 0 writes OUT: the trained parameters ("param.<name>") and meta {"loss": [[step, loss]], "evals": [...],
-"ms_per_step": ...}; with --method, the adapted method also goes to OUT.method/ (save_pretrained).
+"world_size": N}; --ckpt/--kill-at checkpoint the pretraining and kill it after a step; with --method (a spec, e.g. "cms[periods=1,2,4]"), the pretrained base goes to OUT.base and the adapted
+method to OUT.method/ (save_pretrained).
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -18,9 +18,9 @@ from forgetless import attach, distributed
 from forgetless.checkpoint import save_checkpoint
 from forgetless.continual.evaluate import evaluate, training_loss
 from forgetless.data.splits import Batch, Sampler, eval_windows
-from forgetless.methods import build_method
+from forgetless.methods.base import parse_method_specs
 from forgetless.models.gpt import GPT, GPTConfig
-from forgetless.train import HookChain, StepHooks, TrainConfig, train
+from forgetless.train import StepHooks, TrainConfig, train
 
 SMOKE = GPTConfig(n_layer=2, n_head=2, d_model=32, block_size=32)
 
@@ -32,7 +32,7 @@ def tokens() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Kill(StepHooks):
-    """Die (rank 1, or rank 0 alone) after optimizer step `at`, as a killed job would."""
+    """Die (the last rank) after optimizer step `at` (0: never), as a killed job would."""
 
     def __init__(self, at: int):
         self.at = at
@@ -42,12 +42,16 @@ class Kill(StepHooks):
             os._exit(3)
 
 
-def answers_only(model, batch: Batch):
-    """LM loss on a ragged suffix of every row (row i scores its last 4 + 3i tokens): ranks hold unequal counts."""
-    y = batch.y.clone()
-    for i in range(len(y)):
-        y[i, :max(0, y.shape[1] - 4 - 3 * i)] = -100
-    return training_loss(model, Batch(batch.x, y, batch.from_other))
+class AnswersOnly(Sampler):
+    """Batches scored on a ragged suffix of every row (row i scores its last 4 + 3i targets), so the
+    ranks' shards hold unequal numbers of scored tokens."""
+
+    def next(self) -> Batch:
+        batch = super().next()
+        batch.y = batch.y.clone()  # a view of the windows, like x
+        for i in range(len(batch.y)):
+            batch.y[i, :max(0, batch.y.shape[1] - 4 - 3 * i)] = -100
+        return batch
 
 
 def main():
@@ -64,37 +68,31 @@ def main():
     distributed.init_from_env()
     torch.set_num_threads(1)
     a, b = tokens()
-    method = build_method(args.method, {}) if args.method else None
+    method = parse_method_specs(args.method)[0].build() if args.method else None
     torch.manual_seed(0)
     model = GPT(method.base_config(SMOKE) if method else SMOKE)
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=3e-3, warmup=2, eval_every=3, ckpt_every=2,
                       optimizer=args.optimizer)
     windows = eval_windows(b if method else a, SMOKE.block_size, 9)  # 9: the ranks' slices are unequal
-    loss_fn = answers_only if args.answers_only else training_loss
-    hooks = Kill(0 if method else args.kill_at)
-    ckpt = Path(args.ckpt) if args.ckpt and not method else None
-    start = time.perf_counter()
-    history = train(model, list(model.named_parameters()), Sampler(a, cfg.batch_size, SMOKE.block_size, seed=0),
-                    cfg, loss_fn, evaluate=lambda: evaluate(model, windows), ckpt_path=ckpt, run_config={"w": 1},
-                    hooks=hooks, desc="pretrain")
+    sampler = (AnswersOnly if args.answers_only else Sampler)(a, cfg.batch_size, SMOKE.block_size, seed=0)
+    history = train(model, list(model.named_parameters()), sampler, cfg, training_loss,
+                    evaluate=lambda: evaluate(model, windows), ckpt_path=Path(args.ckpt) if args.ckpt else None,
+                    run_config={"w": 1}, hooks=Kill(args.kill_at), desc="pretrain")
     trained = model
     if method:
+        save_checkpoint(f"{args.out}.base", model.state_dict(), {"kind": "base"})
         adapted = attach(model, method)
         for task in (1, 2):  # task 2 grows what grows (MoRAM atoms)
             adapted.start_task(task)
             sampler = Sampler(b, cfg.batch_size, SMOKE.block_size, seed=task, other=a, p=0.25)
-            ckpt = Path(f"{args.ckpt}.{task}") if args.ckpt else None
             history = train(adapted, adapted.trainable_parameters(), sampler, cfg,
                             lambda m, batch: adapted.losses(batch), evaluate=lambda: evaluate(adapted, windows),
-                            ckpt_path=ckpt, run_config={"task": task}, desc=f"adapt {task}",
-                            hooks=HookChain([adapted.method, Kill(args.kill_at if task == 2 else 0)]))
+                            desc=f"adapt {task}", hooks=adapted.method)
             adapted.end_task(task)
         adapted.save_pretrained(f"{args.out}.method")
         trained = adapted
-    ms = 1000 * (time.perf_counter() - start) / (args.steps * (3 if method else 1))
     save_checkpoint(args.out, {f"param.{n}": p for n, p in trained.named_parameters()},
-                    {"loss": history.loss, "evals": history.evals, "ms_per_step": ms,
-                     "world_size": distributed.world_size()})
+                    {"loss": history.loss, "evals": history.evals, "world_size": distributed.world_size()})
 
 
 if __name__ == "__main__":

@@ -74,6 +74,14 @@ def average(value: torch.Tensor) -> torch.Tensor:
     return value / world_size()
 
 
+def all_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum of `t` over the ranks (a new tensor, outside autograd)."""
+    t = t.detach().clone()
+    if world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
 def total(values: list[float], device: torch.device) -> list[float]:
     """Elementwise sum of `values` over the ranks (in float64)."""
     if world_size() == 1:
