@@ -74,6 +74,7 @@ def assert_same_run(one: Path, two: Path, atol: float = 5e-4, rel: float = 1e-5)
     pytest.param(["--method", "lora"], id="lora"),
     pytest.param(["--method", "apn"], id="apn-routed"),
     pytest.param(["--method", "moram"], id="moram-growing"),
+    pytest.param(["--method", "moe-lora"], id="moe-lora-growing-routed"),
     pytest.param(["--method", "cms[periods=1,2,4]"], id="cms-chunked"),
 ])
 def test_two_processes_match_one(tmp_path, args):
