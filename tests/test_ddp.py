@@ -124,3 +124,21 @@ def test_shard_weights_ranks_by_scored_tokens():
 def test_apn_knobs_that_read_the_whole_batch_refuse_several_processes(tmp_path):
     done = run(tmp_path / "two.st", "--method", "apn[allocate=true]", procs=2, check=False)
     assert done.returncode != 0 and "run this method in one process" in done.stderr
+
+
+def test_torchrun_cli_pretrain_matches_one_process(tmp_path):
+    """`torchrun -m forgetless pretrain`: one "wrote" line (rank 0), the checkpoint of one process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cli = ["-m", "forgetless", "pretrain", "--preset", "smoke", "--domain-a", "tinyshakespeare"]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                          "127.0.0.1", "--master_port", str(free_port()), *cli, "--out", str(tmp_path / "two.st")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout.count("wrote") == 1
+    one = subprocess.run([sys.executable, *cli, "--out", str(tmp_path / "one.st")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    a, b = load_checkpoint(tmp_path / "one.st")[0], load_checkpoint(tmp_path / "two.st")[0]
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), rtol=0, atol=5e-4), k
