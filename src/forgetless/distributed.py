@@ -115,10 +115,10 @@ def average_gradients(params: list[tuple[str, nn.Parameter]]):
             g.copy_(part.view_as(g))
 
 
-def broadcast_parameters(model: nn.Module):
-    """Give every rank rank 0's parameters and buffers (same start even if initialisation differed)."""
+def broadcast_parameters(params: list[tuple[str, nn.Parameter]]):
+    """Give every rank rank 0's values of `params` (the same start even if an initialisation differed)."""
     if world_size() == 1:
         return
     with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(t.data, 0)
+        for _, p in params:
+            dist.broadcast(p.data, 0)

@@ -160,7 +160,7 @@ def train(model: nn.Module, params: list[tuple[str, nn.Parameter]], sampler: Sam
     opt = hooks.make_optimizer(params, cfg) or build_optimizer(cfg.optimizer, params, cfg, model)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     history, start = History(), 0
-    distributed.broadcast_parameters(model)
+    distributed.broadcast_parameters(params)
     if ckpt_path is not None and Path(ckpt_path).exists():
         start, history = resume(model, opt, sampler, ckpt_path, run_config, hooks)
     elif evaluate is not None:
