@@ -113,9 +113,24 @@ def test_killed_two_process_run_resumes_exactly(tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
-def test_shard_weights_ranks_by_scored_tokens():
-    """One process: the identity. The per-rank weights themselves are what the 2-process
-    answers-only run above checks end to end; here the single-process path must not touch the batch."""
+def test_two_process_checkpoint_resumes_in_one_process(tmp_path):
+    """A training checkpoint of a killed 2-process run holds the whole state: one process finishes it."""
+    run(tmp_path / "one.st", "--steps", "8")
+    ckpt = tmp_path / "ckpt.st"
+    run(tmp_path / "mixed.st", "--steps", "8", "--ckpt", str(ckpt), "--kill-at", "5", procs=2, check=False)
+    assert load_checkpoint(ckpt)[1]["step"] == 4
+    run(tmp_path / "mixed.st", "--steps", "8", "--ckpt", str(ckpt))
+    assert load_checkpoint(tmp_path / "mixed.st")[1]["world_size"] == 1
+    a, meta_a = load_checkpoint(tmp_path / "one.st")
+    b, meta_b = load_checkpoint(tmp_path / "mixed.st")
+    assert [l for _, l in meta_b["loss"]] == pytest.approx([l for _, l in meta_a["loss"]], rel=1e-5)
+    for k in a:
+        assert torch.allclose(a[k], b[k], rtol=0, atol=5e-4), k
+
+
+def test_shard_is_the_identity_in_one_process():
+    """The per-rank loss weights are checked end to end by the answers-only 2-process run above; in one
+    process the batch and the loss must stay untouched (bit-for-bit single-process results)."""
     batch = Batch(torch.zeros(3, 4, dtype=torch.long), torch.full((3, 4), -100), torch.zeros(3, dtype=torch.bool))
     same, share = shard(batch)
     assert same is batch and share == 1.0
