@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from forgetless import __version__
+from forgetless import __version__, distributed
 from forgetless.checkpoint import load_checkpoint, save_checkpoint, write_json
 from forgetless.continual.evaluate import training_loss
 from forgetless.data.splits import Batch
@@ -215,7 +215,10 @@ def writable_dir(path: str | Path) -> Path:
 
 
 def resolve_device(name: str = "auto") -> torch.device:
-    """auto (CUDA when available, else CPU), cpu, cuda[:N] or mps; an unavailable device is an error."""
+    """auto (CUDA when available, else CPU), cpu, cuda[:N] or mps; an unavailable device is an error.
+    Under torchrun, auto and cuda mean this process's GPU (cuda:LOCAL_RANK)."""
+    if name in ("auto", "cuda") and distributed.world_size() > 1 and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     kind = name.split(":")[0]

@@ -9,16 +9,20 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from forgetless import distributed
 from forgetless.errors import ForgetlessError
 
 FORMAT = "forgetless-1"
 
 
 def save_checkpoint(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict):
-    """Write tensors and a JSON-able `meta` to `path` atomically (tmp file + rename).
+    """Write tensors and a JSON-able `meta` to `path` atomically (tmp file + rename); under torchrun,
+    rank 0 writes and every rank waits until it has.
 
     Tensors sharing storage (tied weights) are written once; `meta["aliases"]` names the rest.
     """
+    if not distributed.is_main():
+        return distributed.barrier()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     unique, aliases, seen = {}, {}, {}
@@ -36,6 +40,7 @@ def save_checkpoint(path: str | Path, tensors: dict[str, torch.Tensor], meta: di
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    distributed.barrier()
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -59,12 +64,15 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def write_json(path: str | Path, obj):
-    """Write JSON atomically."""
+    """Write JSON atomically (rank 0 only under torchrun)."""
+    if not distributed.is_main():
+        return distributed.barrier()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(obj, indent=2))
     os.replace(tmp, path)
+    distributed.barrier()
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], list]:

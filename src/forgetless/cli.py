@@ -361,4 +361,8 @@ app.add_typer(aunn_app, name="aunn")
 
 
 def main():
+    from forgetless import distributed
+    from forgetless.cliutil import out_console
+    distributed.init_from_env()  # under torchrun / accelerate launch
+    out_console.quiet = not distributed.is_main()
     app()

@@ -20,7 +20,11 @@ LOG_EVERY_S = 30.0
 @contextlib.contextmanager
 def progress_task(desc: str, total: int, completed: int = 0, percent: bool = False):
     """Yield `advance(n, **fields)`; shows a bar with loss and ETA on stderr (plain lines off a terminal).
-    `percent`: the count is in units a user does not read (e.g. estimated seconds): show a percentage."""
+    `percent`: the count is in units a user does not read (e.g. estimated seconds): show a percentage.
+    Ranks other than 0 of a torchrun show nothing (their console is quiet)."""
+    if console.quiet:
+        yield lambda n=1, **fields: None
+        return
     if not console.is_terminal:
         with plain_progress(desc, total, completed, percent) as advance:
             yield advance

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from forgetless import distributed
 from forgetless.checkpoint import load_checkpoint, load_optimizer, optimizer_tensors, save_checkpoint
 from forgetless.config import stable_hash
 from forgetless.data.splits import Batch, Sampler
@@ -159,6 +160,7 @@ def train(model: nn.Module, params: list[tuple[str, nn.Parameter]], sampler: Sam
     opt = hooks.make_optimizer(params, cfg) or build_optimizer(cfg.optimizer, params, cfg, model)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     history, start = History(), 0
+    distributed.broadcast_parameters(params)
     if ckpt_path is not None and Path(ckpt_path).exists():
         start, history = resume(model, opt, sampler, ckpt_path, run_config, hooks)
     elif evaluate is not None:
@@ -181,15 +183,20 @@ def train(model: nn.Module, params: list[tuple[str, nn.Parameter]], sampler: Sam
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, cfg)
             model.train()
+            batch, share = distributed.shard(sampler.next().to(device))  # this rank's rows of the global batch
             with autocast(device, cfg.precision):
-                loss, lm_loss = loss_fn(model, sampler.next().to(device))
-            if not torch.isfinite(loss):
+                loss, lm_loss = loss_fn(model, batch)
+            if share != 1.0:  # the LM loss as this rank's part of the global batch's token mean
+                loss = loss + (share - 1.0) * lm_loss
+            lm_loss = distributed.average(lm_loss.detach() * share)  # the global batch's LM loss
+            if not torch.isfinite(distributed.average(loss.detach())):
                 where = f"the last good checkpoint (step {last_ckpt_step(step, cfg)}) is kept at {ckpt_path}" \
                     if ckpt_path is not None and Path(ckpt_path).exists() else "no checkpoint was written"
                 raise TrainingDiverged(
                     f"{desc}: loss is {loss.item()} at step {step + 1}; stopped, {where}; lower the learning rate")
             opt.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
+            distributed.average_gradients(params)
             scaler.unscale_(opt)
             if cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_([p for _, p in params], cfg.grad_clip)

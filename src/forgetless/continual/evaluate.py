@@ -7,16 +7,20 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from forgetless import distributed
 from forgetless.data.splits import Batch
 from forgetless.models.gpt import aux_loss, logits_of, recorded_forward, takes_logits_to_keep
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, windows: torch.Tensor, batch_size: int = 64) -> dict:
-    """PPL = exp(mean token cross-entropy) over all tokens of `windows` (W, T+1); acc = top-1."""
+    """PPL = exp(mean token cross-entropy) over all tokens of `windows` (W, T+1); acc = top-1.
+    Under torchrun each rank scores its slice of the windows and the sums are added up."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
+    if distributed.world_size() > 1:
+        windows = windows.tensor_split(distributed.world_size())[distributed.rank()]
     total_loss, total_correct, n = 0.0, 0, 0
     for i in range(0, len(windows), batch_size):
         chunk = windows[i:i + batch_size].to(device)
@@ -26,6 +30,7 @@ def evaluate(model: nn.Module, windows: torch.Tensor, batch_size: int = 64) -> d
         total_correct += (logits.argmax(-1) == y).sum().item()
         n += y.numel()
     model.train(was_training)
+    total_loss, total_correct, n = distributed.total([total_loss, total_correct, n], device)
     loss = total_loss / n
     return {"loss": loss, "ppl": math.exp(loss), "acc": total_correct / n}
 

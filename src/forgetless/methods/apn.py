@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from forgetless import distributed
 from forgetless.config import from_dict
 from forgetless.errors import ForgetlessError
 from forgetless.methods.base import Method, MethodConfig, find_modules, register_method, replace_module
@@ -152,6 +153,9 @@ class APNMethod(Method):
 
     # ---- loop hooks -------------------------------------------------------------------
     def make_optimizer(self, params, cfg):
+        if distributed.world_size() > 1 and (self.cfg.local or self.cfg.allocate or self.cfg.gate_on == "entropy"):
+            raise ForgetlessError(f"{self.name}: local, allocate and gate_on=entropy act on the routing of the batch, "
+                                  "which each process sees only a shard of; run this method in one process")
         if self.cfg.update_rule == "gain":
             return torch.optim.SGD([p for _, p in params], lr=cfg.lr)
         return None

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from forgetless import distributed
 from forgetless.config import from_dict
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPTConfig, recorded_forward, register_ffn
@@ -161,16 +162,35 @@ class APN(nn.Module):
         """Load balancing on the routing mass per patch, plus the optional entropy term, over the
         tokens that may train (`trains`, (N,) bool; None: all), so gated-out tokens move nothing."""
         if trains is not None:
-            if not trains.any():
+            if not trains.any() and distributed.world_size() == 1:
                 return None
             index, weight = index[trains], weight[trains]
         K = self.cfg.n_patches
         mass = weight.new_zeros(K).index_add(0, index.reshape(-1), weight.reshape(-1))
+        if distributed.world_size() > 1:
+            return self.global_regularizer(mass, weight)
         usage = mass / index.shape[0]                                            # (K,) sums to 1
         loss = self.cfg.balance * ((usage - 1.0 / K) ** 2).sum()
         if self.cfg.entropy:
             entropy = -(weight.clamp_min(1e-9).log() * weight).sum(-1).mean()
             loss = loss + self.cfg.entropy * entropy
+        return loss
+
+    def global_regularizer(self, mass: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """`regularizer` of the global batch under torchrun, where this rank holds a shard of the tokens:
+        the value is the ranks' mean and, as gradients are averaged, this rank's part of the gradient
+        times the world size (the load balance is not a mean over tokens: per-shard losses would differ)."""
+        n = distributed.world_size()
+        mass_all = distributed.all_sum(torch.cat([mass.detach(), mass.new_tensor([weight.shape[0]])]))
+        tokens = mass_all[-1]
+        if tokens == 0:
+            return None
+        excess = mass_all[:-1] / tokens - 1.0 / self.cfg.n_patches                # (K,) global usage - 1/K
+        part = n * (2 * excess * mass / tokens).sum()
+        loss = self.cfg.balance * ((excess ** 2).sum() + part - part.detach())
+        if self.cfg.entropy:
+            entropy = -(weight.clamp_min(1e-9).log() * weight).sum()
+            loss = loss + self.cfg.entropy * n * entropy / tokens
         return loss
 
     def stats(self) -> dict:

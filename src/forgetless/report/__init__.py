@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from forgetless import distributed
 from forgetless.checkpoint import write_json
 from forgetless.report.figures import method_figures, r_heatmaps, write_figures
 from forgetless.report.frontier import curves, frontier_figure, frontier_markdown, operating_points
@@ -11,7 +12,11 @@ from forgetless.report.tables import markdown, sequence_markdown, write_csv, wri
 
 def write_report(results: dict, out: Path) -> list[Path]:
     """results.json/csv/md and figures in `out`; a run with sweeps also gets `frontier` (JSON, Markdown)
-    and frontier.png."""
+    and frontier.png. Under torchrun rank 0 writes them; the others wait in the barrier that pairs with
+    the one ending write_json (results.json), and return no files."""
+    if not distributed.is_main():
+        distributed.barrier()
+        return []
     out.mkdir(parents=True, exist_ok=True)
     if curves(results):
         results["frontier"] = operating_points(results)

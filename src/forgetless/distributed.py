@@ -1,0 +1,124 @@
+"""Data parallelism over `torch.distributed` (launched by `torchrun` or `accelerate launch`).
+
+Every rank draws the SAME global batch from the same seeded sampler and trains on its slice of rows;
+after backward the gradients are averaged by hand (no DistributedDataParallel wrapper), so a parameter
+that a rank's shard never reached (an unused APN patch, a frozen MoRAM atom) needs no
+`find_unused_parameters` and any optimizer of `forgetless.optim` sees the global gradient. Each rank's
+LM loss is weighted by its share of the batch's scored tokens, so the averaged gradient is the one a
+single process computes on the whole batch. Files are written by rank 0 only. In one process every
+function here is the identity (or a no-op).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from forgetless.data.splits import Batch
+from forgetless.errors import ForgetlessError
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if world_size() > 1 else 0
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def init_from_env():
+    """Join the process group when a launcher set WORLD_SIZE > 1 (gloo on CPU, nccl with one GPU per
+    rank, chosen by LOCAL_RANK); ranks other than 0 print nothing."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if not is_main():
+        from forgetless.progress import console
+        console.quiet = True
+
+
+def barrier():
+    if world_size() > 1:
+        dist.barrier()
+
+
+def shard(batch: Batch) -> tuple[Batch, float]:
+    """(this rank's rows of the global `batch`, its share of the scored tokens * world size): the loss
+    weight that makes the average of the ranks' gradients the global batch's gradient."""
+    n = world_size()
+    if n == 1:
+        return batch, 1.0
+    if len(batch.x) < n:
+        raise ForgetlessError(f"batch size {len(batch.x)} is smaller than the {n} processes; "
+                              "give a batch size of at least the number of processes")
+    rows = torch.arange(len(batch.x), device=batch.x.device).tensor_split(n)[rank()]
+    mine = Batch(batch.x[rows], batch.y[rows], batch.from_other[rows])
+    scored_all, scored_mine = (batch.y != -100).sum().item(), (mine.y != -100).sum().item()
+    return mine, n * scored_mine / max(scored_all, 1)
+
+
+def average(value: torch.Tensor) -> torch.Tensor:
+    """Mean of `value` over the ranks."""
+    if world_size() == 1:
+        return value
+    value = value.detach().clone()
+    dist.all_reduce(value)
+    return value / world_size()
+
+
+def all_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum of `t` over the ranks (a new tensor, outside autograd)."""
+    t = t.detach().clone()
+    if world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def total(values: list[float], device: torch.device) -> list[float]:
+    """Elementwise sum of `values` over the ranks (in float64)."""
+    if world_size() == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def average_gradients(params: list[tuple[str, nn.Parameter]]):
+    """Replace every gradient by its mean over the ranks, in one all-reduce per dtype. A parameter
+    without a gradient on some rank counts zero there; one without a gradient on every rank keeps
+    none (as in one process, where e.g. AdamW then skips it)."""
+    n = world_size()
+    if n == 1:
+        return
+    params = [p for _, p in params]
+    device = params[0].device
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=device)
+    dist.all_reduce(has)
+    used = [p for p, h in zip(params, has.tolist()) if h > 0]
+    for p in used:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    for dtype in {p.grad.dtype for p in used}:
+        grads = [p.grad for p in used if p.grad.dtype == dtype]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat /= n
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+
+
+def broadcast_parameters(params: list[tuple[str, nn.Parameter]]):
+    """Give every rank rank 0's values of `params` (the same start even if an initialisation differed)."""
+    if world_size() == 1:
+        return
+    with torch.no_grad():
+        for _, p in params:
+            dist.broadcast(p.data, 0)
