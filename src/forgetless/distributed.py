@@ -10,6 +10,7 @@ function here is the identity (or a no-op).
 """
 from __future__ import annotations
 
+import atexit
 import os
 
 import torch
@@ -40,9 +41,17 @@ def init_from_env():
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    atexit.register(leave)  # a process that exits with its group alive can abort in gloo's teardown
     if not is_main():
         from forgetless.progress import console
         console.quiet = True
+
+
+def leave():
+    """Wait for every rank, then close the process group (at exit)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def barrier():
