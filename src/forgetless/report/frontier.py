@@ -46,12 +46,17 @@ def curves(results: dict) -> dict[str, list[tuple[str, str, dict]]]:
     return out
 
 
+def every_arm(results: dict) -> dict[str, list[tuple[str, str, dict]]]:
+    """The curves, then every arm in none of them as a one-point group under its own label."""
+    groups = curves(results)
+    in_curves = {label for points in groups.values() for _, label, _ in points}
+    return {**groups, **{label: [("", label, m)] for label, m in results["methods"].items() if label not in in_curves}}
+
+
 def operating_points(results: dict) -> dict[str, dict]:
     """Per curve (and per method run at one setting): its best arms at matched forgetting or adaptation."""
     (xk, _, xs), (yk, _, ys) = axes_of(results)
-    groups = curves(results)
-    in_curves = {label for points in groups.values() for _, label, _ in points}
-    groups.update({label: [("", label, m)] for label, m in results["methods"].items() if label not in in_curves})
+    groups = every_arm(results)
     dev = all(f"{xk}_dev" in m and f"{yk}_dev" in m for m in results["methods"].values())
     chosen_on = "validation" if dev else "held-out"
     xc, yc = (f"{xk}_dev", f"{yk}_dev") if dev else (xk, yk)  # choices are made on validation windows
@@ -83,24 +88,21 @@ def best(candidates: list[tuple[float, float, str]], pick, chosen_on: str) -> di
 
 def frontier_figure(results: dict, path: Path) -> bool:
     """Every arm as a point (± std over seeds both ways); the arms of one sweep joined in order of value."""
-    groups = curves(results)
-    if not groups:
+    if not curves(results):
         return False
     (xk, xlabel, xs), (yk, ylabel, ys) = axes_of(results)
-    in_curves = {label for points in groups.values() for _, label, _ in points}
-    color = colors([*groups, *[label for label in results["methods"] if label not in in_curves]])
+    groups = every_arm(results)
+    color = colors(list(groups))
     fig, ax = plt.subplots(figsize=(8.5, 5))
     for key, points in groups.items():
-        ms = [m for _, _, m in points]
+        ms, curve = [m for _, _, m in points], len(points) > 1
         x, y = [xs * m[xk]["mean"] for m in ms], [ys * m[yk]["mean"] for m in ms]
-        ax.errorbar(x, y, xerr=[xs * m[xk]["std"] for m in ms], yerr=[ys * m[yk]["std"] for m in ms], marker="o",
-                    capsize=2, color=color[key], label=key)
+        ax.errorbar(x, y, xerr=[xs * m[xk]["std"] for m in ms], yerr=[ys * m[yk]["std"] for m in ms],
+                    marker="o" if curve else "s", linestyle="-" if curve else "none", capsize=2, color=color[key],
+                    label=key)
         for (value, _, _), px, py in zip(points, x, y):
-            ax.annotate(value, (px, py), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color[key])
-    for label, m in results["methods"].items():
-        if label not in in_curves:
-            ax.errorbar(xs * m[xk]["mean"], ys * m[yk]["mean"], xerr=xs * m[xk]["std"], yerr=ys * m[yk]["std"],
-                        marker="s", capsize=2, color=color[label], label=label, linestyle="none")
+            if curve:
+                ax.annotate(value, (px, py), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color[key])
     if results["protocol"] == "two-domain":
         for limit in F_LIMITS:
             ax.axvline(limit, color="grey", lw=0.6, ls=":")
