@@ -95,6 +95,20 @@ def test_closed_answer_sets_become_labels_and_open_ones_do_not():
     numbers and Lima's free text stay exact match / generation."""
     assert load_task("FOMC").labels == ["A", "B", "C"] and load_task("C-STANCE").labels == ["A", "B", "C"]
     assert load_task("NumGLUE-ds").labels is None and load_task("Lima").labels is None
+    science = load_task("ScienceQA")  # letter, then the reasoning: scored by the letter's line
+    assert science.labels is None and science.first_line and not load_task("FOMC").first_line
+    assert not any(load_task(t).first_line for t in ("NumGLUE-ds", "Lima", "Py150"))
+
+
+def test_first_line_scoring_needs_a_closed_set_of_first_lines(tmp_path):
+    letter = lambda i: "AB"[i % 2] + f"\nbecause of reason {i}"  # noqa: E731
+    write_json(tmp_path / "train.json", records(10, letter))
+    write_json(tmp_path / "test.json", records(4, letter, start=100))
+    assert load_task(tmp_path).first_line
+    write_json(tmp_path / "test.json", records(4, lambda i: f"C\nbecause of {i}", start=100))  # an unseen letter
+    assert not load_task(tmp_path).first_line
+    write_json(tmp_path / "train.json", records(30, lambda i: f"line {i}\nmore"))  # 30 distinct first lines
+    assert not load_task(tmp_path).first_line
 
 
 def test_test_prompts_seen_in_training_are_left_out(tmp_path, capsys):

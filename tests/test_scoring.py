@@ -133,6 +133,13 @@ def test_score_task_picks_the_score_by_labels(tok, dbpedia):
     assert greedy[2].strip().lower() != "no"
     out = score_task(model, tok, free, rows=3, max_new_tokens=3)
     assert out == {"score": pytest.approx(100 * 2 / 3), "kind": "exact_match", "rows": 3}  # the third is "no"
+    # first-line tasks: the first greedy line against the answer's first line, whatever follows it
+    lines = InstructionTask("letters", free.train, [Example(ex.prompt, ex.answer.split("\n")[0] + "\nsome reason")
+                                                    for ex in free.test], first_line=True)
+    assert all("\n" not in g.strip() for g in greedy)
+    out = score_task(model, tok, lines, rows=3, max_new_tokens=3)
+    assert out == {"score": pytest.approx(100 * 2 / 3), "kind": "first_line_match", "rows": 3}
+    assert score_task(model, tok, InstructionTask("whole", free.train, lines.test), rows=3, max_new_tokens=3)["score"] == 0
 
 
 def test_general_text_is_prose():

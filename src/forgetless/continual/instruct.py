@@ -2,7 +2,7 @@
 files, e.g. the cl500 streams) learned in order, the loss on the answer tokens only.
 
 R[t][i] = the score (%) on task i's test rows after training through task t (label accuracy by answer
-log-likelihood, or exact match of a greedy answer); column 0 is general ability, next-token accuracy
+log-likelihood, or exact match of a greedy answer or of its first line); column 0 is general ability, next-token accuracy
 on held-out general text, so the R metrics of `continual.metrics` apply as in the corpus sequence.
 Beside R: general-text perplexity and held-out tasks (never trained) after every task.
 """
@@ -89,7 +89,7 @@ def run_on(lm: nn.Module, tokenizer, cfg: RunConfig, methods, seeds: list[int], 
         "protocol": "sequence", "kind": "instructions", "preset": preset, "seeds": list(seeds),
         "tasks": [cfg.data.general, *cfg.data.tasks], "held_out_tasks": list(cfg.data.held_out_tasks),
         "score": "column 0: next-token accuracy (%) on held-out general text; tasks: label accuracy or "
-                 "exact match (%) on test rows", "date": datetime.date.today().isoformat(),
+                 "exact match (%) on test rows (ScienceQA-like tasks: of the answer's first line)", "date": datetime.date.today().isoformat(),
         "config": cfg.to_dict(),
         "methods": {label: summarize(runs, built[label]) for label, runs in arms.items()},
     }
@@ -195,7 +195,7 @@ def joined(parts: list[Encoded]) -> Encoded:
 
 
 def task_hash(task: InstructionTask) -> str:
-    text = repr([task.name, [(e.prompt, e.answer) for e in task.train + task.test], task.labels])
+    text = repr([task.name, [(e.prompt, e.answer) for e in task.train + task.test], task.labels, task.first_line])
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 

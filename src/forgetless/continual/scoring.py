@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from forgetless.continual.evaluate import evaluate
-from forgetless.data.instructions import Example, InstructionTask, keep_end, prompt_ids, text_ids
+from forgetless.data.instructions import Example, InstructionTask, head, keep_end, prompt_ids, text_ids
 from forgetless.data.splits import check_length, eval_windows
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import takes_logits_to_keep
@@ -88,12 +88,14 @@ def label_scores(model: nn.Module, tokenizer, prompts: list[str], labels: list[s
 
 # ---- exact match -----------------------------------------------------------------------------
 def exact_match(model: nn.Module, tokenizer, examples: list[Example], max_new_tokens: int,
-                batch_size: int = 8) -> float:
-    """Fraction of examples whose greedy answer equals the answer after whitespace/case normalization."""
+                batch_size: int = 8, first_line: bool = False) -> float:
+    """Fraction of examples whose greedy answer equals the answer after whitespace/case normalization
+    (first_line=True: the first lines of both)."""
     if not examples:
         raise ForgetlessError("exact match needs at least one example")
     answers = greedy_answers(model, tokenizer, [ex.prompt for ex in examples], max_new_tokens, batch_size)
-    return sum(normalized(a) == normalized(ex.answer) for a, ex in zip(answers, examples)) / len(examples)
+    cut = head if first_line else (lambda text: text)
+    return sum(normalized(cut(a)) == normalized(cut(ex.answer)) for a, ex in zip(answers, examples)) / len(examples)
 
 
 def normalized(text: str) -> str:
@@ -139,17 +141,19 @@ def greedy_answers(model: nn.Module, tokenizer, prompts: list[str], max_new_toke
 # ---- one task --------------------------------------------------------------------------------
 def score_task(model: nn.Module, tokenizer, task: InstructionTask, rows: int | None = None, batch_size: int = 8,
                max_new_tokens: int | None = None) -> dict:
-    """Label accuracy when the task has labels, else exact match, on its first `rows` test examples (all
-    when None), in %. Exact match generates up to the longest of those answers plus eos unless told."""
+    """Label accuracy when the task has labels, else exact match (of the answers' first lines when the task
+    says so), on its first `rows` test examples (all when None), in %. Exact match generates up to the
+    longest of those answers (first lines) plus one token unless told."""
     examples = task.test[:rows]
     if not examples:
         raise ForgetlessError(f"task {task.name} has no test examples to score")
     if task.labels:
         score, kind = label_accuracy(model, tokenizer, examples, task.labels, batch_size), "label_accuracy"
     else:
-        longest = max(len(text_ids(tokenizer, ex.answer)) for ex in examples) + 1
-        score = exact_match(model, tokenizer, examples, max_new_tokens or longest, batch_size)
-        kind = "exact_match"
+        cut = head if task.first_line else (lambda text: text)
+        longest = max(len(text_ids(tokenizer, cut(ex.answer))) for ex in examples) + 1
+        score = exact_match(model, tokenizer, examples, max_new_tokens or longest, batch_size, task.first_line)
+        kind = "first_line_match" if task.first_line else "exact_match"
     return {"score": 100.0 * score, "kind": kind, "rows": len(examples)}
 
 

@@ -47,6 +47,7 @@ class InstructionTask:
     train: list[Example]
     test: list[Example]
     labels: list[str] | None = None  # the answer set of a classification task
+    first_line: bool = False  # scored by the answer's first line (e.g. ScienceQA's letter before its reasoning)
 
 
 # ---- loading -------------------------------------------------------------------------------
@@ -119,7 +120,9 @@ def checked_task(name: str, train: list[Example], test: list[Example], labels: l
     """The task without test rows whose prompt is also a training prompt (left out, with a warning: cl500's
     NumGLUE-ds has 6 of 100), and with labels inferred when it has none but its training answers are a
     small closed set covering every test answer (e.g. FOMC's A / B / C): then it is scored by label
-    likelihood, not by exact match of a free greedy answer."""
+    likelihood, not by exact match of a free greedy answer. A task whose answers run over several lines
+    while their first lines form such a set (ScienceQA: the choice's letter, then the reasoning) is scored
+    on the first line only, as TRACE scores ScienceQA by its letter."""
     seen = {" ".join(ex.prompt.split()) for ex in train}
     clean = [ex for ex in test if " ".join(ex.prompt.split()) not in seen]
     if len(clean) < len(test):
@@ -130,7 +133,15 @@ def checked_task(name: str, train: list[Example], test: list[Example], labels: l
     answers = sorted({ex.answer for ex in train})
     if labels is None and 2 <= len(answers) <= MAX_INFERRED_LABELS and {ex.answer for ex in clean} <= set(answers):
         labels = answers
-    return InstructionTask(name, train, clean, labels)
+    heads = {head(ex.answer) for ex in train}
+    first_line = (labels is None and any("\n" in ex.answer.strip() for ex in train)
+                  and 2 <= len(heads) <= MAX_INFERRED_LABELS and {head(ex.answer) for ex in clean} <= heads)
+    return InstructionTask(name, train, clean, labels, first_line)
+
+
+def head(text: str) -> str:
+    """The first line of `text` after leading whitespace."""
+    return text.strip().split("\n")[0]
 
 
 def data_file(folder: Path, part: str) -> Path | None:
