@@ -7,9 +7,11 @@ import pytest
 
 from forgetless import attach
 from forgetless.continual.instruct import load_stream, run_on, scores
+from forgetless.data.instructions import load_task
 from forgetless.errors import ForgetlessError
 from forgetless.presets import build_config
 from forgetless.report import write_report
+from forgetless.report.frontier import operating_points
 from tiny_lm import tiny_llama, tiny_tokenizer
 
 SMALL = {"data": {"tasks": ["dbpedia", "agnews"], "held_out_tasks": ["FOMC"], "train_examples": 16, "test_rows": 6,
@@ -64,6 +66,31 @@ def test_mixing_from_earlier_tasks_changes_the_second_task_only(tmp_path):
     mixed = run(tmp_path / "mixed", ["lora"], mix=0.5)["methods"]["lora"]
     assert mixed["r_matrix"][1] == plain["r_matrix"][1]  # task 1 has no earlier task to mix from
     assert mixed["general_ppl"][2] != plain["general_ppl"][2]
+
+
+def test_validation_rows_are_left_out_of_training_and_scored_beside_r(tmp_path):
+    """data.dev_rows: each task's last training rows become its validation set (never trained on), scored
+    after every task; the *_dev metrics come from that R, and a sweep's operating point is chosen on them."""
+    tok = tiny_tokenizer()
+    cfg = build_config("real", {**SMALL, "data": {**SMALL["data"], "train_examples": 0, "dev_rows": 5}})
+    stream = load_stream(cfg, tok)
+    for task, dev in zip(stream.tasks, stream.dev):
+        assert len(dev.test) == 5 and dev.labels == task.labels and dev.test == load_task(task.name).train[-5:]
+        assert not {ex.prompt for ex in dev.test} & {ex.prompt for ex in task.train}
+        assert len(task.train) == len(load_task(task.name).train) - 5
+    assert sum(len(x) for x in stream.train[0].x) < sum(len(x) for x in load_stream(
+        build_config("real", {**SMALL, "data": {**SMALL["data"], "train_examples": 0}}), tok).train[0].x)
+    cfg = build_config("real", {**SMALL, "data": {**SMALL["data"], "dev_rows": 5}})
+    results = run_on(tiny_llama(tok.vocab_size), tok, cfg, ["lora", "lora[lr=1e-2]"], [0], tmp_path, "real", "tiny")
+    for m in results["methods"].values():
+        R = m["r_matrix_dev"]
+        assert len(R) == 3 and all(len(row) == 3 for row in R) and R != m["r_matrix"]
+        assert m["la_dev"]["mean"] == pytest.approx((R[1][1] + R[2][2]) / 2)
+        assert m["bwt_tasks_dev"]["mean"] == pytest.approx(R[2][1] - R[1][1])
+    points = operating_points(results)["lora, lr"]["best_bwt_at_matched_la"]
+    assert points["chosen_on"] == "validation"
+    with pytest.raises(ForgetlessError, match="dev_rows=600 leaves no training example"):
+        load_stream(build_config("real", {**SMALL, "data": {**SMALL["data"], "dev_rows": 600}}), tok)
 
 
 def test_instruction_errors_are_one_line(tmp_path):

@@ -32,6 +32,9 @@ class DataConfig:
         "help": "instruction tasks: tasks never trained on, scored after every task (general ability)"})
     train_examples: int = field(default=0, metadata={"help": "instruction tasks: training examples per task (0: all)"})
     test_rows: int = field(default=0, metadata={"help": "instruction tasks: test rows scored per task (0: all)"})
+    dev_rows: int = field(default=0, metadata={
+        "help": "instruction tasks: validation rows per task, the last ones of its training file (never trained on), "
+                "scored after every task for choices (lr, knobs): the *_dev metrics; 0: none"})
     mix_from: str = field(default="earlier", metadata={
         "help": "instruction tasks: where mixed-in rows come from: earlier (the tasks before) or a task, e.g. Lima"})
 
@@ -40,8 +43,8 @@ class DataConfig:
             raise ForgetlessError(f"unknown tokenizer {self.tokenizer!r}; valid: {', '.join(TOKENIZERS)}")
         if self.eval_windows <= 0:
             raise ForgetlessError(f"data.eval_windows must be positive, got {self.eval_windows}")
-        if self.train_examples < 0 or self.test_rows < 0:
-            raise ForgetlessError("data.train_examples and data.test_rows must not be negative (0: all)")
+        if self.train_examples < 0 or self.test_rows < 0 or self.dev_rows < 0:
+            raise ForgetlessError("data.train_examples, data.test_rows and data.dev_rows must not be negative (0: all/none)")
 
 
 @dataclass

@@ -4,7 +4,9 @@ files, e.g. the cl500 streams) learned in order, the loss on the answer tokens o
 R[t][i] = the score (%) on task i's test rows after training through task t (label accuracy by answer
 log-likelihood, or exact match of a greedy answer or of its first line); column 0 is general ability, next-token accuracy
 on held-out general text, so the R metrics of `continual.metrics` apply as in the corpus sequence.
-Beside R: general-text perplexity and held-out tasks (never trained) after every task.
+Beside R: general-text perplexity and held-out tasks (never trained) after every task, and with
+`data.dev_rows` the same R on validation rows (each task's last training rows, never trained on;
+general text's validation windows in column 0), whose metrics (`*_dev`) are where choices are made.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from forgetless.train import autocast, train
 
 METRICS = ["op", "op_tasks", "bwt", "bwt_drop", "bwt_tasks", "bwt_drop_clipped", "forgetting", "forgetting_tasks",
            "fwt", "la", "general_ppl_change"]
+DEV_METRICS = ["op_tasks_dev", "bwt_tasks_dev", "forgetting_tasks_dev", "la_dev"]  # on validation rows (data.dev_rows)
 
 
 @dataclasses.dataclass
@@ -49,9 +52,10 @@ class Stream:
     held_out: list[InstructionTask]
     mix_from: Encoded | None  # rows mixed into every task (e.g. Lima), else the earlier tasks' rows
     general_rows: Encoded     # windows of the general text's training split, no targets (see learn_task)
+    dev: list[InstructionTask]  # each task's validation rows as its test rows (empty: none)
 
     def fingerprint(self) -> list[str]:
-        return [task_hash(t) for t in [*self.tasks, *self.held_out]] + [self.general.fingerprint]
+        return [task_hash(t) for t in [*self.tasks, *self.held_out, *self.dev]] + [self.general.fingerprint]
 
 
 def run_instruction_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[int], out: Path,
@@ -88,8 +92,9 @@ def run_on(lm: nn.Module, tokenizer, cfg: RunConfig, methods, seeds: list[int], 
     return {
         "protocol": "sequence", "kind": "instructions", "preset": preset, "seeds": list(seeds),
         "tasks": [cfg.data.general, *cfg.data.tasks], "held_out_tasks": list(cfg.data.held_out_tasks),
-        "score": "column 0: next-token accuracy (%) on held-out general text; tasks: label accuracy or "
-                 "exact match (%) on test rows (ScienceQA-like tasks: of the answer's first line)", "date": datetime.date.today().isoformat(),
+        "score": "column 0: next-token accuracy (%) on held-out general text; tasks: label accuracy or exact match "
+                 "(%) on test rows (ScienceQA-like tasks: of the answer's first line)",
+        "date": datetime.date.today().isoformat(),
         "config": cfg.to_dict(),
         "methods": {label: summarize(runs, built[label]) for label, runs in arms.items()},
     }
@@ -99,7 +104,8 @@ def load_stream(cfg: RunConfig, tokenizer) -> Stream:
     data = cfg.data
     if not data.tasks:
         raise ForgetlessError("the instruction sequence needs tasks: --tasks dbpedia,amazon,... (cl500 names or files)")
-    tasks = [load_task(spec) for spec in data.tasks]
+    tasks, dev = zip(*[split_dev(load_task(spec), data.dev_rows) for spec in data.tasks])
+    tasks, dev = list(tasks), [d for d in dev if d is not None]
     take = (lambda rows: rows[:data.train_examples]) if data.train_examples else (lambda rows: rows)
     train_rows = [encode(take(t.train), tokenizer, cfg.model.block_size) for t in tasks]
     (general,), _ = load_domains([data.general], tokenizer, cfg.model.block_size, data.val_fraction, data.eval_windows,
@@ -107,7 +113,22 @@ def load_stream(cfg: RunConfig, tokenizer) -> Stream:
     mix_from = encode(take(load_task(data.mix_from).train), tokenizer, cfg.model.block_size) \
         if data.mix_from != "earlier" else None
     return Stream(tasks, train_rows, general, [load_task(spec) for spec in data.held_out_tasks], mix_from,
-                  untargeted(eval_windows(general.train, cfg.model.block_size, 256), train_rows[0].pad_id))
+                  untargeted(eval_windows(general.train, cfg.model.block_size, 256), train_rows[0].pad_id), dev)
+
+
+def split_dev(task: InstructionTask, rows: int) -> tuple[InstructionTask, InstructionTask | None]:
+    """(the task without its last `rows` training examples, those rows as a task's test rows: its validation
+    set, left out where a kept training prompt repeats them); (task, None) for rows=0."""
+    if not rows:
+        return task, None
+    if rows >= len(task.train):
+        raise ForgetlessError(f"{task.name}: data.dev_rows={rows} leaves no training example of its "
+                              f"{len(task.train)}; give fewer validation rows")
+    kept = task.train[:-rows]
+    seen = {" ".join(ex.prompt.split()) for ex in kept}
+    dev = [ex for ex in task.train[-rows:] if " ".join(ex.prompt.split()) not in seen]
+    return (dataclasses.replace(task, train=kept),
+            dataclasses.replace(task, name=f"{task.name} (validation)", train=[], test=dev))
 
 
 def instruction_arm(model: nn.Module, tokenizer, method: Method, stream: Stream, cfg: RunConfig, seed: int,
@@ -117,13 +138,14 @@ def instruction_arm(model: nn.Module, tokenizer, method: Method, stream: Stream,
     test checks it bit for bit), else scored here."""
     torch.manual_seed(seed)
     adapted = attach(model, method)
-    rows, held, general_ppl, wall, loss = [], [], [], 0.0, []
+    rows, held, general_ppl, dev_rows, wall, loss = [], [], [], [], 0.0, []
 
     def score_all(now=None):
-        row, held_row, ppl = now or scores(adapted.model, tokenizer, stream, cfg)
+        row, held_row, ppl, dev_row = now or scores(adapted.model, tokenizer, stream, cfg)
         rows.append(list(row))
         held.append(list(held_row))
         general_ppl.append(ppl)
+        dev_rows.append(list(dev_row))
 
     score_all(before)
     with PeakRSS() as memory:
@@ -135,8 +157,9 @@ def instruction_arm(model: nn.Module, tokenizer, method: Method, stream: Stream,
             score_all()
     if out_dir is not None:
         adapted.save_pretrained(out_dir / f"seed{seed}")
+    dev = {"r_matrix_dev": dev_rows, **dev_metrics(dev_rows)} if stream.dev else {}
     return {"method": method.name, "seed": seed, "r_matrix": rows, "held_out": held, "general_ppl": general_ppl,
-            **metrics(rows, general_ppl), "trainable_params": sum(p.numel() for _, p in params),
+            **metrics(rows, general_ppl), **dev, "trainable_params": sum(p.numel() for _, p in params),
             "total_params": sum(p.numel() for p in adapted.model.parameters()), "wall_s": wall,
             "peak_rss_mb": memory.peak_mb, "loss": loss}
 
@@ -162,11 +185,14 @@ def learn_task(adapted, t: int, rows: Encoded, stream: Stream, cfg: RunConfig, s
     return history, params
 
 
-def scores(model: nn.Module, tokenizer, stream: Stream, cfg: RunConfig) -> tuple[list[float], list[float], float]:
-    """(R row: general-text accuracy then each task's score, held-out tasks' scores, general-text PPL)."""
+def scores(model: nn.Module, tokenizer, stream: Stream, cfg: RunConfig) -> tuple[list, list, float, list]:
+    """(R row: general-text accuracy then each task's score, held-out tasks' scores, general-text PPL,
+    the R row on validation rows: [] without them)."""
     general = evaluate(model, stream.general.windows)
+    dev = [100 * evaluate(model, stream.general.dev_windows)["acc"]] + \
+        [score(model, tokenizer, t, cfg) for t in stream.dev] if stream.dev else []
     return ([100 * general["acc"]] + [score(model, tokenizer, t, cfg) for t in stream.tasks],
-            [score(model, tokenizer, t, cfg) for t in stream.held_out], general["ppl"])
+            [score(model, tokenizer, t, cfg) for t in stream.held_out], general["ppl"], dev)
 
 
 def score(model: nn.Module, tokenizer, task: InstructionTask, cfg: RunConfig) -> float:
@@ -177,6 +203,11 @@ def metrics(rows: list[list[float]], general_ppl: list[float]) -> dict:
     """The R metrics with general ability as task 0; OP, BWT and forgetting over the tasks alone (the
     TRACE / MoRAM columns; general ability has its own: column 0 and the general PPL change)."""
     return {**sequence_metrics(rows), "general_ppl_change": general_ppl[-1] / general_ppl[0] - 1}
+
+
+def dev_metrics(rows: list[list[float]]) -> dict:
+    """The task metrics of R on validation rows, as `name_dev`."""
+    return {name: sequence_metrics(rows)[name.removesuffix("_dev")] for name in DEV_METRICS}
 
 
 def windows_of(rows: Encoded, block_size: int) -> torch.Tensor:
@@ -201,9 +232,11 @@ def task_hash(task: InstructionTask) -> str:
 
 def summarize(runs: list[dict], method: Method) -> dict:
     runs = [{**r, **metrics(r["r_matrix"], r["general_ppl"])} for r in runs]  # arms saved before a metric existed
-    return {"method": method.name, **{m: mean_std([r[m] for r in runs]) for m in METRICS},
+    scored = METRICS + (DEV_METRICS if all("r_matrix_dev" in r for r in runs) else [])  # arms without: none
+    return {"method": method.name, **{m: mean_std([r[m] for r in runs]) for m in scored},
             "wall_s": mean_std([r["wall_s"] for r in runs]), "r_matrix": mean_nested([r["r_matrix"] for r in runs]),
             "held_out": mean_nested([r["held_out"] for r in runs]),
             "general_ppl": mean_nested([r["general_ppl"] for r in runs]),
+            **({"r_matrix_dev": mean_nested([r["r_matrix_dev"] for r in runs])} if "la_dev" in scored else {}),
             "trainable_params": runs[0]["trainable_params"], "total_params": runs[0]["total_params"],
             "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "options": method.options()}
