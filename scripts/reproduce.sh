@@ -25,26 +25,26 @@ bench() {  # bench SECTION ARGS...: one forgetless bench into runs/SECTION, then
 
 run_section() {
     case "$1" in
-    two-domain-quick)   bench two-domain-quick ;;                                           # ~25-45 min
-    tiny-renamed)       bench tiny-renamed --domain-a tinyshakespeare --domain-b renamed:tinyshakespeare \
+    two-domain-quick)   bench two-domain-quick --preset quick --methods all ;;                                           # ~25-45 min
+    tiny-renamed)       bench tiny-renamed --preset quick --domain-a tinyshakespeare --domain-b renamed:tinyshakespeare \
                             --methods full,ffn,lora,apn,apn-local,apn-param-matched,apn-retrofit ;;
-    apn-ablation)       bench apn-ablation --seeds 1 --methods 'apn,apn[local=true],apn[local=true;decoders_only=true],apn[norm_cap=0.1],apn[update_rule=gain;lr=0.03],apn[gate_on=router;gate_min=0.3],apn[gate_on=entropy;gate_max=2.0],apn[allocate=true],apn[allocate=true;novelty_threshold=0.34],apn[train_prototypes=false]' ;;
-    two-domain-neutral) bench two-domain-neutral --methods 'full,ffn,lora,adapter,neutral,ewc,neutral[gate=none],neutral[gate=sigmoid],neutral[gate=none;alpha=0],neutral[mix=0],neutral[mix=0.01],neutral[mix=0.5],full[mix=0.01],full[mix=0.1],full[mix=0.5],lora[mix=0.1],adapter[mix=0.1]' ;;
-    sequence-quick)     bench sequence-quick --protocol sequence ;;
-    sequence-ablation)  bench sequence-ablation --protocol sequence --methods \
+    apn-ablation)       bench apn-ablation --preset quick --seeds 1 --methods 'apn,apn[local=true],apn[local=true;decoders_only=true],apn[norm_cap=0.1],apn[update_rule=gain;lr=0.03],apn[gate_on=router;gate_min=0.3],apn[gate_on=entropy;gate_max=2.0],apn[allocate=true],apn[allocate=true;novelty_threshold=0.34],apn[train_prototypes=false]' ;;
+    two-domain-neutral) bench two-domain-neutral --preset quick --methods 'full,ffn,lora,adapter,neutral,ewc,neutral[gate=none],neutral[gate=sigmoid],neutral[gate=none;alpha=0],neutral[mix=0],neutral[mix=0.01],neutral[mix=0.5],full[mix=0.01],full[mix=0.1],full[mix=0.5],lora[mix=0.1],adapter[mix=0.1]' ;;
+    sequence-quick)     bench sequence-quick --preset quick --protocol sequence --methods all ;;
+    sequence-ablation)  bench sequence-ablation --preset quick --protocol sequence --methods \
                             'moram[top_k=0;tau=1;delta=none],moram[tau=1;delta=none],moram[top_k=0;delta=none],moram[top_k=0;tau=1],moram[delta=none],moram' ;;
-    two-domain-cms)     OMP_NUM_THREADS=1 bench two-domain-cms --seeds 3 \
+    two-domain-cms)     OMP_NUM_THREADS=1 bench two-domain-cms --preset quick --seeds 3 \
                             --methods 'full,ffn,lora,adapter,cms,cms-fast,cms[periods=1,1,1,1],cms[accumulate=updates]' ;;
-    sequence-cms)       OMP_NUM_THREADS=1 bench sequence-cms --protocol sequence --seeds 3 \
+    sequence-cms)       OMP_NUM_THREADS=1 bench sequence-cms --preset quick --protocol sequence --seeds 3 \
                             --methods 'ffn,cms,cms-fast,cms[periods=1,1,1,1]' ;;
-    optimizers-quick)   OMP_NUM_THREADS=1 bench optimizers-quick --optimizers adamw,muon,delta,deep,l2reg \
+    optimizers-quick)   OMP_NUM_THREADS=1 bench optimizers-quick --preset quick --optimizers adamw,muon,delta,deep,l2reg \
                             --lrs 3e-5,1e-4,3e-4,1e-3 --seeds 3 --pretrain-seeds 3 ;;
     real-standard)      bench real-standard --model smollm2-135m --preset real --protocol sequence \
                             --tasks dbpedia,amazon,yahoo,agnews --seeds 1 \
                             --methods 'seq-lora,moram,o-lora,neutral,moram[lr=1e-3],seq-lora[mix=0.2],full,moram[lr=5e-3]' ;;
     real-trace)         bench real-trace --model smollm2-135m --preset real --protocol sequence \
                             --tasks FOMC,ScienceQA,NumGLUE-cm,NumGLUE-ds --data-held-out-tasks dbpedia --seeds 1 \
-                            --methods 'seq-lora,seq-lora[mix=0.2],moram,neutral,o-lora,full' ;;
+                            --methods 'seq-lora,moram[lr=5e-3],seq-lora[mix=0.2]' ;;
     real-two-domain)    bench real-two-domain --model smollm2-135m --preset real --seeds 1 \
                             --methods full,lora,adapter,neutral,moram,apn,cms ;;
     first-run)          /usr/bin/time -v forgetless bench --out runs/first-run 2>&1 | tee runs/first-run.log

