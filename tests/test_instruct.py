@@ -41,6 +41,8 @@ def test_instruction_sequence_scores_every_task_after_every_task(tmp_path, capsy
     assert full["general_ppl"][1] != full["general_ppl"][0]            # training moved the model
     assert full["r_matrix"][0] == lora["r_matrix"][0]                   # the same base before any task
     assert lora["trainable_params"] < full["trainable_params"]
+    ewc = results["methods"]["ewc"]  # full fine-tuning at the same lr plus its penalty: the penalty acted
+    assert ewc["trainable_params"] == full["trainable_params"] and ewc["general_ppl"][1:] != full["general_ppl"][1:]
     saved = tmp_path / "arms" / "lora" / "seed0"
     assert json.loads((saved / "forgetless_config.json").read_text())["task"] == 2
     files = write_report(results, tmp_path)
