@@ -76,6 +76,8 @@ def bench(preset: Optional[str] = BENCH_PRESET,
                                             "too, e.g. 1e-4,3e-4,1e-3 (frontier curves; with --optimizers: per optimizer)"),
           sweep: Optional[list[str]] = typer.Option(None, "--sweep", help="METHOD.OPTION=V1,V2,... (repeatable): an "
                                                     "arm per value, e.g. lora.lr=1e-4,1e-3; frontier figure and table"),
+          workers: int = typer.Option(1, "--workers", help="processes that pretrain the bases and run the arms side by "
+                                      "side on a CPU, one thread share each (Linux)"),
           model: str = MODEL, device: str = DEVICE, precision: Optional[str] = PRECISION,
           config_file: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET, flags: dict = None):
     """Pretrain (cached) or load a pretrained model, adapt every method, write results.json/csv/md and figures."""
@@ -131,7 +133,8 @@ def bench(preset: Optional[str] = BENCH_PRESET,
         if instructions:
             results = run_instruction_sequence(cfg, specs, list(range(seeds)), out, preset, device, model)
         else:
-            results = protocols[protocol](cfg, specs, list(range(seeds)), out, preset, device, model, base_seeds)
+            results = protocols[protocol](cfg, specs, list(range(seeds)), out, preset, device, model, base_seeds,
+                                          workers)
     files = write_report(results, out)
     where = f"A={cfg.data.domain_a} → B={cfg.data.domain_b}" if protocol == "two-domain" else \
         " → ".join(results["tasks"])

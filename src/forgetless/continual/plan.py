@@ -21,6 +21,7 @@ from forgetless.checkpoint import write_json
 from forgetless.config import code_fingerprint, stable_hash
 from forgetless.continual.base_model import base_label, base_path, cached_base, load_base, warn_if_other_code
 from forgetless.continual.evaluate import evaluate
+from forgetless.continual.workers import run_jobs
 from forgetless.errors import ForgetlessError
 from forgetless.methods import Method, build_method
 from forgetless.models.gpt import GPT, GPTConfig
@@ -131,7 +132,7 @@ def window_seconds(model_cfg: GPTConfig, device: torch.device, n: int = 16) -> f
 
 # ---- a bench run: bases, then arms, planned and under one bar ---------------------------------------
 def run_arms(built: dict, seeds: list[int], cfg, domain, tokenizer, device, model: str, pretrained, out: Path,
-             run_config, run, arm_seconds, base_seeds: int = 1) -> tuple[dict, dict]:
+             run_config, run, arm_seconds, base_seeds: int = 1, workers: int = 1) -> tuple[dict, dict]:
     """Every (seed, arm) of `built` (label -> Method), saved under `out/arms/` as it finishes and reused when
     its config matches. First the plan; then one bar over the bases to pretrain on `domain` (cached; a
     `pretrained` (model, tokenizer) needs none) and the arms. With `base_seeds` N > 1, arm seed s starts
@@ -139,7 +140,8 @@ def run_arms(built: dict, seeds: list[int], cfg, domain, tokenizer, device, mode
 
     `run_config(label, method, base_name)` is an arm's config (its saved result is reused while it matches);
     `run(label, method, seed, base_name, load, arm_dir)` runs it (`load()` is a fresh copy of its base);
-    `arm_seconds(calibration, method, base_cfg)` estimates it. Returns (label -> results per seed, bases summary)."""
+    `arm_seconds(calibration, method, base_cfg)` estimates it. `workers` > 1: bases, then arms, run in that
+    many forked CPU processes side by side (`continual.workers`). Returns (label -> results per seed, bases summary)."""
     if pretrained and base_seeds > 1:
         raise ForgetlessError("--base-seeds pretrains forgetless's own bases; a pretrained --model has one base")
     bases: dict[Path, tuple] = {}     # base checkpoint -> (model config, pretraining config)
@@ -159,16 +161,24 @@ def run_arms(built: dict, seeds: list[int], cfg, domain, tokenizer, device, mode
     plan.show()
     units = {id(j): max(1, round(j.seconds)) if plan.calibrated else 1 for j in plan.jobs}
     results: dict[str, list[dict]] = {label: [] for label in built}
+    base_jobs = [j for j in plan.jobs if j.kind == "base"]
+    arm_jobs = [j for j in plan.jobs if j.kind == "arm"]
+    by_index: dict[int, dict] = {}
+
+    def arm(seed, label, arm_path, config):
+        load = (lambda: copy.deepcopy(pretrained[0])) if pretrained else \
+            (lambda: load_base(base_of[label, seed])[0].to(device))
+        return lambda: run_or_reuse_arm(arm_path, config, lambda arm_dir: run(label, built[label], seed,
+                                                                              name_of(label, seed), load, arm_dir))
     with progress_task("bench", total=sum(units[id(j)] for j in plan.jobs if not j.done), percent=plan.calibrated) as advance:
-        for (model_cfg, pretrain), job in zip(bases.values(), [j for j in plan.jobs if j.kind == "base"]):
-            cached_base(model_cfg, pretrain, domain, tokenizer, device)
-            advance(0 if job.done else units[id(job)])
-        for (seed, label, arm_path, config), job in zip(todo, [j for j in plan.jobs if j.kind == "arm"]):
-            load = (lambda: copy.deepcopy(pretrained[0])) if pretrained else \
-                (lambda path=base_of[label, seed]: load_base(path)[0].to(device))
-            results[label].append(run_or_reuse_arm(
-                arm_path, config, lambda arm_dir: run(label, built[label], seed, name_of(label, seed), load, arm_dir)))
-            advance(0 if job.done else units[id(job)])
+        def arm_done(i, result):
+            by_index[i] = result
+            advance(0 if arm_jobs[i].done else units[id(arm_jobs[i])])
+        run_jobs([lambda c=c, p=p: cached_base(c, p, domain, tokenizer, device) for c, p in bases.values()],
+                 workers, lambda i, _: advance(0 if base_jobs[i].done else units[id(base_jobs[i])]))
+        run_jobs([arm(*job) for job in todo], workers, arm_done)
+    for i, (seed, label, _, _) in enumerate(todo):  # in seed order, whatever order they finished in
+        results[label].append(by_index[i])
     if pretrained:
         from forgetless.models.hf import describe
         return results, {model: describe(pretrained[0])}

@@ -22,6 +22,7 @@ from forgetless.continual.metrics import sequence_metrics
 from forgetless.continual.plan import run_arms
 from forgetless.continual.two_domain import (build_arms, fresh, load_pretrained, mean_nested, mean_std,
                                              provenance)
+from forgetless.continual.workers import check_workers
 from forgetless.data.domains import Domain, load_domains
 from forgetless.errors import ForgetlessError
 from forgetless.methods import Method, MethodSpec
@@ -57,10 +58,12 @@ def run_sequence_arm(model: nn.Module, method: Method, tasks: list[Domain], cfg:
 
 
 def run_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[int], out: Path, preset: str,
-                 device: str = "auto", model: str = "byte-gpt", base_seeds: int = 1) -> dict:
+                 device: str = "auto", model: str = "byte-gpt", base_seeds: int = 1,
+                 workers: int = 1) -> dict:
     """Every (method, seed) arm over the corpus sequence on `device` (bases as in `run_two_domain`); the
     results dict of docs/DESIGN.md §6."""
     device = resolve_device(device)
+    check_workers(workers, device)
     for train_cfg in (cfg.pretrain, cfg.adapt):  # refuse a precision the device lacks before any work
         autocast(device, train_cfg.precision)
     specs = [cfg.data.domain_a, *cfg.data.tasks]
@@ -84,7 +87,7 @@ def run_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[in
 
     arms, summary = run_arms(built, seeds, cfg, tasks[0], tokenizer, device, model, pretrained, out, arm_config,
                              lambda label, method, seed, base_name, load, arm_dir:
-                             run_sequence_arm(load(), fresh(method), tasks, cfg.adapt, seed), arm_seconds, base_seeds)
+                             run_sequence_arm(load(), fresh(method), tasks, cfg.adapt, seed), arm_seconds, base_seeds, workers)
     return {
         "protocol": "sequence", "preset": preset, "seeds": list(seeds), "base_seeds": base_seeds, "tasks": specs,
         **provenance(device),

@@ -19,6 +19,7 @@ from forgetless.adapted import resolve_device
 from forgetless.config import code_fingerprint, git_commit
 from forgetless.continual.arm import run_arm, score
 from forgetless.continual.plan import n_evaluations, run_arms
+from forgetless.continual.workers import check_workers
 from forgetless.data.domains import load_domains
 from forgetless.methods import MethodSpec, build_method
 from forgetless.methods.base import as_specs
@@ -33,11 +34,13 @@ DEV_METRICS = ["ppl_a_dev_before", "ppl_b_dev_before", "ppl_a_dev_after", "ppl_b
 
 
 def run_two_domain(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[int], out: Path, preset: str,
-                   device: str = "auto", model: str = "byte-gpt", base_seeds: int = 1) -> dict:
+                   device: str = "auto", model: str = "byte-gpt", base_seeds: int = 1,
+                   workers: int = 1) -> dict:
     """Run every (method, seed) arm on `device` and return the results dict of docs/DESIGN.md §6. With
     `model` = byte-gpt the bases are GPTs pretrained on A (cached); otherwise every arm adapts a copy
     of that pretrained model (models.hf.load_model: hf:PATH, a .gguf, smollm2-135m), in its tokens."""
     device = resolve_device(device)
+    check_workers(workers, device)
     for train_cfg in (cfg.pretrain, cfg.adapt):  # refuse a precision the device lacks before any work
         autocast(device, train_cfg.precision)
     built = build_arms(cfg, methods)
@@ -68,7 +71,7 @@ def run_two_domain(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[
                 + n_evaluations(cfg.adapt) * (a.windows.shape[0] + b.windows.shape[0]) * calibration.window(base_cfg))
 
     arms, summary = run_arms(built, seeds, cfg, a, tokenizer, device, model, pretrained, out, arm_config, run,
-                             arm_seconds, base_seeds)
+                             arm_seconds, base_seeds, workers)
     return {
         "protocol": "two-domain", "preset": preset, "seeds": list(seeds), "base_seeds": base_seeds,
         **provenance(device), "model": model,

@@ -1,0 +1,68 @@
+"""`--workers N`: bases and arms in forked CPU processes give the numbers one process gives, and bad
+worker counts are one-line errors."""
+import json
+
+import pytest
+import torch
+
+from forgetless.continual.workers import check_workers, run_jobs
+from forgetless.errors import ForgetlessError
+from test_cli import invoke
+
+SKIP = {"wall_s", "peak_rss_mb", "code", "config_hash"}  # times, memory and the code fingerprint
+
+
+def metrics(run_dir):
+    """Every arm's saved result without its times and memory."""
+    return {path.relative_to(run_dir).as_posix(): {k: v for k, v in json.loads(path.read_text()).items() if k not in SKIP}
+            for path in sorted((run_dir / "arms").rglob("seed*.json"))}
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # workers run one thread each: the same float order as this process
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("protocol", ["two-domain", "sequence"])
+def test_workers_give_the_serial_numbers(protocol, tmp_path, text_file, monkeypatch, one_thread):
+    monkeypatch.setenv("FORGETLESS_CACHE", str(tmp_path / "cache"))  # the bases are pretrained by the workers
+    args = ["bench", "--preset", "smoke", "--methods", "lora,adapter", "--seeds", 2, "--domain-a", text_file,
+            "--domain-b", f"renamed:{text_file}", "--protocol", protocol]
+    if protocol == "sequence":
+        args += ["--tasks", f"renamed:{text_file}"]
+    parallel = invoke(*args, "--workers", 2, "--out", tmp_path / "parallel")
+    assert parallel.exit_code == 0, parallel.output
+    serial = invoke(*args, "--out", tmp_path / "serial")  # the bases are cached now: only arms run
+    assert serial.exit_code == 0, serial.output
+    arms = metrics(tmp_path / "parallel")
+    assert len(arms) == (6 if protocol == "two-domain" else 4) and arms == metrics(tmp_path / "serial")
+
+
+def test_jobs_report_to_the_parent_as_they_finish():
+    seen = {}
+    run_jobs([lambda k=k: k * k for k in range(5)], 2, seen.__setitem__)
+    assert seen == {k: k * k for k in range(5)}
+    order = []
+    run_jobs([lambda k=k: k for k in range(3)], 1, lambda i, r: order.append((i, r)))
+    assert order == [(0, 0), (1, 1), (2, 2)]
+
+
+def test_worker_errors_reach_the_parent():
+    def broken():
+        raise ForgetlessError("arm failed: reason")
+    with pytest.raises(ForgetlessError, match="arm failed: reason"):
+        run_jobs([lambda: 1, broken], 2, lambda i, r: None)
+
+
+def test_bad_worker_counts_are_one_line_errors(monkeypatch):
+    with pytest.raises(ForgetlessError, match="--workers must be at least 1, got 0"):
+        check_workers(0, torch.device("cpu"))
+    with pytest.raises(ForgetlessError, match="on cuda use 1"):
+        check_workers(2, torch.device("cuda"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ForgetlessError, match="torchrun already runs one process per rank"):
+        check_workers(2, torch.device("cpu"))
+    check_workers(1, torch.device("cuda"))  # one process is always fine
