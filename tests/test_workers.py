@@ -66,3 +66,6 @@ def test_bad_worker_counts_are_one_line_errors(monkeypatch):
     with pytest.raises(ForgetlessError, match="torchrun already runs one process per rank"):
         check_workers(2, torch.device("cpu"))
     check_workers(1, torch.device("cuda"))  # one process is always fine
+    monkeypatch.delenv("WORLD_SIZE")
+    result = invoke("bench", "--model", "hf:/nowhere", "--protocol", "sequence", "--tasks", "dbpedia", "--workers", 2)
+    assert result.exit_code == 2 and "an instruction stream on a pretrained model runs in one process" in result.output

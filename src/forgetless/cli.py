@@ -130,6 +130,9 @@ def bench(preset: Optional[str] = BENCH_PRESET,
         if base_seeds < 1 or base_seeds > 1 and model != "byte-gpt":
             raise ForgetlessError(f"--base-seeds {base_seeds}: give N >= 1 bases to pretrain; a pretrained --model "
                                   "has one base (its variance is not sampled)")
+        if instructions and workers > 1:
+            raise ForgetlessError("--workers runs forgetless's own bases and arms side by side; an instruction stream "
+                                  "on a pretrained model runs in one process (use --workers 1)")
         if instructions:
             results = run_instruction_sequence(cfg, specs, list(range(seeds)), out, preset, device, model)
         else:
