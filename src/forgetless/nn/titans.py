@@ -1,0 +1,170 @@
+"""Titans neural memory (docs/DESIGN.md §2.4): a small MLP whose weights are written inside the forward pass,
+at training and at test time, by gradient steps on an associative loss, and read by queries.
+
+    M(x)     = x + W2 GELU(W1 x)                                  per head: W1 (F, D), W2 (D, F)
+    loss_t   = ||M(k_t) - v_t||^2                                 k_t, q_t L2-normalised
+    S_t      = mu_t S_{t-1} - eta_t grad loss_t                   momentum (the "surprise"); mu = 0 without it
+    W_t      = alpha_t W_{t-1} + S_t                              alpha: retention (forgetting as weight decay)
+    eta_t    = softplus(w_eta x_t + b_eta),  alpha_t = sigmoid(.),  mu_t = sigmoid(.)      data-dependent, per head
+
+For a linear memory M(k) = W k the write is the delta rule W <- W (alpha I - eta k k^T) + eta v k^T, the form of
+the Nested Learning source. Tokens are taken in chunks of `chunk`: every gradient of a chunk is computed at the
+chunk's starting weights, all tokens at once and in closed form; momentum and decay over the chunk are a product
+of scalar gates, summed with a (C, C) mask (no loop over tokens). Queries of chunk n read the memory as written
+by chunks 0..n-1, so the output at t never sees a later token. The memory starts from its learned initial
+weights for every sequence (batch row) and carries its state from chunk to chunk.
+
+Source: Nested Learning (Behrouz, Razaviyayn, Zhong, Mirrokni), building on Titans: Learning to Memorize at
+Test Time (Behrouz, Zhong, Mirrokni).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from forgetless.errors import ForgetlessError
+
+
+@dataclass
+class TitansConfig:
+    heads: int = field(default=2, metadata={"help": "memory heads (each its own MLP over d_model / heads dims)"})
+    mem_mult: int = field(default=2, metadata={"help": "hidden width of each memory MLP = mem_mult * head dim"})
+    chunk: int = field(default=16, metadata={
+        "help": "tokens per write: a chunk's gradients are taken together at its starting weights"})
+    conv: int = field(default=4, metadata={"help": "kernel of the causal depthwise conv on q, k, v (0: none)"})
+    eta_init: float = field(default=0.01, metadata={"help": "initial write rate eta = softplus(bias)"})
+    alpha_init: float = field(default=0.99, metadata={"help": "initial retention alpha = sigmoid(bias)"})
+    momentum: bool = field(default=True, metadata={"help": "momentum on the writes (mu = sigmoid(.))"})
+    momentum_init: float = field(default=0.9, metadata={"help": "initial momentum mu = sigmoid(bias)"})
+    backprop_writes: bool = field(default=False, metadata={
+        "help": "backpropagate through the writes (keys, values, the written memory); false: the surprise is a "
+                "constant and only the gates eta, alpha, mu and the decayed state carry gradient"})
+
+    def __post_init__(self):
+        for name in ("heads", "mem_mult", "chunk"):
+            if getattr(self, name) <= 0:
+                raise ForgetlessError(f"titans {name} must be positive, got {getattr(self, name)}")
+        if self.conv < 0:
+            raise ForgetlessError(f"titans conv must be 0 (off) or a kernel size, got {self.conv}")
+        if not self.eta_init > 0:
+            raise ForgetlessError(f"titans eta_init must be positive, got {self.eta_init}")
+        for name in ("alpha_init", "momentum_init"):
+            if not 0 < getattr(self, name) < 1:
+                raise ForgetlessError(f"titans {name} must be in (0, 1), got {getattr(self, name)}")
+        if post := getattr(super(), "__post_init__", None):  # a mixed-in config (CMSConfig in HopeConfig)
+            post()
+
+
+class NeuralMemory(nn.Module):
+    """Titans memory as a sequence layer: (B, T, d) -> (B, T, d). `writes = False` freezes the memory at its
+    learned initial weights (reads only), e.g. to measure what test-time writes do."""
+
+    def __init__(self, d: int, opts: TitansConfig, bias: bool = True):
+        super().__init__()
+        if d % opts.heads:
+            raise ForgetlessError(f"titans heads ({opts.heads}) must divide d_model ({d}); choose another heads")
+        self.cfg, self.writes = opts, True
+        H, D = opts.heads, d // opts.heads
+        Fh = opts.mem_mult * D
+        self.c_qkv = nn.Linear(d, 3 * d, bias=bias)
+        self.conv = nn.Conv1d(3 * d, 3 * d, opts.conv, groups=3 * d, padding=opts.conv - 1) if opts.conv else None
+        n_gates = 3 if opts.momentum else 2
+        self.c_gates = nn.Linear(d, n_gates * H, bias=False)
+        inits = [opts.eta_init, opts.alpha_init, opts.momentum_init][:n_gates]
+        starts = [math.log(math.expm1(inits[0]))] + [math.log(p / (1 - p)) for p in inits[1:]]
+        self.gate_bias = nn.Parameter(torch.tensor(starts).repeat_interleave(H))  # (n_gates * H,)
+        self.w1 = nn.Parameter(torch.randn(H, Fh, D) / math.sqrt(D))   # learned initial memory, per head
+        self.w2 = nn.Parameter(torch.randn(H, D, Fh) / math.sqrt(Fh))
+        self.c_proj = nn.Linear(d, d, bias=bias)
+
+    def forward(self, x):  # (B, T, d)
+        B, T, d = x.shape
+        H = self.cfg.heads
+        qkv = self.c_qkv(x)  # (B, T, 3d)
+        if self.conv is not None:
+            qkv = self.conv(qkv.transpose(1, 2))[..., :T].transpose(1, 2)  # causal: left context only
+        q, k, v = F.silu(qkv).view(B, T, 3, H, d // H).permute(2, 0, 3, 1, 4)  # each (B, H, T, D)
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        gates = (self.c_gates(x) + self.gate_bias).view(B, T, -1, H).permute(2, 0, 3, 1)  # (n_gates, B, H, T)
+        eta, alpha = F.softplus(gates[0]), torch.sigmoid(gates[1])
+        mu = torch.sigmoid(gates[2]) if self.cfg.momentum else None
+        chunk = self.cfg.chunk if self.writes else T
+        y = memory_scan(q, k, v, eta, alpha, mu, self.w1, self.w2, chunk, self.cfg.backprop_writes)  # (B, H, T, D)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, d))
+
+
+def memory_scan(q, k, v, eta, alpha, mu, w1, w2, chunk: int, backprop_writes: bool = False):
+    """Reads of the memory written chunk by chunk. q, k, v (B, H, T, D); eta, alpha, mu (B, H, T) (mu None: no
+    momentum); w1 (H, F, D), w2 (H, D, F) the initial weights. Returns the reads M_{chunk start}(q_t), (B, H, T, D)."""
+    B, H, T, D = q.shape
+    pad = -T % chunk
+    if pad:  # the padded tail is only ever read (the last chunk is not written), so zeros do
+        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+        eta, alpha = F.pad(eta, (0, pad)), F.pad(alpha, (0, pad), value=1.0)
+        mu = F.pad(mu, (0, pad), value=1.0) if mu is not None else None
+    N = (T + pad) // chunk
+    W1, W2 = w1.expand(B, *w1.shape), w2.expand(B, *w2.shape)  # (B, H, F, D), (B, H, D, F)
+    S1 = S2 = None
+    reads = []
+    for n in range(N):
+        part = slice(n * chunk, (n + 1) * chunk)
+        reads.append(mlp(W1, W2, q[:, :, part]))
+        if n < N - 1:
+            W1, W2, S1, S2 = write(W1, W2, S1, S2, k[:, :, part], v[:, :, part], eta[..., part], alpha[..., part],
+                                   None if mu is None else mu[..., part], backprop_writes)
+    return torch.cat(reads, dim=2)[:, :, :T]
+
+
+def mlp(W1, W2, x):  # W1 (B, H, F, D), W2 (B, H, D, F), x (B, H, C, D) -> (B, H, C, D)
+    return x + F.gelu(x @ W1.transpose(-1, -2)) @ W2.transpose(-1, -2)
+
+
+def write(W1, W2, S1, S2, k, v, eta, alpha, mu, backprop_writes: bool):
+    """One chunk's write: the per-token gradients of ||M(k_t) - v_t||^2 at the chunk's starting weights (closed
+    form), combined by the gates' products. k, v (B, H, C, D); eta, alpha, mu (B, H, C). Returns W1, W2, S1, S2."""
+    U1, U2 = (W1, W2) if backprop_writes else (W1.detach(), W2.detach())
+    if not backprop_writes:
+        k, v = k.detach(), v.detach()
+    z = k @ U1.transpose(-1, -2)                                     # (B, H, C, F)
+    a = F.gelu(z)
+    err = 2 * (k + a @ U2.transpose(-1, -2) - v)                     # (B, H, C, D): d loss / d M(k)
+    dz = (err @ U2) * gelu_grad(z)                                   # (B, H, C, F)
+    c, decay, carry, keep, m = coefficients(eta, alpha, mu)
+    G1 = torch.einsum("bhc,bhcf,bhcd->bhfd", c, dz, k)               # sum_t c_t grad_W1 loss_t
+    G2 = torch.einsum("bhc,bhcd,bhcf->bhdf", c, err, a)
+    W1, W2 = decay[..., None, None] * W1 - G1, decay[..., None, None] * W2 - G2
+    if mu is None:
+        return W1, W2, None, None
+    M1 = torch.einsum("bhc,bhcf,bhcd->bhfd", m, dz, k)
+    M2 = torch.einsum("bhc,bhcd,bhcf->bhdf", m, err, a)
+    if S1 is not None:  # momentum carried in from the previous chunks
+        W1, W2 = W1 + carry[..., None, None] * S1, W2 + carry[..., None, None] * S2
+        M1, M2 = M1 - keep[..., None, None] * S1, M2 - keep[..., None, None] * S2
+    return W1, W2, -M1, -M2
+
+
+def coefficients(eta, alpha, mu):
+    """The scan over a chunk in closed form: with S_i = mu_i S_{i-1} - eta_i g_i and W_i = alpha_i W_{i-1} + S_i,
+    W_C = decay W_0 + carry S_0 - sum_l c_l g_l and S_C = keep S_0 - sum_l m_l g_l. All (B, H, C) or (B, H)."""
+    la = torch.cumsum(torch.log(alpha), -1)                          # (B, H, C): log prod_{j<=i} alpha_j
+    after = la[..., -1:] - la                                        # log prod_{j>i} alpha_j
+    decay = la[..., -1].exp()
+    if mu is None:
+        return eta * after.exp(), decay, None, None, None
+    lm = torch.cumsum(torch.log(mu), -1)
+    C = eta.shape[-1]
+    causal = torch.ones(C, C, dtype=torch.bool, device=eta.device).tril()  # [i, l]: i >= l
+    paths = (after + lm)[..., :, None] - lm[..., None, :]             # (B, H, C_i, C_l)
+    c = eta * paths.masked_fill(~causal, float("-inf")).exp().sum(-2)
+    carry = (after + lm).exp().sum(-1)
+    keep = lm[..., -1].exp()
+    return c, decay, carry, keep, eta * (lm[..., -1:] - lm).exp()
+
+
+def gelu_grad(z):
+    """d GELU(z) / dz for the exact (erf) GELU."""
+    return 0.5 * (1 + torch.erf(z / math.sqrt(2))) + z * torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
