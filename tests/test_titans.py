@@ -1,13 +1,34 @@
 """Titans memory and HOPE: the chunked write rule against a token-by-token reference, state across chunks and
 sequences, stop-gradient writes, a HOPE base through `forgetless bench`, and methods attached to it."""
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
+from typer.testing import CliRunner
 
+import forgetless
+from forgetless.cli import app
+from forgetless.continual.evaluate import training_loss
+from forgetless.data.splits import Sampler
+from forgetless.errors import ForgetlessError
+from forgetless.methods import build_method
+from forgetless.models.gpt import GPT, GPTConfig
+from forgetless.nn.hope import HOPE
 from forgetless.nn.titans import NeuralMemory, TitansConfig, memory_scan
+from forgetless.train import TrainConfig, train
 
 B, H, T, D, Fh = 2, 2, 11, 4, 6
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors and many small ops: one thread is faster, and far faster on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def reference(q, k, v, eta, alpha, mu, w1, w2, chunk, backprop_writes):
@@ -106,8 +127,91 @@ def test_memory_is_causal():
 
 
 def test_bad_titans_options_are_one_line_errors():
-    from forgetless.errors import ForgetlessError
     with pytest.raises(ForgetlessError, match="chunk must be positive"):
         TitansConfig(chunk=0)
     with pytest.raises(ForgetlessError, match="must divide d_model"):
         NeuralMemory(10, TitansConfig(heads=4))
+
+
+# ---- HOPE as a GPT's FFN slot --------------------------------------------------------------------
+SMALL = {"heads": 2, "chunk": 4, "periods": [1, 4]}
+
+
+def hope_gpt(**options):
+    torch.manual_seed(0)
+    cfg = build_method("hope", {**SMALL, **options}).base_config(GPTConfig(n_layer=2, n_head=2, d_model=16,
+                                                                             block_size=16))
+    return GPT(cfg)
+
+
+def test_hope_bench_pretrains_a_hope_base_and_runs_two_domain(tmp_path):
+    result = CliRunner().invoke(app, ["bench", "--preset", "smoke", "--methods", "hope,full", "--seeds", "1",
+                                      "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert list(results["methods"]) == ["hope", "full"]
+    assert {base["ffn"] for base in results["bases"].values()} == {"hope", "dense"}
+    hope = results["methods"]["hope"]
+    assert hope["method"] == "hope" and hope["ppl_b_after"]["mean"] > 1
+    assert 0 < hope["trainable_params"] < hope["total_params"]
+
+
+def test_hope_training_resumes_exactly(tmp_path):
+    """Interrupted at step 13 (checkpoint at 10, inside a CMS chunk of 4), resumed: the same run."""
+    def setup():
+        model = hope_gpt()
+        return model, Sampler(torch.arange(2000) % 7, 4, 16, seed=0)
+    cfg = TrainConfig(steps=20, batch_size=4, lr=1e-2, warmup=2, eval_every=5, ckpt_every=5)
+    model, sampler = setup()
+    full = train(model, list(model.named_parameters()), sampler, cfg, training_loss)
+    ckpt = tmp_path / "ckpt.safetensors"
+
+    def interrupting(m, b, calls=[0]):
+        calls[0] += 1
+        if calls[0] == 13:
+            raise KeyboardInterrupt
+        return training_loss(m, b)
+    model2, sampler2 = setup()
+    with pytest.raises(KeyboardInterrupt):
+        train(model2, list(model2.named_parameters()), sampler2, cfg, interrupting, ckpt_path=ckpt, run_config={})
+    model3, sampler3 = setup()
+    history = train(model3, list(model3.named_parameters()), sampler3, cfg, training_loss, ckpt_path=ckpt,
+                    run_config={})
+    assert history.loss == full.loss
+    for (n, p), (_, q) in zip(model.named_parameters(), model3.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("name", ["lora", "ffn", "hope"])
+def test_methods_attach_to_a_hope_model(name):
+    model = hope_gpt()
+    x = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+    model.eval()
+    with torch.no_grad():
+        before = model(x[:, :-1])
+    adapted = forgetless.attach(model, name, **(SMALL if name == "hope" else {}))
+    adapted.start_task(1)
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(x[:, :-1]), before)  # attaching changes nothing
+    params = [p for _, p in adapted.trainable_parameters()]
+    adapted.train()
+    opt = torch.optim.SGD(params, lr=0.1)
+    loss = adapted.loss(x)
+    loss.backward()
+    opt.step()
+    assert adapted.loss(x).item() < loss.item()
+    names = [n for n, _ in adapted.trainable_parameters()]
+    if name == "ffn":
+        assert any(".mlp.memory." in n for n in names) and any(".mlp.cms." in n for n in names)
+    if name == "lora":
+        assert any("mlp.memory.c_proj.lora_" in n for n in names)
+
+
+def test_hope_method_refuses_another_base_and_writes_can_be_turned_off():
+    with pytest.raises(ForgetlessError, match="method hope needs a base with chunk=8 \\(this base: 4\\)"):
+        forgetless.attach(hope_gpt(), "hope", **{**SMALL, "chunk": 8})
+    with pytest.raises(ForgetlessError, match="periods"):
+        forgetless.attach(GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, block_size=16)), "hope")
+    adapted = forgetless.attach(hope_gpt(), "hope", **SMALL, writes=False)
+    assert all(not m.writes for m in adapted.modules() if isinstance(m, NeuralMemory))
+    assert sum(isinstance(m, HOPE) for m in adapted.modules()) == 2

@@ -1,0 +1,83 @@
+"""HOPE arm (docs/DESIGN.md §2.4): a base whose FFN slots are HOPE modules (Titans memory + CMS chain),
+pretrained with the CMS periods, then adapted with the slots training (levels on their periods) and the memory
+written at test time inside every forward.
+
+    hope                 memory and CMS levels train; attention, embeddings and norms stay frozen
+    hope[writes=false]   the memory is only read (its learned initial weights): the test-time memory off
+
+On a transformers model (no HOPE base to pretrain) a HOPE slot is attached beside every MLP, its outputs at zero.
+Not in `--methods all` (`default_for = ()`): name it, e.g. `forgetless bench --methods hope,full`.
+
+Source: Nested Learning: The Illusion of Deep Learning Architectures (Behrouz, Razaviyayn, Zhong, Mirrokni).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from forgetless.errors import ForgetlessError
+from forgetless.methods.base import Method, MethodConfig, find_modules, register_method, replace_module
+from forgetless.models.gpt import GPT, GPTConfig
+from forgetless.nn.adapter import Beside, input_width, n_params, width_for
+from forgetless.nn.hope import HOPE, HopeConfig
+from forgetless.nn.titans import NeuralMemory
+
+
+@dataclass
+class HopeMethodConfig(MethodConfig, HopeConfig):
+    target_modules: list[str] = field(default_factory=lambda: ["mlp"], metadata={
+        "help": "on models other than the forgetless GPT: the MLPs that get a HOPE slot beside them"})
+    writes: bool = field(default=True, metadata={
+        "help": "write the memory inside the forward (test-time memory); false: reads of its initial weights only"})
+    retrofit_size: float = field(default=0.05, metadata={
+        "help": "on transformers models: the slots' parameters as a fraction of the model's (sets the CMS level "
+                "width unless level_hidden is given; the memory's own size is fixed by the model's width)"})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.retrofit_size > 0:
+            raise ForgetlessError(f"hope retrofit_size must be positive, got {self.retrofit_size}")
+
+
+def slots(model) -> list[tuple[str, HOPE]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, HOPE)]
+
+
+@register_method("hope")
+class HopeMethod(Method):
+    """HOPE base (FFN = Titans memory + CMS levels); the slots adapt, the memory writes at test time."""
+    Config = HopeMethodConfig
+    default_for = ()
+
+    def hope_options(self) -> HopeConfig:
+        return HopeConfig(**{f.name: getattr(self.cfg, f.name) for f in dataclasses.fields(HopeConfig)})
+
+    def base_config(self, model_cfg: GPTConfig) -> GPTConfig:
+        return dataclasses.replace(model_cfg, ffn="hope", ffn_options=dataclasses.asdict(self.hope_options()))
+
+    def check_base(self, model):
+        if isinstance(model, GPT):  # other models (transformers) get a HOPE slot beside their MLPs
+            super().check_base(model)
+
+    def attach(self, model):
+        if not isinstance(model, GPT):
+            self.retrofit(model)
+        if not slots(model):
+            raise ForgetlessError(f"method {self.name} found no HOPE slot: it needs a HOPE base (model.ffn = hope)")
+        for m in model.modules():
+            if isinstance(m, NeuralMemory):
+                m.writes = self.cfg.writes
+        return model
+
+    def retrofit(self, model):
+        """A HOPE slot beside every target MLP, its memory and levels' output projections at zero."""
+        opts = self.hope_options()
+        targets = find_modules(model, self.cfg.target_modules, self.cfg.exclude_modules)
+        budget = self.cfg.retrofit_size * n_params(model) / max(1, len(targets))
+        for name, mlp in targets:
+            d = input_width(mlp)
+            width = opts.level_hidden or width_for(lambda w: n_params(HOPE(d, w, opts)), budget)
+            replace_module(model, name, Beside(mlp, HOPE(d, width, opts, zero_out=True)))
+
+    def trainable_parameters(self, model):
+        return [(f"{name}.{n}", p) for name, slot in slots(model) for n, p in slot.named_parameters()]
