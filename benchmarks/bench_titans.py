@@ -1,7 +1,7 @@
 """A HOPE block (x + HOPE(LN x): Titans memory then the CMS chain, no attention) vs a causal attention block
 (the GPT's Block: attention + dense FFN) of equal parameters: forward + backward tokens/s at context
 256 / 1024 / 4096 with the same tokens per step, in one run. The memory is linear in the context, attention
-quadratic. Also timed: our memory alone and, when installed, titans-pytorch's NeuralMemory (the peer: same
+quadratic. Also timed: the HOPE block with self-modifying projections, our memory alone and, when installed, titans-pytorch's NeuralMemory (the peer: same
 width, heads and chunk; a 2-layer MLP memory of expansion 2) in a residual block.
 
     python benchmarks/bench_titans.py [--contexts 256,1024,4096] [--repeats 3] [--iters 2] [--quick]
@@ -60,7 +60,9 @@ def layers(d: int, n_head: int, heads: int, chunk: int) -> dict[str, nn.Module |
     attention = Block(cfg)
     opts = HopeConfig(heads=heads, chunk=chunk)
     level = width_for(lambda w: n_params(Residual(d, HOPE(d, w, opts))), n_params(attention))
+    self_modifying = HopeConfig(heads=heads, chunk=chunk, self_modify=True)
     return {"attention block": attention, "HOPE block": Residual(d, HOPE(d, level, opts)),
+            "HOPE block, self-modifying": Residual(d, HOPE(d, level, self_modifying)),
             "memory alone": Residual(d, NeuralMemory(d, TitansConfig(heads=heads, chunk=chunk)))}
 
 

@@ -126,6 +126,62 @@ def test_memory_is_causal():
     torch.testing.assert_close(mem(x)[:, :6], mem(x2)[:, :6])
 
 
+def self_modifying_pair(chunk, conv=4, momentum=True):
+    torch.manual_seed(0)
+    plain = NeuralMemory(8, TitansConfig(heads=2, chunk=chunk, conv=conv, momentum=momentum)).double()
+    selfmod = NeuralMemory(8, TitansConfig(heads=2, chunk=chunk, conv=conv, momentum=momentum,
+                                           self_modify=True)).double()
+    selfmod.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        for m in (plain, selfmod):
+            m.gate_bias[:2] = 1.0  # write hard enough to see
+    return plain, selfmod
+
+
+@pytest.mark.parametrize("conv", [0, 1, 4])
+def test_self_modifying_projections_change_only_after_the_first_chunk(conv):
+    plain, selfmod = self_modifying_pair(chunk=4, conv=conv)
+    x = torch.randn(2, 11, 8, dtype=torch.double)
+    a, b = plain(x), selfmod(x)
+    torch.testing.assert_close(a[:, :4], b[:, :4])  # chunk 0 reads with the learned projections in both
+    assert (a[:, 4:] - b[:, 4:]).abs().max() > 1e-4  # later chunks see projections the sequence rewrote
+    plain.cfg.chunk = selfmod.cfg.chunk = 11  # one chunk: nothing is written, the two are one layer
+    torch.testing.assert_close(plain(x), selfmod(x))
+
+
+@pytest.mark.parametrize("momentum", [True, False])
+def test_self_modifying_memory_is_causal_per_sequence_and_trains(momentum):
+    _, mem = self_modifying_pair(chunk=3, momentum=momentum)
+    x = torch.randn(3, 10, 8, dtype=torch.double)
+    x2 = x.clone()
+    x2[0, 6:] += 1.0
+    y, y2 = mem(x), mem(x2)
+    torch.testing.assert_close(y[:, :6], y2[:, :6])  # no later token is seen
+    torch.testing.assert_close(y[1:], y2[1:])  # rows are separate sequences
+    torch.testing.assert_close(mem(x[2:]), y[2:])
+    y.square().sum().backward()
+    assert mem.c_qkv.weight.grad.abs().sum() > 0 and mem.c_gates.weight.grad.abs().sum() > 0
+
+
+def test_self_modifying_linear_write_matches_token_by_token():
+    """write_linear against S = mu S - eta g, P = P0 + alpha (P - P0) + S per token, g at the chunk's start."""
+    from forgetless.nn.titans import write_linear
+    g = torch.Generator().manual_seed(3)
+    Bn, C, d, out = 2, 5, 4, 3
+    P0, P, S = torch.randn(out, d, generator=g), torch.randn(Bn, out, d, generator=g), torch.randn(Bn, out, d, generator=g)
+    keys, values = torch.randn(Bn, C, d, generator=g), torch.randn(Bn, C, d, generator=g)
+    eta, alpha, mu = (0.2 + 0.6 * torch.rand(Bn, C, generator=g) for _ in range(3))
+    got_P, got_S = write_linear(P, P0, S, keys, values, eta, alpha, mu, False)
+    want_P, want_S = P.clone(), S.clone()
+    for t in range(C):
+        err = keys[:, t:t + 1] @ P.transpose(-1, -2) - values[:, t:t + 1] @ P.transpose(-1, -2)  # (B, 1, out)
+        grad = 2 * err.transpose(-1, -2) @ keys[:, t:t + 1]  # (B, out, d)
+        want_S = mu[:, t, None, None] * want_S - eta[:, t, None, None] * grad
+        want_P = P0 + alpha[:, t, None, None] * (want_P - P0) + want_S
+    torch.testing.assert_close(got_P, want_P)
+    torch.testing.assert_close(got_S, want_S)
+
+
 def test_bad_titans_options_are_one_line_errors():
     with pytest.raises(ForgetlessError, match="chunk must be positive"):
         TitansConfig(chunk=0)
@@ -156,10 +212,11 @@ def test_hope_bench_pretrains_a_hope_base_and_runs_two_domain(tmp_path):
     assert 0 < hope["trainable_params"] < hope["total_params"]
 
 
-def test_hope_training_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("self_modify", [False, True])
+def test_hope_training_resumes_exactly(tmp_path, self_modify):
     """Interrupted at step 13 (checkpoint at 10, inside a CMS chunk of 4), resumed: the same run."""
     def setup():
-        model = hope_gpt()
+        model = hope_gpt(self_modify=self_modify)
         return model, Sampler(torch.arange(2000) % 7, 4, 16, seed=0)
     cfg = TrainConfig(steps=20, batch_size=4, lr=1e-2, warmup=2, eval_every=5, ckpt_every=5)
     model, sampler = setup()

@@ -40,6 +40,8 @@ class TitansConfig:
     alpha_init: float = field(default=0.99, metadata={"help": "initial retention alpha = sigmoid(bias)"})
     momentum: bool = field(default=True, metadata={"help": "momentum on the writes (mu = sigmoid(.))"})
     momentum_init: float = field(default=0.9, metadata={"help": "initial momentum mu = sigmoid(bias)"})
+    self_modify: bool = field(default=False, metadata={
+        "help": "the q/k/v and gate projections are memories too, written per chunk from self-generated targets"})
     backprop_writes: bool = field(default=False, metadata={
         "help": "backpropagate through the writes (keys, values, the written memory); false: the surprise is a "
                 "constant and only the gates eta, alpha, mu and the decayed state carry gradient"})
@@ -83,18 +85,55 @@ class NeuralMemory(nn.Module):
 
     def forward(self, x):  # (B, T, d)
         B, T, d = x.shape
-        H = self.cfg.heads
+        if self.cfg.self_modify and self.writes:
+            return self.c_proj(self.self_modifying(x))
         qkv = self.c_qkv(x)  # (B, T, 3d)
         if self.conv is not None:
             qkv = self.conv(qkv.transpose(1, 2))[..., :T].transpose(1, 2)  # causal: left context only
-        q, k, v = F.silu(qkv).view(B, T, 3, H, d // H).permute(2, 0, 3, 1, 4)  # each (B, H, T, D)
-        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
-        gates = (self.c_gates(x) + self.gate_bias).view(B, T, -1, H).permute(2, 0, 3, 1)  # (n_gates, B, H, T)
-        eta, alpha = F.softplus(gates[0]), torch.sigmoid(gates[1])
-        mu = torch.sigmoid(gates[2]) if self.cfg.momentum else None
+        q, k, v, eta, alpha, mu = self.split(qkv, self.c_gates(x) + self.gate_bias)
         chunk = self.cfg.chunk if self.writes else T
         y = memory_scan(q, k, v, eta, alpha, mu, self.w1, self.w2, chunk, self.cfg.backprop_writes)  # (B, H, T, D)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, d))
+
+    def split(self, qkv, gates):
+        """(B, T, 3d) after the conv, (B, T, n_gates H) pre-activations -> q, k, v (B, H, T, D), gates (B, H, T)."""
+        B, T, _ = qkv.shape
+        H = self.cfg.heads
+        q, k, v = F.silu(qkv).view(B, T, 3, H, -1).permute(2, 0, 3, 1, 4)  # each (B, H, T, D)
+        gates = gates.view(B, T, -1, H).permute(2, 0, 3, 1)  # (n_gates, B, H, T)
+        mu = torch.sigmoid(gates[2]) if self.cfg.momentum else None
+        return F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, F.softplus(gates[0]), torch.sigmoid(gates[1]), mu
+
+    def self_modifying(self, x):  # (B, T, d) -> reads (B, T, d)
+        """The q/k/v and gate projections as linear memories of each sequence, written chunk by chunk with the
+        memory's keys k_t and their own outputs on the values, P(v_t) (a constant), as targets (DESIGN §2.4)."""
+        B, T, d = x.shape
+        K = self.cfg.conv
+        P0 = [self.c_qkv.weight, self.c_gates.weight]  # learned projections: (3d, d), (n_gates H, d)
+        P, S = [w.expand(B, *w.shape) for w in P0], [None, None]
+        W1, W2 = self.w1.expand(B, *self.w1.shape), self.w2.expand(B, *self.w2.shape)
+        S1 = S2 = None
+        tail = x.new_zeros(B, max(K - 1, 0), 3 * d)  # the conv's left context from the chunks before
+        reads = []
+        for start in range(0, T, self.cfg.chunk):
+            xn = x[:, start:start + self.cfg.chunk]  # (B, C, d)
+            qkv = xn @ P[0].transpose(-1, -2)
+            if self.c_qkv.bias is not None:
+                qkv = qkv + self.c_qkv.bias
+            if self.conv is not None:
+                seq = torch.cat([tail, qkv], dim=1)  # (B, K-1+C, 3d)
+                tail = seq[:, seq.shape[1] - (K - 1):]
+                qkv = F.conv1d(seq.transpose(1, 2), self.conv.weight, self.conv.bias, groups=3 * d).transpose(1, 2)
+            q, k, v, eta, alpha, mu = self.split(qkv, xn @ P[1].transpose(-1, -2) + self.gate_bias)
+            reads.append(mlp(W1, W2, q))
+            if start + self.cfg.chunk < T:
+                W1, W2, S1, S2 = write(W1, W2, S1, S2, k, v, eta, alpha, mu, self.cfg.backprop_writes)
+                keys = k.transpose(1, 2).flatten(2) / math.sqrt(self.cfg.heads)  # (B, C, d), unit norm
+                values = v.transpose(1, 2).flatten(2)
+                gates = [g.mean(1) if g is not None else None for g in (eta, alpha, mu)]  # (B, C): heads share
+                for i in range(2):
+                    P[i], S[i] = write_linear(P[i], P0[i], S[i], keys, values, *gates, self.cfg.backprop_writes)
+        return torch.cat(reads, dim=2).transpose(1, 2).reshape(B, T, d)
 
 
 def memory_scan(q, k, v, eta, alpha, mu, w1, w2, chunk: int, backprop_writes: bool = False):
@@ -145,6 +184,22 @@ def write(W1, W2, S1, S2, k, v, eta, alpha, mu, backprop_writes: bool):
         W1, W2 = W1 + carry[..., None, None] * S1, W2 + carry[..., None, None] * S2
         M1, M2 = M1 - keep[..., None, None] * S1, M2 - keep[..., None, None] * S2
     return W1, W2, -M1, -M2
+
+
+def write_linear(P, P0, S, keys, values, eta, alpha, mu, backprop_writes: bool):
+    """A chunk's write of a linear memory P (B, out, d) with keys (B, C, d) and self-generated targets P(values),
+    a constant: the same gated scan as `write`, retention pulling P back to its learned start P0 (out, d)."""
+    U = P if backprop_writes else P.detach()
+    k = keys if backprop_writes else keys.detach()
+    err = 2 * (k @ U.transpose(-1, -2) - (values @ P.transpose(-1, -2)).detach())  # (B, C, out)
+    c, decay, carry, keep, m = coefficients(eta, alpha, mu)
+    P = P0 + decay[..., None, None] * (P - P0) - torch.einsum("bc,bco,bcd->bod", c, err, k)
+    if mu is None:
+        return P, None
+    M = torch.einsum("bc,bco,bcd->bod", m, err, k)
+    if S is not None:
+        P, M = P + carry[..., None, None] * S, M - keep[..., None, None] * S
+    return P, -M
 
 
 def coefficients(eta, alpha, mu):
