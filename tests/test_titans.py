@@ -264,6 +264,16 @@ def test_methods_attach_to_a_hope_model(name):
         assert any("mlp.memory.c_proj.lora_" in n for n in names)
 
 
+@pytest.mark.parametrize("self_modify", [False, True])
+def test_hope_forward_and_backward_follow_the_model_device(self_modify):
+    """On the meta device any tensor made on the CPU by the memory would fail to combine with the others."""
+    with torch.device("meta"):
+        model = hope_gpt(self_modify=self_modify)
+    logits = model(torch.randint(0, 256, (2, 16)).to("meta"))
+    logits.sum().backward()
+    assert logits.is_meta and all(p.grad is None or p.grad.is_meta for p in model.parameters())
+
+
 def test_hope_method_refuses_another_base_and_writes_can_be_turned_off():
     with pytest.raises(ForgetlessError, match="method hope needs a base with chunk=8 \\(this base: 4\\)"):
         forgetless.attach(hope_gpt(), "hope", **{**SMALL, "chunk": 8})

@@ -204,20 +204,25 @@ def write_linear(P, P0, S, keys, values, eta, alpha, mu, backprop_writes: bool):
 
 def coefficients(eta, alpha, mu):
     """The scan over a chunk in closed form: with S_i = mu_i S_{i-1} - eta_i g_i and W_i = alpha_i W_{i-1} + S_i,
-    W_C = decay W_0 + carry S_0 - sum_l c_l g_l and S_C = keep S_0 - sum_l m_l g_l. All (B, H, C) or (B, H)."""
-    la = torch.cumsum(torch.log(alpha), -1)                          # (B, H, C): log prod_{j<=i} alpha_j
+    W_C = decay W_0 + carry S_0 - sum_l c_l g_l and S_C = keep S_0 - sum_l m_l g_l. All (B, H, C) or (B, H),
+    computed in at least float32 (sums of logs) and returned in the gates' dtype."""
+    dtype = eta.dtype
+    wide = torch.promote_types(dtype, torch.float32)
+    eta = eta.to(wide)
+    la = torch.cumsum(torch.log(alpha.to(wide)), -1)                 # (B, H, C): log prod_{j<=i} alpha_j
     after = la[..., -1:] - la                                        # log prod_{j>i} alpha_j
     decay = la[..., -1].exp()
     if mu is None:
-        return eta * after.exp(), decay, None, None, None
-    lm = torch.cumsum(torch.log(mu), -1)
+        return (eta * after.exp()).to(dtype), decay.to(dtype), None, None, None
+    lm = torch.cumsum(torch.log(mu.to(wide)), -1)
     C = eta.shape[-1]
     causal = torch.ones(C, C, dtype=torch.bool, device=eta.device).tril()  # [i, l]: i >= l
     paths = (after + lm)[..., :, None] - lm[..., None, :]             # (B, H, C_i, C_l)
     c = eta * paths.masked_fill(~causal, float("-inf")).exp().sum(-2)
     carry = (after + lm).exp().sum(-1)
     keep = lm[..., -1].exp()
-    return c, decay, carry, keep, eta * (lm[..., -1:] - lm).exp()
+    m = eta * (lm[..., -1:] - lm).exp()
+    return tuple(t.to(dtype) for t in (c, decay, carry, keep, m))
 
 
 def gelu_grad(z):
