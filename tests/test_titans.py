@@ -282,3 +282,11 @@ def test_hope_method_refuses_another_base_and_writes_can_be_turned_off():
     adapted = forgetless.attach(hope_gpt(), "hope", **SMALL, writes=False)
     assert all(not m.writes for m in adapted.modules() if isinstance(m, NeuralMemory))
     assert sum(isinstance(m, HOPE) for m in adapted.modules()) == 2
+
+
+def test_hope_report_measures_the_test_time_writes():
+    adapted = forgetless.attach(hope_gpt(), "hope", **SMALL)
+    windows = torch.randint(0, 256, (3, 17), generator=torch.Generator().manual_seed(2))
+    report = adapted.report(windows, windows[:2])
+    assert {"memory_gain_a", "memory_gain_b"} <= set(report) and report["memory_gain_a"] != 0
+    assert all(m.writes for m in adapted.modules() if isinstance(m, NeuralMemory))  # restored

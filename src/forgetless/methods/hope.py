@@ -15,9 +15,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import torch
+import torch.nn.functional as F
+
 from forgetless.errors import ForgetlessError
 from forgetless.methods.base import Method, MethodConfig, find_modules, register_method, replace_module
-from forgetless.models.gpt import GPT, GPTConfig
+from forgetless.models.gpt import GPT, GPTConfig, logits_of
 from forgetless.nn.adapter import Beside, input_width, n_params, width_for
 from forgetless.nn.hope import HOPE, HopeConfig
 from forgetless.nn.titans import NeuralMemory
@@ -64,9 +67,7 @@ class HopeMethod(Method):
             self.retrofit(model)
         if not slots(model):
             raise ForgetlessError(f"method {self.name} found no HOPE slot: it needs a HOPE base (model.ffn = hope)")
-        for m in model.modules():
-            if isinstance(m, NeuralMemory):
-                m.writes = self.cfg.writes
+        set_writes(model, self.cfg.writes)
         return model
 
     def retrofit(self, model):
@@ -81,3 +82,32 @@ class HopeMethod(Method):
 
     def trainable_parameters(self, model):
         return [(f"{name}.{n}", p) for name, slot in slots(model) for n, p in slot.named_parameters()]
+
+    def report(self, model, windows_a, windows_b, max_windows: int = 32):
+        """What the test-time writes do: mean token cross-entropy (nats) on held-out windows with the memory's
+        writes off minus with them on (positive: the writes help), on A and on B."""
+        out = {}
+        for tag, windows in (("a", windows_a), ("b", windows_b)):
+            if windows is not None:
+                w = windows[:max_windows]
+                out[f"memory_gain_{tag}"] = cross_entropy(model, w, writes=False) - cross_entropy(model, w, writes=True)
+        set_writes(model, self.cfg.writes)
+        return out
+
+
+def set_writes(model, writes: bool):
+    for m in model.modules():
+        if isinstance(m, NeuralMemory):
+            m.writes = writes
+
+
+@torch.no_grad()
+def cross_entropy(model, windows, writes: bool) -> float:
+    """Mean next-token cross-entropy of windows (W, T+1) in eval mode, the memories writing or not."""
+    was_training = model.training
+    model.eval()
+    set_writes(model, writes)
+    w = windows.to(next(model.parameters()).device)
+    logits = logits_of(model, w[:, :-1])  # (W, T, V)
+    model.train(was_training)
+    return F.cross_entropy(logits.flatten(0, 1), w[:, 1:].flatten()).item()
