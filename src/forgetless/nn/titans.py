@@ -140,22 +140,16 @@ def memory_scan(q, k, v, eta, alpha, mu, w1, w2, chunk: int, backprop_writes: bo
     """Reads of the memory written chunk by chunk. q, k, v (B, H, T, D); eta, alpha, mu (B, H, T) (mu None: no
     momentum); w1 (H, F, D), w2 (H, D, F) the initial weights. Returns the reads M_{chunk start}(q_t), (B, H, T, D)."""
     B, H, T, D = q.shape
-    pad = -T % chunk
-    if pad:  # the padded tail is only ever read (the last chunk is not written), so zeros do
-        q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-        eta, alpha = F.pad(eta, (0, pad)), F.pad(alpha, (0, pad), value=1.0)
-        mu = F.pad(mu, (0, pad), value=1.0) if mu is not None else None
-    N = (T + pad) // chunk
     W1, W2 = w1.expand(B, *w1.shape), w2.expand(B, *w2.shape)  # (B, H, F, D), (B, H, D, F)
     S1 = S2 = None
     reads = []
-    for n in range(N):
-        part = slice(n * chunk, (n + 1) * chunk)
+    for start in range(0, T, chunk):
+        part = slice(start, start + chunk)
         reads.append(mlp(W1, W2, q[:, :, part]))
-        if n < N - 1:
+        if start + chunk < T:  # the last chunk is only read
             W1, W2, S1, S2 = write(W1, W2, S1, S2, k[:, :, part], v[:, :, part], eta[..., part], alpha[..., part],
                                    None if mu is None else mu[..., part], backprop_writes)
-    return torch.cat(reads, dim=2)[:, :, :T]
+    return torch.cat(reads, dim=2)
 
 
 def mlp(W1, W2, x):  # W1 (B, H, F, D), W2 (B, H, D, F), x (B, H, C, D) -> (B, H, C, D)
