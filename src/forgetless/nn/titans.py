@@ -12,7 +12,9 @@ the Nested Learning source. Tokens are taken in chunks of `chunk`: every gradien
 chunk's starting weights, all tokens at once and in closed form; momentum and decay over the chunk are a product
 of scalar gates, summed with a (C, C) mask (no loop over tokens). Queries of chunk n read the memory as written
 by chunks 0..n-1, so the output at t never sees a later token. The memory starts from its learned initial
-weights for every sequence (batch row) and carries its state from chunk to chunk.
+weights for every sequence (batch row) and carries its state from chunk to chunk. With `self_modify` the q/k/v
+and gate projections are linear memories of each sequence too, written by the same rule (HOPE's self-modifying
+Titans).
 
 Source: Nested Learning (Behrouz, Razaviyayn, Zhong, Mirrokni), building on Titans: Learning to Memorize at
 Test Time (Behrouz, Zhong, Mirrokni).
@@ -167,13 +169,12 @@ def write(W1, W2, S1, S2, k, v, eta, alpha, mu, backprop_writes: bool):
     err = 2 * (k + a @ U2.transpose(-1, -2) - v)                     # (B, H, C, D): d loss / d M(k)
     dz = (err @ U2) * gelu_grad(z)                                   # (B, H, C, F)
     c, decay, carry, keep, m = coefficients(eta, alpha, mu)
-    G1 = torch.einsum("bhc,bhcf,bhcd->bhfd", c, dz, k)               # sum_t c_t grad_W1 loss_t
-    G2 = torch.einsum("bhc,bhcd,bhcf->bhdf", c, err, a)
+    G1 = weighted(c, dz, k)                                          # sum_t c_t grad_W1 loss_t: (B, H, F, D)
+    G2 = weighted(c, err, a)                                         # (B, H, D, F)
     W1, W2 = decay[..., None, None] * W1 - G1, decay[..., None, None] * W2 - G2
     if mu is None:
         return W1, W2, None, None
-    M1 = torch.einsum("bhc,bhcf,bhcd->bhfd", m, dz, k)
-    M2 = torch.einsum("bhc,bhcd,bhcf->bhdf", m, err, a)
+    M1, M2 = weighted(m, dz, k), weighted(m, err, a)
     if S1 is not None:  # momentum carried in from the previous chunks
         W1, W2 = W1 + carry[..., None, None] * S1, W2 + carry[..., None, None] * S2
         M1, M2 = M1 - keep[..., None, None] * S1, M2 - keep[..., None, None] * S2
@@ -187,10 +188,10 @@ def write_linear(P, P0, S, keys, values, eta, alpha, mu, backprop_writes: bool):
     k = keys if backprop_writes else keys.detach()
     err = 2 * (k @ U.transpose(-1, -2) - (values @ P.transpose(-1, -2)).detach())  # (B, C, out)
     c, decay, carry, keep, m = coefficients(eta, alpha, mu)
-    P = P0 + decay[..., None, None] * (P - P0) - torch.einsum("bc,bco,bcd->bod", c, err, k)
+    P = P0 + decay[..., None, None] * (P - P0) - weighted(c, err, k)
     if mu is None:
         return P, None
-    M = torch.einsum("bc,bco,bcd->bod", m, err, k)
+    M = weighted(m, err, k)
     if S is not None:
         P, M = P + carry[..., None, None] * S, M - keep[..., None, None] * S
     return P, -M
@@ -217,6 +218,11 @@ def coefficients(eta, alpha, mu):
     keep = lm[..., -1].exp()
     m = eta * (lm[..., -1:] - lm).exp()
     return tuple(t.to(dtype) for t in (c, decay, carry, keep, m))
+
+
+def weighted(c, a, b):
+    """sum_t c_t a_t b_t^T over a chunk: c (..., C), a (..., C, m), b (..., C, n) -> (..., m, n), one matmul."""
+    return (c[..., None] * a).transpose(-1, -2) @ b
 
 
 def gelu_grad(z):
