@@ -212,11 +212,11 @@ def test_hope_bench_pretrains_a_hope_base_and_runs_two_domain(tmp_path):
     assert 0 < hope["trainable_params"] < hope["total_params"]
 
 
-@pytest.mark.parametrize("self_modify", [False, True])
-def test_hope_training_resumes_exactly(tmp_path, self_modify):
+@pytest.mark.parametrize("options", [{}, {"self_modify": True}, {"attention": False}])
+def test_hope_training_resumes_exactly(tmp_path, options):
     """Interrupted at step 13 (checkpoint at 10, inside a CMS chunk of 4), resumed: the same run."""
     def setup():
-        model = hope_gpt(self_modify=self_modify)
+        model = hope_gpt(**options)
         return model, Sampler(torch.arange(2000) % 7, 4, 16, seed=0)
     cfg = TrainConfig(steps=20, batch_size=4, lr=1e-2, warmup=2, eval_every=5, ckpt_every=5)
     model, sampler = setup()
@@ -272,6 +272,22 @@ def test_hope_forward_and_backward_follow_the_model_device(self_modify):
     logits = model(torch.randint(0, 256, (2, 16)).to("meta"))
     logits.sum().backward()
     assert logits.is_meta and all(p.grad is None or p.grad.is_meta for p in model.parameters())
+
+
+def test_hope_blocks_without_attention():
+    model = hope_gpt(attention=False)
+    assert all(b.attn is None and b.ln_1 is None for b in model.transformer.h)
+    assert not any(".attn." in n for n, _ in model.named_parameters())
+    x = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+    x2 = x.clone()
+    x2[:, 9:] = 7
+    model.eval()
+    torch.testing.assert_close(model(x[:, :-1])[:, :9], model(x2[:, :-1])[:, :9])  # causal through the memory
+    adapted = forgetless.attach(model, "lora")  # c_attn is gone; the memory's and levels' linears remain
+    assert any("lora_" in n for n, _ in adapted.trainable_parameters())
+    from tiny_models import hf_llama
+    with pytest.raises(ForgetlessError, match="attention=false needs a forgetless GPT"):
+        forgetless.attach(hf_llama(), "hope", attention=False)
 
 
 def test_hope_method_refuses_another_base_and_writes_can_be_turned_off():

@@ -73,6 +73,9 @@ class HopeMethod(Method):
     def retrofit(self, model):
         """A HOPE slot beside every target MLP, its memory and levels' output projections at zero."""
         opts = self.hope_options()
+        if not opts.attention:
+            raise ForgetlessError(f"hope attention=false needs a forgetless GPT; {type(model).__name__} keeps its "
+                                  "attention, so drop attention=false")
         targets = find_modules(model, self.cfg.target_modules, self.cfg.exclude_modules)
         budget = self.cfg.retrofit_size * n_params(model) / max(1, len(targets))
         for name, mlp in targets:

@@ -4,15 +4,16 @@ slot of a block (FFN kind `hope`).
     m = Memory(x)                        read, then written chunk by chunk inside the forward (nn/titans.py)
     HOPE(x) = m + CMS(LN(x + m))          MLP levels updated every C_l steps (nn/cms.py)
 
-The block's causal attention stays in front of the slot: attention is the exact short-term memory over the
-context, the neural memory a compressed one written at test time, the CMS levels the persistent knowledge at
-several update frequencies.
+By default the block's causal attention stays in front of the slot: attention is the exact short-term memory
+over the context, the neural memory a compressed one written at test time, the CMS levels the persistent
+knowledge at several update frequencies. With `attention=false` the block drops its attention and the memory is
+its only mixer over the sequence, as in the source's HOPE block.
 
 Source: Nested Learning: The Illusion of Deep Learning Architectures (Behrouz, Razaviyayn, Zhong, Mirrokni).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.nn as nn
 
@@ -24,7 +25,10 @@ from forgetless.nn.titans import NeuralMemory, TitansConfig
 
 @dataclass
 class HopeConfig(TitansConfig, CMSConfig):
-    """The memory's options (TitansConfig) and the CMS chain's (CMSConfig)."""
+    """The memory's options (TitansConfig), the CMS chain's (CMSConfig), and whether the block keeps attention."""
+    attention: bool = field(default=True, metadata={
+        "help": "keep the block's causal attention before the slot; false: the memory is the block's only mixer "
+                "over the sequence (the source's HOPE block)"})
 
 
 class HOPE(nn.Module):
@@ -37,6 +41,7 @@ class HOPE(nn.Module):
         self.ln_cms = nn.LayerNorm(d, bias=bias)
         self.cms = CMS(d, hidden, opts, dropout, bias, zero_out)
         self.dropout = nn.Dropout(dropout)
+        self.replaces_attention = not opts.attention  # read by models.gpt.Block
         if zero_out:
             nn.init.zeros_(self.memory.c_proj.weight)
             if self.memory.c_proj.bias is not None:
