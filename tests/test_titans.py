@@ -210,6 +210,9 @@ def test_hope_bench_pretrains_a_hope_base_and_runs_two_domain(tmp_path):
     hope = results["methods"]["hope"]
     assert hope["method"] == "hope" and hope["ppl_b_after"]["mean"] > 1
     assert 0 < hope["trainable_params"] < hope["total_params"]
+    again = CliRunner().invoke(app, ["bench", "--preset", "smoke", "--methods", "hope", "--seeds", "1",
+                                     "--out", str(tmp_path / "again")])
+    assert again.exit_code == 0 and "pretrain 0 of 2 bases (2 cached)" in again.output  # full is added back
 
 
 @pytest.mark.parametrize("options", [{}, {"self_modify": True}, {"attention": False}])
