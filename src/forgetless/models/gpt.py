@@ -116,15 +116,21 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
+    """x + attn(ln_1 x), then x + mlp(ln_2 x). An FFN kind whose module sets `replaces_attention` (HOPE without
+    attention) mixes over the sequence itself: the block then has no attention and no ln_1."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.mlp = build_ffn(cfg)
+        if getattr(self.mlp, "replaces_attention", False):
+            self.ln_1 = self.attn = None
 
     def forward(self, x):  # (B, T, d)
-        x = x + self.attn(self.ln_1(x))
+        if self.attn is not None:
+            x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
 

@@ -1,0 +1,230 @@
+"""Titans neural memory (docs/DESIGN.md §2.4): a small MLP whose weights are written inside the forward pass,
+at training and at test time, by gradient steps on an associative loss, and read by queries.
+
+    M(x)     = x + W2 GELU(W1 x)                                  per head: W1 (F, D), W2 (D, F)
+    loss_t   = ||M(k_t) - v_t||^2                                 k_t, q_t L2-normalised
+    S_t      = mu_t S_{t-1} - eta_t grad loss_t                   momentum (the "surprise"); mu = 0 without it
+    W_t      = alpha_t W_{t-1} + S_t                              alpha: retention (forgetting as weight decay)
+    eta_t    = softplus(w_eta x_t + b_eta),  alpha_t = sigmoid(.),  mu_t = sigmoid(.)      data-dependent, per head
+
+For a linear memory M(k) = W k the write is the delta rule W <- W (alpha I - eta k k^T) + eta v k^T, the form of
+the Nested Learning source. Tokens are taken in chunks of `chunk`: every gradient of a chunk is computed at the
+chunk's starting weights, all tokens at once and in closed form; momentum and decay over the chunk are a product
+of scalar gates, summed with a (C, C) mask (no loop over tokens). Queries of chunk n read the memory as written
+by chunks 0..n-1, so the output at t never sees a later token. The memory starts from its learned initial
+weights for every sequence (batch row) and carries its state from chunk to chunk. With `self_modify` the q/k/v
+and gate projections are linear memories of each sequence too, written by the same rule (HOPE's self-modifying
+Titans).
+
+Source: Nested Learning (Behrouz, Razaviyayn, Zhong, Mirrokni), building on Titans: Learning to Memorize at
+Test Time (Behrouz, Zhong, Mirrokni).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from forgetless.errors import ForgetlessError
+
+
+@dataclass
+class TitansConfig:
+    heads: int = field(default=2, metadata={"help": "memory heads (each its own MLP over d_model / heads dims)"})
+    mem_mult: int = field(default=2, metadata={"help": "hidden width of each memory MLP = mem_mult * head dim"})
+    chunk: int = field(default=16, metadata={
+        "help": "tokens per write: a chunk's gradients are taken together at its starting weights"})
+    conv: int = field(default=4, metadata={"help": "kernel of the causal depthwise conv on q, k, v (0: none)"})
+    eta_init: float = field(default=0.01, metadata={"help": "initial write rate eta = softplus(bias)"})
+    alpha_init: float = field(default=0.99, metadata={"help": "initial retention alpha = sigmoid(bias)"})
+    momentum: bool = field(default=True, metadata={"help": "momentum on the writes (mu = sigmoid(.))"})
+    momentum_init: float = field(default=0.9, metadata={"help": "initial momentum mu = sigmoid(bias)"})
+    self_modify: bool = field(default=False, metadata={
+        "help": "the q/k/v and gate projections are memories too, written per chunk from self-generated targets"})
+    backprop_writes: bool = field(default=False, metadata={
+        "help": "backpropagate through the writes (keys, values, the written memory); false: the surprise is a "
+                "constant and only the gates eta, alpha, mu and the decayed state carry gradient"})
+
+    def __post_init__(self):
+        for name in ("heads", "mem_mult", "chunk"):
+            if getattr(self, name) <= 0:
+                raise ForgetlessError(f"titans {name} must be positive, got {getattr(self, name)}")
+        if self.conv < 0:
+            raise ForgetlessError(f"titans conv must be 0 (off) or a kernel size, got {self.conv}")
+        if not self.eta_init > 0:
+            raise ForgetlessError(f"titans eta_init must be positive, got {self.eta_init}")
+        for name in ("alpha_init", "momentum_init"):
+            if not 0 < getattr(self, name) < 1:
+                raise ForgetlessError(f"titans {name} must be in (0, 1), got {getattr(self, name)}")
+        if post := getattr(super(), "__post_init__", None):  # a mixed-in config (CMSConfig in HopeConfig)
+            post()
+
+
+class NeuralMemory(nn.Module):
+    """Titans memory as a sequence layer: (B, T, d) -> (B, T, d). `writes = False` freezes the memory at its
+    learned initial weights (reads only), e.g. to measure what test-time writes do."""
+
+    def __init__(self, d: int, opts: TitansConfig, bias: bool = True):
+        super().__init__()
+        if d % opts.heads:
+            raise ForgetlessError(f"titans heads ({opts.heads}) must divide d_model ({d}); choose another heads")
+        self.cfg, self.writes = opts, True
+        H, D = opts.heads, d // opts.heads
+        Fh = opts.mem_mult * D
+        self.c_qkv = nn.Linear(d, 3 * d, bias=bias)
+        self.conv = nn.Conv1d(3 * d, 3 * d, opts.conv, groups=3 * d, padding=opts.conv - 1) if opts.conv else None
+        n_gates = 3 if opts.momentum else 2
+        self.c_gates = nn.Linear(d, n_gates * H, bias=False)
+        inits = [opts.eta_init, opts.alpha_init, opts.momentum_init][:n_gates]
+        starts = [math.log(math.expm1(inits[0]))] + [math.log(p / (1 - p)) for p in inits[1:]]
+        self.gate_bias = nn.Parameter(torch.tensor(starts).repeat_interleave(H))  # (n_gates * H,)
+        self.w1 = nn.Parameter(torch.randn(H, Fh, D) / math.sqrt(D))   # learned initial memory, per head
+        self.w2 = nn.Parameter(torch.randn(H, D, Fh) / math.sqrt(Fh))
+        self.c_proj = nn.Linear(d, d, bias=bias)
+
+    def forward(self, x):  # (B, T, d)
+        B, T, d = x.shape
+        if self.cfg.self_modify and self.writes:
+            return self.c_proj(self.self_modifying(x))
+        qkv = self.c_qkv(x)  # (B, T, 3d)
+        if self.conv is not None:
+            qkv = self.conv(qkv.transpose(1, 2))[..., :T].transpose(1, 2)  # causal: left context only
+        q, k, v, eta, alpha, mu = self.split(qkv, self.c_gates(x) + self.gate_bias)
+        chunk = self.cfg.chunk if self.writes else T
+        y = memory_scan(q, k, v, eta, alpha, mu, self.w1, self.w2, chunk, self.cfg.backprop_writes)  # (B, H, T, D)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, d))
+
+    def split(self, qkv, gates):
+        """(B, T, 3d) after the conv, (B, T, n_gates H) pre-activations -> q, k, v (B, H, T, D), gates (B, H, T)."""
+        B, T, _ = qkv.shape
+        H = self.cfg.heads
+        q, k, v = F.silu(qkv).view(B, T, 3, H, -1).permute(2, 0, 3, 1, 4)  # each (B, H, T, D)
+        gates = gates.view(B, T, -1, H).permute(2, 0, 3, 1)  # (n_gates, B, H, T)
+        mu = torch.sigmoid(gates[2]) if self.cfg.momentum else None
+        return F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, F.softplus(gates[0]), torch.sigmoid(gates[1]), mu
+
+    def self_modifying(self, x):  # (B, T, d) -> reads (B, T, d)
+        """The q/k/v and gate projections as linear memories of each sequence, written chunk by chunk with the
+        memory's keys k_t and their own outputs on the values, P(v_t) (a constant), as targets (DESIGN §2.4)."""
+        B, T, d = x.shape
+        K = self.cfg.conv
+        P0 = [self.c_qkv.weight, self.c_gates.weight]  # learned projections: (3d, d), (n_gates H, d)
+        P, S = [w.expand(B, *w.shape) for w in P0], [None, None]
+        W1, W2 = self.w1.expand(B, *self.w1.shape), self.w2.expand(B, *self.w2.shape)
+        S1 = S2 = None
+        tail = x.new_zeros(B, max(K - 1, 0), 3 * d)  # the conv's left context from the chunks before
+        reads = []
+        for start in range(0, T, self.cfg.chunk):
+            xn = x[:, start:start + self.cfg.chunk]  # (B, C, d)
+            qkv = xn @ P[0].transpose(-1, -2)
+            if self.c_qkv.bias is not None:
+                qkv = qkv + self.c_qkv.bias
+            if self.conv is not None:
+                seq = torch.cat([tail, qkv], dim=1)  # (B, K-1+C, 3d)
+                tail = seq[:, seq.shape[1] - (K - 1):]
+                qkv = F.conv1d(seq.transpose(1, 2), self.conv.weight, self.conv.bias, groups=3 * d).transpose(1, 2)
+            q, k, v, eta, alpha, mu = self.split(qkv, xn @ P[1].transpose(-1, -2) + self.gate_bias)
+            reads.append(mlp(W1, W2, q))
+            if start + self.cfg.chunk < T:
+                W1, W2, S1, S2 = write(W1, W2, S1, S2, k, v, eta, alpha, mu, self.cfg.backprop_writes)
+                keys = k.transpose(1, 2).flatten(2) / math.sqrt(self.cfg.heads)  # (B, C, d), unit norm
+                values = v.transpose(1, 2).flatten(2)
+                gates = [g.mean(1) if g is not None else None for g in (eta, alpha, mu)]  # (B, C): heads share
+                for i in range(2):
+                    P[i], S[i] = write_linear(P[i], P0[i], S[i], keys, values, *gates, self.cfg.backprop_writes)
+        return torch.cat(reads, dim=2).transpose(1, 2).reshape(B, T, d)
+
+
+def memory_scan(q, k, v, eta, alpha, mu, w1, w2, chunk: int, backprop_writes: bool = False):
+    """Reads of the memory written chunk by chunk. q, k, v (B, H, T, D); eta, alpha, mu (B, H, T) (mu None: no
+    momentum); w1 (H, F, D), w2 (H, D, F) the initial weights. Returns the reads M_{chunk start}(q_t), (B, H, T, D)."""
+    B, H, T, D = q.shape
+    W1, W2 = w1.expand(B, *w1.shape), w2.expand(B, *w2.shape)  # (B, H, F, D), (B, H, D, F)
+    S1 = S2 = None
+    reads = []
+    for start in range(0, T, chunk):
+        part = slice(start, start + chunk)
+        reads.append(mlp(W1, W2, q[:, :, part]))
+        if start + chunk < T:  # the last chunk is only read
+            W1, W2, S1, S2 = write(W1, W2, S1, S2, k[:, :, part], v[:, :, part], eta[..., part], alpha[..., part],
+                                   None if mu is None else mu[..., part], backprop_writes)
+    return torch.cat(reads, dim=2)
+
+
+def mlp(W1, W2, x):  # W1 (B, H, F, D), W2 (B, H, D, F), x (B, H, C, D) -> (B, H, C, D)
+    return x + F.gelu(x @ W1.transpose(-1, -2)) @ W2.transpose(-1, -2)
+
+
+def write(W1, W2, S1, S2, k, v, eta, alpha, mu, backprop_writes: bool):
+    """One chunk's write: the per-token gradients of ||M(k_t) - v_t||^2 at the chunk's starting weights (closed
+    form), combined by the gates' products. k, v (B, H, C, D); eta, alpha, mu (B, H, C). Returns W1, W2, S1, S2."""
+    U1, U2 = (W1, W2) if backprop_writes else (W1.detach(), W2.detach())
+    if not backprop_writes:
+        k, v = k.detach(), v.detach()
+    z = k @ U1.transpose(-1, -2)                                     # (B, H, C, F)
+    a = F.gelu(z)
+    err = 2 * (k + a @ U2.transpose(-1, -2) - v)                     # (B, H, C, D): d loss / d M(k)
+    dz = (err @ U2) * gelu_grad(z)                                   # (B, H, C, F)
+    c, decay, carry, keep, m = coefficients(eta, alpha, mu)
+    G1 = weighted(c, dz, k)                                          # sum_t c_t grad_W1 loss_t: (B, H, F, D)
+    G2 = weighted(c, err, a)                                         # (B, H, D, F)
+    W1, W2 = decay[..., None, None] * W1 - G1, decay[..., None, None] * W2 - G2
+    if mu is None:
+        return W1, W2, None, None
+    M1, M2 = weighted(m, dz, k), weighted(m, err, a)
+    if S1 is not None:  # momentum carried in from the previous chunks
+        W1, W2 = W1 + carry[..., None, None] * S1, W2 + carry[..., None, None] * S2
+        M1, M2 = M1 - keep[..., None, None] * S1, M2 - keep[..., None, None] * S2
+    return W1, W2, -M1, -M2
+
+
+def write_linear(P, P0, S, keys, values, eta, alpha, mu, backprop_writes: bool):
+    """A chunk's write of a linear memory P (B, out, d) with keys (B, C, d) and self-generated targets P(values),
+    a constant: the same gated scan as `write`, retention pulling P back to its learned start P0 (out, d)."""
+    U = P if backprop_writes else P.detach()
+    k = keys if backprop_writes else keys.detach()
+    err = 2 * (k @ U.transpose(-1, -2) - (values @ P.transpose(-1, -2)).detach())  # (B, C, out)
+    c, decay, carry, keep, m = coefficients(eta, alpha, mu)
+    P = P0 + decay[..., None, None] * (P - P0) - weighted(c, err, k)
+    if mu is None:
+        return P, None
+    M = weighted(m, err, k)
+    if S is not None:
+        P, M = P + carry[..., None, None] * S, M - keep[..., None, None] * S
+    return P, -M
+
+
+def coefficients(eta, alpha, mu):
+    """The scan over a chunk in closed form: with S_i = mu_i S_{i-1} - eta_i g_i and W_i = alpha_i W_{i-1} + S_i,
+    W_C = decay W_0 + carry S_0 - sum_l c_l g_l and S_C = keep S_0 - sum_l m_l g_l. All (B, H, C) or (B, H),
+    computed in at least float32 (sums of logs) and returned in the gates' dtype."""
+    dtype = eta.dtype
+    wide = torch.promote_types(dtype, torch.float32)
+    eta = eta.to(wide)
+    la = torch.cumsum(torch.log(alpha.to(wide)), -1)                 # (B, H, C): log prod_{j<=i} alpha_j
+    after = la[..., -1:] - la                                        # log prod_{j>i} alpha_j
+    decay = la[..., -1].exp()
+    if mu is None:
+        return (eta * after.exp()).to(dtype), decay.to(dtype), None, None, None
+    lm = torch.cumsum(torch.log(mu.to(wide)), -1)
+    C = eta.shape[-1]
+    causal = torch.ones(C, C, dtype=torch.bool, device=eta.device).tril()  # [i, l]: i >= l
+    paths = (after + lm)[..., :, None] - lm[..., None, :]             # (B, H, C_i, C_l)
+    c = eta * paths.masked_fill(~causal, float("-inf")).exp().sum(-2)
+    carry = (after + lm).exp().sum(-1)
+    keep = lm[..., -1].exp()
+    m = eta * (lm[..., -1:] - lm).exp()
+    return tuple(t.to(dtype) for t in (c, decay, carry, keep, m))
+
+
+def weighted(c, a, b):
+    """sum_t c_t a_t b_t^T over a chunk: c (..., C), a (..., C, m), b (..., C, n) -> (..., m, n), one matmul."""
+    return (c[..., None] * a).transpose(-1, -2) @ b
+
+
+def gelu_grad(z):
+    """d GELU(z) / dz for the exact (erf) GELU."""
+    return 0.5 * (1 + torch.erf(z / math.sqrt(2))) + z * torch.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)

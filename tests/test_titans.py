@@ -1,0 +1,311 @@
+"""Titans memory and HOPE: the chunked write rule against a token-by-token reference, state across chunks and
+sequences, stop-gradient writes, a HOPE base through `forgetless bench`, and methods attached to it."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from typer.testing import CliRunner
+
+import forgetless
+from forgetless.cli import app
+from forgetless.continual.evaluate import training_loss
+from forgetless.data.splits import Sampler
+from forgetless.errors import ForgetlessError
+from forgetless.methods import build_method
+from forgetless.models.gpt import GPT, GPTConfig
+from forgetless.nn.hope import HOPE
+from forgetless.nn.titans import NeuralMemory, TitansConfig, memory_scan
+from forgetless.train import TrainConfig, train
+
+B, H, T, D, Fh = 2, 2, 11, 4, 6
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors and many small ops: one thread is faster, and far faster on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def reference(q, k, v, eta, alpha, mu, w1, w2, chunk, backprop_writes):
+    """Token by token: each token's gradient of ||M(k) - v||^2 by autograd at its chunk's starting weights, then
+    S = mu S - eta g; W = alpha W + S one token at a time; chunk n reads the weights chunks < n left. Without
+    `backprop_writes` the gradients g are constants (taken on detached k, v, W); the gates and W stay in the graph."""
+    out = torch.zeros_like(q)
+    for b in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            W = [w1[h], w2[h]]
+            S = [torch.zeros_like(w1[h]), torch.zeros_like(w2[h])]
+            for start in range(0, q.shape[2], chunk):
+                W0 = W
+                for t in range(start, min(start + chunk, q.shape[2])):
+                    x = q[b, h, t]
+                    out[b, h, t] = x + W0[1] @ F.gelu(W0[0] @ x)
+                for t in range(start, min(start + chunk, q.shape[2])):
+                    kt, vt = (k[b, h, t], v[b, h, t]) if backprop_writes else (k[b, h, t].detach(), v[b, h, t].detach())
+                    Wg = W0 if backprop_writes else [w.detach().requires_grad_() for w in W0]
+                    loss = (kt + Wg[1] @ F.gelu(Wg[0] @ kt) - vt).square().sum()
+                    g = torch.autograd.grad(loss, Wg, create_graph=backprop_writes)
+                    m = mu[b, h, t] if mu is not None else 0.0
+                    S = [m * s - eta[b, h, t] * gi for s, gi in zip(S, g)]
+                    W = [alpha[b, h, t] * w + s for w, s in zip(W, S)]
+    return out
+
+
+def inputs(momentum=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k = (F.normalize(torch.randn(B, H, T, D, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(B, H, T, D, generator=g)
+    eta = 0.1 + 0.3 * torch.rand(B, H, T, generator=g)
+    alpha = 0.8 + 0.2 * torch.rand(B, H, T, generator=g)
+    mu = 0.5 + 0.4 * torch.rand(B, H, T, generator=g) if momentum else None
+    w1 = torch.randn(H, Fh, D, generator=g) / 2
+    w2 = torch.randn(H, D, Fh, generator=g) / 2
+    tensors = [q, k, v, eta, alpha, mu, w1, w2]
+    return [t.double().requires_grad_() if t is not None else None for t in tensors]
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 11, 16])
+@pytest.mark.parametrize("momentum", [True, False])
+@pytest.mark.parametrize("backprop_writes", [False, True])
+def test_chunked_writes_match_token_by_token_reference(chunk, momentum, backprop_writes):
+    args = inputs(momentum)
+    leaves = [t for t in args if t is not None]
+    got = memory_scan(*args, chunk, backprop_writes)
+    want = reference(*args, chunk, backprop_writes)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+    w = torch.randn_like(got)
+    g_got = torch.autograd.grad((got * w).sum(), leaves, allow_unused=True)
+    g_want = torch.autograd.grad((want * w).sum(), leaves, allow_unused=True)
+    for a, b in zip(g_got, g_want):
+        if a is None or b is None:
+            assert (a is None or not a.any()) and (b is None or not b.any())
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+
+
+def test_writes_leak_no_gradient_unless_asked():
+    q, k, v, eta, alpha, mu, w1, w2 = inputs()
+    for backprop_writes in (False, True):
+        out = memory_scan(q, k, v, eta, alpha, mu, w1, w2, 4, backprop_writes)
+        gk, gv, geta, gq = torch.autograd.grad(out.square().sum(), [k, v, eta, q], allow_unused=True)
+        leaked = gk is not None and gk.abs().sum() > 0 and gv is not None and gv.abs().sum() > 0
+        assert leaked == backprop_writes
+        assert geta.abs().sum() > 0 and gq.abs().sum() > 0  # the gates learn; reads are differentiable
+
+
+def test_state_carries_across_chunks_and_resets_between_sequences():
+    torch.manual_seed(0)
+    mem = NeuralMemory(8, TitansConfig(heads=2, chunk=4, conv=0)).double()
+    with torch.no_grad():
+        mem.gate_bias[:2] = 1.0  # write hard enough to see
+    x = torch.randn(3, 12, 8, dtype=torch.double)
+    y = mem(x)
+    x2 = x.clone()
+    x2[0, :4] += 1.0  # change the first chunk of row 0
+    y2 = mem(x2)
+    assert (y2[0, 4:] - y[0, 4:]).abs().max() > 1e-4  # later chunks read what chunk 0 wrote
+    torch.testing.assert_close(y2[1:], y[1:])  # other rows (sequences) are untouched
+    torch.testing.assert_close(mem(x[1:2]), y[1:2])  # each sequence starts from the learned initial memory
+    mem.writes = False  # reads only: no chunk depends on another
+    y3, y4 = mem(x), mem(x2)
+    torch.testing.assert_close(y3[0, 4:], y4[0, 4:])
+    assert (y3[0, 4:] - y[0, 4:]).abs().max() > 1e-4
+
+
+def test_memory_is_causal():
+    torch.manual_seed(0)
+    mem = NeuralMemory(8, TitansConfig(heads=2, chunk=3, conv=4))
+    x = torch.randn(2, 10, 8)
+    x2 = x.clone()
+    x2[:, 6:] = torch.randn(2, 4, 8)
+    torch.testing.assert_close(mem(x)[:, :6], mem(x2)[:, :6])
+
+
+def self_modifying_pair(chunk, conv=4, momentum=True):
+    torch.manual_seed(0)
+    plain = NeuralMemory(8, TitansConfig(heads=2, chunk=chunk, conv=conv, momentum=momentum)).double()
+    selfmod = NeuralMemory(8, TitansConfig(heads=2, chunk=chunk, conv=conv, momentum=momentum,
+                                           self_modify=True)).double()
+    selfmod.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        for m in (plain, selfmod):
+            m.gate_bias[:2] = 1.0  # write hard enough to see
+    return plain, selfmod
+
+
+@pytest.mark.parametrize("conv", [0, 1, 4])
+def test_self_modifying_projections_change_only_after_the_first_chunk(conv):
+    plain, selfmod = self_modifying_pair(chunk=4, conv=conv)
+    x = torch.randn(2, 11, 8, dtype=torch.double)
+    a, b = plain(x), selfmod(x)
+    torch.testing.assert_close(a[:, :4], b[:, :4])  # chunk 0 reads with the learned projections in both
+    assert (a[:, 4:] - b[:, 4:]).abs().max() > 1e-4  # later chunks see projections the sequence rewrote
+    plain.cfg.chunk = selfmod.cfg.chunk = 11  # one chunk: nothing is written, the two are one layer
+    torch.testing.assert_close(plain(x), selfmod(x))
+
+
+@pytest.mark.parametrize("momentum", [True, False])
+def test_self_modifying_memory_is_causal_per_sequence_and_trains(momentum):
+    _, mem = self_modifying_pair(chunk=3, momentum=momentum)
+    x = torch.randn(3, 10, 8, dtype=torch.double)
+    x2 = x.clone()
+    x2[0, 6:] += 1.0
+    y, y2 = mem(x), mem(x2)
+    torch.testing.assert_close(y[:, :6], y2[:, :6])  # no later token is seen
+    torch.testing.assert_close(y[1:], y2[1:])  # rows are separate sequences
+    torch.testing.assert_close(mem(x[2:]), y[2:])
+    y.square().sum().backward()
+    assert mem.c_qkv.weight.grad.abs().sum() > 0 and mem.c_gates.weight.grad.abs().sum() > 0
+
+
+def test_self_modifying_linear_write_matches_token_by_token():
+    """write_linear against S = mu S - eta g, P = P0 + alpha (P - P0) + S per token, g at the chunk's start."""
+    from forgetless.nn.titans import write_linear
+    g = torch.Generator().manual_seed(3)
+    Bn, C, d, out = 2, 5, 4, 3
+    P0, P, S = torch.randn(out, d, generator=g), torch.randn(Bn, out, d, generator=g), torch.randn(Bn, out, d, generator=g)
+    keys, values = torch.randn(Bn, C, d, generator=g), torch.randn(Bn, C, d, generator=g)
+    eta, alpha, mu = (0.2 + 0.6 * torch.rand(Bn, C, generator=g) for _ in range(3))
+    got_P, got_S = write_linear(P, P0, S, keys, values, eta, alpha, mu, False)
+    want_P, want_S = P.clone(), S.clone()
+    for t in range(C):
+        err = keys[:, t:t + 1] @ P.transpose(-1, -2) - values[:, t:t + 1] @ P.transpose(-1, -2)  # (B, 1, out)
+        grad = 2 * err.transpose(-1, -2) @ keys[:, t:t + 1]  # (B, out, d)
+        want_S = mu[:, t, None, None] * want_S - eta[:, t, None, None] * grad
+        want_P = P0 + alpha[:, t, None, None] * (want_P - P0) + want_S
+    torch.testing.assert_close(got_P, want_P)
+    torch.testing.assert_close(got_S, want_S)
+
+
+def test_bad_titans_options_are_one_line_errors():
+    with pytest.raises(ForgetlessError, match="chunk must be positive"):
+        TitansConfig(chunk=0)
+    with pytest.raises(ForgetlessError, match="must divide d_model"):
+        NeuralMemory(10, TitansConfig(heads=4))
+
+
+# ---- HOPE as a GPT's FFN slot --------------------------------------------------------------------
+SMALL = {"heads": 2, "chunk": 4, "periods": [1, 4]}
+
+
+def hope_gpt(**options):
+    torch.manual_seed(0)
+    cfg = build_method("hope", {**SMALL, **options}).base_config(GPTConfig(n_layer=2, n_head=2, d_model=16,
+                                                                             block_size=16))
+    return GPT(cfg)
+
+
+def test_hope_bench_pretrains_a_hope_base_and_runs_two_domain(tmp_path):
+    result = CliRunner().invoke(app, ["bench", "--preset", "smoke", "--methods", "hope,full", "--seeds", "1",
+                                      "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert list(results["methods"]) == ["hope", "full"]
+    assert {base["ffn"] for base in results["bases"].values()} == {"hope", "dense"}
+    hope = results["methods"]["hope"]
+    assert hope["method"] == "hope" and hope["ppl_b_after"]["mean"] > 1
+    assert 0 < hope["trainable_params"] < hope["total_params"]
+    again = CliRunner().invoke(app, ["bench", "--preset", "smoke", "--methods", "hope", "--seeds", "1",
+                                     "--out", str(tmp_path / "again")])
+    assert again.exit_code == 0 and "pretrain 0 of 2 bases (2 cached)" in again.output  # full is added back
+
+
+@pytest.mark.parametrize("options", [{}, {"self_modify": True}, {"attention": False}])
+def test_hope_training_resumes_exactly(tmp_path, options):
+    """Interrupted at step 13 (checkpoint at 10, inside a CMS chunk of 4), resumed: the same run."""
+    def setup():
+        model = hope_gpt(**options)
+        return model, Sampler(torch.arange(2000) % 7, 4, 16, seed=0)
+    cfg = TrainConfig(steps=20, batch_size=4, lr=1e-2, warmup=2, eval_every=5, ckpt_every=5)
+    model, sampler = setup()
+    full = train(model, list(model.named_parameters()), sampler, cfg, training_loss)
+    ckpt = tmp_path / "ckpt.safetensors"
+
+    def interrupting(m, b, calls=[0]):
+        calls[0] += 1
+        if calls[0] == 13:
+            raise KeyboardInterrupt
+        return training_loss(m, b)
+    model2, sampler2 = setup()
+    with pytest.raises(KeyboardInterrupt):
+        train(model2, list(model2.named_parameters()), sampler2, cfg, interrupting, ckpt_path=ckpt, run_config={})
+    model3, sampler3 = setup()
+    history = train(model3, list(model3.named_parameters()), sampler3, cfg, training_loss, ckpt_path=ckpt,
+                    run_config={})
+    assert history.loss == full.loss
+    for (n, p), (_, q) in zip(model.named_parameters(), model3.named_parameters()):
+        assert torch.equal(p, q), n
+
+
+@pytest.mark.parametrize("name", ["lora", "ffn", "hope"])
+def test_methods_attach_to_a_hope_model(name):
+    model = hope_gpt()
+    x = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+    model.eval()
+    with torch.no_grad():
+        before = model(x[:, :-1])
+    adapted = forgetless.attach(model, name, **(SMALL if name == "hope" else {}))
+    adapted.start_task(1)
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(x[:, :-1]), before)  # attaching changes nothing
+    params = [p for _, p in adapted.trainable_parameters()]
+    adapted.train()
+    opt = torch.optim.SGD(params, lr=0.1)
+    loss = adapted.loss(x)
+    loss.backward()
+    opt.step()
+    assert adapted.loss(x).item() < loss.item()
+    names = [n for n, _ in adapted.trainable_parameters()]
+    if name == "ffn":
+        assert any(".mlp.memory." in n for n in names) and any(".mlp.cms." in n for n in names)
+    if name == "lora":
+        assert any("mlp.memory.c_proj.lora_" in n for n in names)
+
+
+@pytest.mark.parametrize("self_modify", [False, True])
+def test_hope_forward_and_backward_follow_the_model_device(self_modify):
+    """On the meta device any tensor made on the CPU by the memory would fail to combine with the others."""
+    with torch.device("meta"):
+        model = hope_gpt(self_modify=self_modify)
+    logits = model(torch.randint(0, 256, (2, 16)).to("meta"))
+    logits.sum().backward()
+    assert logits.is_meta and all(p.grad is None or p.grad.is_meta for p in model.parameters())
+
+
+def test_hope_blocks_without_attention():
+    model = hope_gpt(attention=False)
+    assert all(b.attn is None and b.ln_1 is None for b in model.transformer.h)
+    assert not any(".attn." in n for n, _ in model.named_parameters())
+    x = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+    x2 = x.clone()
+    x2[:, 9:] = 7
+    model.eval()
+    torch.testing.assert_close(model(x[:, :-1])[:, :9], model(x2[:, :-1])[:, :9])  # causal through the memory
+    adapted = forgetless.attach(model, "lora")  # c_attn is gone; the memory's and levels' linears remain
+    assert any("lora_" in n for n, _ in adapted.trainable_parameters())
+    from tiny_models import hf_llama
+    with pytest.raises(ForgetlessError, match="attention=false needs a forgetless GPT"):
+        forgetless.attach(hf_llama(), "hope", attention=False)
+
+
+def test_hope_method_refuses_another_base_and_writes_can_be_turned_off():
+    with pytest.raises(ForgetlessError, match="method hope needs a base with chunk=8 \\(this base: 4\\)"):
+        forgetless.attach(hope_gpt(), "hope", **{**SMALL, "chunk": 8})
+    with pytest.raises(ForgetlessError, match="periods"):
+        forgetless.attach(GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, block_size=16)), "hope")
+    adapted = forgetless.attach(hope_gpt(), "hope", **SMALL, writes=False)
+    assert all(not m.writes for m in adapted.modules() if isinstance(m, NeuralMemory))
+    assert sum(isinstance(m, HOPE) for m in adapted.modules()) == 2
+
+
+def test_hope_report_measures_the_test_time_writes():
+    adapted = forgetless.attach(hope_gpt(), "hope", **SMALL)
+    windows = torch.randint(0, 256, (3, 17), generator=torch.Generator().manual_seed(2))
+    report = adapted.report(windows, windows[:2])
+    assert {"memory_gain_a", "memory_gain_b"} <= set(report) and report["memory_gain_a"] != 0
+    assert all(m.writes for m in adapted.modules() if isinstance(m, NeuralMemory))  # restored
