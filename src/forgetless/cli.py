@@ -53,7 +53,8 @@ SET = typer.Option(None, "--set", help="a method option, METHOD.OPTION=VALUE (re
 @friendly(resume="run the same command again to resume from the finished arms and the last base checkpoint")
 @with_config_flags
 def bench(preset: Optional[str] = BENCH_PRESET,
-          protocol: str = typer.Option("two-domain", help="two-domain, or sequence (base on --domain-a, then --tasks)"),
+          protocol: str = typer.Option("two-domain", help="two-domain, sequence (base on --domain-a, then --tasks) or "
+                                       "online (a stream from A to B, each chunk scored then learned; --online-* flags)"),
           methods: str = typer.Option("default", help="comma-separated method names; 'all' (the protocol's whole set, "
                                       "see `forgetless methods`) or 'default' (the preset's short list, else all); "
                                       "NAME[OPTION=VALUE;...] adds an arm with other options, e.g. 'lora,lora[r=16]'"),
@@ -83,6 +84,7 @@ def bench(preset: Optional[str] = BENCH_PRESET,
     """Pretrain (cached) or load a pretrained model, adapt every method, write results.json/csv/md and figures."""
     code_fingerprint()  # of the code this process runs, before anything can edit the files
     from forgetless.continual.instruct import run_instruction_sequence
+    from forgetless.continual.online import run_online
     from forgetless.continual.optimizers import run_optimizers
     from forgetless.data.instructions import is_task_spec
     from forgetless.continual.sequence import run_sequence
@@ -95,7 +97,7 @@ def bench(preset: Optional[str] = BENCH_PRESET,
     from forgetless.presets import default_methods, default_preset
 
     preset = preset or default_preset(model)
-    protocols = {"two-domain": run_two_domain, "sequence": run_sequence}
+    protocols = {"two-domain": run_two_domain, "sequence": run_sequence, "online": run_online}
     if protocol not in protocols:
         raise ForgetlessError(f"unknown protocol {protocol!r}; valid: {', '.join(protocols)}")
     if tasks:
@@ -120,7 +122,8 @@ def bench(preset: Optional[str] = BENCH_PRESET,
                                  lrs.split(",") if lrs else None, device)
     else:
         methods = default_methods(preset, protocol) if methods == "default" else methods
-        specs = [MethodSpec(n) for n in method_names(protocol)] if methods == "all" else parse_method_specs(methods)
+        every = method_names("two-domain" if protocol == "online" else protocol)  # online: two-domain's set
+        specs = [MethodSpec(n) for n in every] if methods == "all" else parse_method_specs(methods)
         specs = sweep_specs(specs, sweep, lrs)
         out = writable(out or Path("runs") / f"{protocol}-{preset}")
         instructions = protocol == "sequence" and any(is_task_spec(t) for t in cfg.data.tasks)
@@ -139,8 +142,7 @@ def bench(preset: Optional[str] = BENCH_PRESET,
             results = protocols[protocol](cfg, specs, list(range(seeds)), out, preset, device, model, base_seeds,
                                           workers)
     files = write_report(results, out)
-    where = f"A={cfg.data.domain_a} → B={cfg.data.domain_b}" if protocol == "two-domain" else \
-        " → ".join(results["tasks"])
+    where = " → ".join(results["tasks"]) if protocol == "sequence" else f"A={cfg.data.domain_a} → B={cfg.data.domain_b}"
     title = " · ".join([protocol, preset, *([model] if model != "byte-gpt" else []), where])
     table = terminal_table(results, title, f"{seeds_text(results['seeds'], results.get('base_seeds'))}; "
                                            f"all columns in {out / 'results.md'}")

@@ -61,18 +61,47 @@ class AdaptConfig(TrainConfig):
 
 
 @dataclass
+class OnlineConfig:
+    chunks: int = field(default=48, metadata={"help": "online protocol: chunks in the stream"})
+    chunk_tokens: int = field(default=2048, metadata={
+        "help": "online protocol: tokens per chunk, cut into context-length windows"})
+    steps_per_chunk: int = field(default=1, metadata={
+        "help": "online protocol: updates of the method on each chunk, after the chunk is scored"})
+    canary_every: int = field(default=8, metadata={
+        "help": "online protocol: score the canary (held-out windows of domain A) every N chunks"})
+    canary_windows: int = field(default=32, metadata={
+        "help": "online protocol: held-out windows of A in the canary (0: all of data.eval_windows)"})
+    switch: float = field(default=0.5, metadata={
+        "help": "online protocol: share of the stream's chunks from A's validation text before it switches to B's "
+                "training text (0: B only, 1: A only)"})
+
+    def __post_init__(self):
+        for name in ("chunks", "chunk_tokens", "steps_per_chunk", "canary_every"):
+            if getattr(self, name) <= 0:
+                raise ForgetlessError(f"online.{name} must be positive, got {getattr(self, name)}")
+        if self.canary_windows < 0 or not 0.0 <= self.switch <= 1.0:
+            raise ForgetlessError("online.canary_windows must not be negative and online.switch must be in [0, 1]")
+
+
+@dataclass
 class RunConfig:
     model: GPTConfig
     pretrain: PretrainConfig
     adapt: AdaptConfig
     data: DataConfig
     methods: dict = field(default_factory=dict)  # method name -> its options
+    online: OnlineConfig = field(default_factory=OnlineConfig)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every section but `online`, which the online protocol records itself (so the other protocols'
+        saved arms keep their config hashes)."""
+        out = dataclasses.asdict(self)
+        del out["online"]
+        return out
 
 
-SECTIONS = {"model": GPTConfig, "pretrain": PretrainConfig, "adapt": AdaptConfig, "data": DataConfig}
+SECTIONS = {"model": GPTConfig, "pretrain": PretrainConfig, "adapt": AdaptConfig, "data": DataConfig,
+            "online": OnlineConfig}
 
 # on a pretrained model, methods that train its own weights start at the usual fine-tuning lr (transformers'
 # Trainer default); the preset's 5e-4 suits the small added modules and wrecks a pretrained model's weights
@@ -83,7 +112,8 @@ PRESETS: dict[str, dict] = {
         model=dict(n_layer=2, n_head=2, d_model=32, block_size=32),
         pretrain=dict(steps=30, batch_size=8, lr=3e-3, warmup=5, eval_every=15, ckpt_every=10),
         adapt=dict(steps=10, batch_size=8, lr=1e-3, warmup=2, eval_every=5, ckpt_every=5),
-        data=dict(eval_windows=8)),
+        data=dict(eval_windows=8),
+        online=dict(chunks=6, chunk_tokens=256, canary_every=2, canary_windows=8)),
     "first": dict(  # `forgetless bench` with no arguments: quick's model, half its pretraining, half its adaptation
         model=dict(n_layer=4, n_head=4, d_model=128, block_size=128),
         pretrain=dict(steps=600, batch_size=32, lr=2e-3, warmup=50, eval_every=150, ckpt_every=100),
@@ -118,7 +148,8 @@ PRESETS: dict[str, dict] = {
 
 # what `--methods default` runs per preset and protocol (else the protocol's whole set, `--methods all`): the
 # first run keeps one base (apn-retrofit, not an APN base) and one method per family
-DEFAULT_METHODS = {"first": {"two-domain": "full,lora,ewc,neutral,apn-retrofit", "sequence": "full,lora,ewc,moram,seq-lora"}}
+DEFAULT_METHODS = {"first": {"two-domain": "full,lora,ewc,neutral,apn-retrofit", "sequence": "full,lora,ewc,moram,seq-lora",
+                             "online": "full,lora,ewc,neutral,apn-retrofit"}}
 
 
 def default_preset(model: str) -> str:

@@ -21,6 +21,7 @@ class Domain:
     fingerprint: str       # content hash of the corpus and its split as used
     dev_windows: torch.Tensor | None = None  # (W', T+1) validation windows from training works: choices use these
     dev_keys: list[str] | None = None         # validation works, if any
+    dev: torch.Tensor | None = None           # (D,) validation token ids (the online protocol's stream on A)
 
 
 def load_domains(specs: list[str], tokenizer: str | dict, block_size: int, val_fraction: float,
@@ -46,7 +47,7 @@ def load_domains(specs: list[str], tokenizer: str | dict, block_size: int, val_f
             check_length(tokens, block_size, f"corpus {spec!r} {part} split")
         fingerprint = stable_hash([corpus.fingerprint(), split.val_keys, split.dev_keys, len(split.train), len(split.dev)])
         domains.append(Domain(spec, train, val, eval_windows(val, block_size, max_windows), split.val_keys,
-                              fingerprint, eval_windows(dev, block_size, max_windows), split.dev_keys))
+                              fingerprint, eval_windows(dev, block_size, max_windows), split.dev_keys, dev))
     return domains, tok
 
 

@@ -53,7 +53,9 @@ def terminal_table(results: dict, title: str, caption: str):
     from rich.markup import escape
     from rich.table import Table
 
-    heads, body = terminal_rows(results) if results["protocol"] == "two-domain" else sequence_terminal_rows(results)
+    from forgetless.report.online import online_terminal_rows
+    rows_of = {"two-domain": terminal_rows, "sequence": sequence_terminal_rows, "online": online_terminal_rows}
+    heads, body = rows_of[results["protocol"]](results)
     table = Table(title=title, caption=caption)
     for h in heads:  # a long method label folds onto a second line; numbers never do
         table.add_column(h, justify="left" if h == "method" else "right", no_wrap=h != "method",

@@ -1,0 +1,87 @@
+"""The online protocol's table (CSV, Markdown, terminal) and figure: prequential loss and retention
+against stream position, every arm."""
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+from forgetless.report.figures import band, colors, plt, save
+from forgetless.report.tables import cell, interval_lines, scaled, seeds_text
+
+COLUMNS = [  # (results key, header, format)
+    ("prequential_loss", "prequential loss", "{:.4f}"), ("prequential_loss_a", "on A", "{:.4f}"),
+    ("prequential_loss_b", "on B", "{:.4f}"), ("gain_vs_frozen", "gain vs frozen", "{:+.4f}"),
+    ("gain_vs_dynamic_eval", "gain vs dynamic-eval", "{:+.4f}"), ("canary_ppl_before", "canary PPL before", "{:.3f}"),
+    ("canary_ppl_after", "canary PPL after", "{:.3f}"), ("forgetting", "forgetting F", "{:+.4f}"),
+    ("updates_per_s", "updates/s", "{:.1f}"), ("wall_s", "wall s", "{:.1f}"),
+]
+TERMINAL = [("prequential_loss", "preq. loss", "{:.4f}", 1), ("gain_vs_frozen", "vs frozen", "{:+.4f}", 1),
+            ("gain_vs_dynamic_eval", "vs dyn-eval", "{:+.4f}", 1), ("forgetting", "F %", "{:+.1f}", 100),
+            ("updates_per_s", "upd/s", "{:.0f}", 1)]
+
+
+def online_rows(results: dict) -> tuple[list[str], list[list[str]]]:
+    """Headers and one row per arm."""
+    with_std = len(results["seeds"]) > 1
+    columns = COLUMNS
+    heads = ["method"] + [h for _, h, _ in columns] + ["trainable params"]
+    body = [[name] + [cell(m[k], fmt, with_std) for k, _, fmt in columns] + [f"{m['trainable_params']:,}"]
+            for name, m in results["methods"].items()]
+    return heads, body
+
+
+def online_terminal_rows(results: dict) -> tuple[list[str], list[list[str]]]:
+    """The columns that fit an 80-column terminal (no std; results.md has every column with its std)."""
+    heads = ["method"] + [h for _, h, _, _ in TERMINAL]
+    body = [[name] + [cell(scaled(m[k], scale), fmt, False) for k, _, fmt, scale in TERMINAL]
+            for name, m in results["methods"].items()]
+    return heads, body
+
+
+def online_markdown(results: dict) -> str:
+    s = results["stream"]
+    heads, body = online_rows(results)
+    lines = [f"Protocol online, preset {results['preset']}: {s['chunks']} chunks of {s['chunk_tokens']} tokens, "
+             f"{s['switch_chunk']} from {s['a']}, then {s['b']}; each chunk scored (prequential loss, nats/token) "
+             f"before {results['config']['online']['steps_per_chunk']} update(s) on it; canary = {s['canary_windows']} "
+             f"held-out windows of A; gains = the baseline's mean prequential loss minus the arm's (> 0: better); "
+             f"{seeds_text(results['seeds'], results.get('base_seeds'))}, {results['date']}.", "",
+             "| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    lines += ["| " + " | ".join(r) + " |" for r in body]
+    lines += interval_lines(results, [("prequential_loss", "prequential loss", 1.0), ("gain_vs_frozen", "gain vs frozen", 1.0),
+                                      ("forgetting", "F %", 100.0)])
+    return "\n".join(lines) + "\n"
+
+
+def write_online_csv(results: dict, path: Path):
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        keys = [k for k, _, _ in COLUMNS]
+        writer.writerow(["method"] + [f"{k}_{s}" for k in keys for s in ("mean", "std")]
+                        + ["trainable_params", "total_params", "peak_rss_mb"])
+        for name, m in results["methods"].items():
+            writer.writerow([name] + [m[k][s] for k in keys for s in ("mean", "std")]
+                            + [m["trainable_params"], m["total_params"], m["peak_rss_mb"]])
+
+
+def online_figure(results: dict, path: Path):
+    """Prequential loss per chunk (left) and canary loss (right) against tokens streamed, every arm; a dashed
+    line where the stream switches from A to B."""
+    methods, s = results["methods"], results["stream"]
+    color = colors(list(methods))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, m in methods.items():
+        c = m["curves"]
+        band(left, c["position"], c["prequential_loss"], color[name], name)
+        band(right, c["canary_position"], c["canary_loss"], color[name], name)
+    if 0 < s["switch_chunk"] < s["chunks"]:
+        for ax in (left, right):
+            ax.axvline(s["switch_chunk"] * s["chunk_tokens"], color="grey", linestyle="--", linewidth=1)
+            ax.text(s["switch_chunk"] * s["chunk_tokens"], 1.0, " A → B", transform=ax.get_xaxis_transform(),
+                    va="top", fontsize=8, color="grey")
+    left.set(xlabel="tokens streamed", ylabel="prequential loss (nats/token)",
+             title="Prequential loss: each chunk scored before it is learned")
+    right.set(xlabel="tokens streamed", ylabel="canary loss (held-out A, nats/token)  ↓ better", title="Retention")
+    left.legend(fontsize=8)
+    fig.suptitle(f"Online protocol ({results['preset']}, {len(results['seeds'])} seed(s))", fontsize=10)
+    save(fig, path)
