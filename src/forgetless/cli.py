@@ -1,4 +1,4 @@
-"""`forgetless ...`: pretrain, adapt, eval, bench, report, corpora, methods.
+"""`forgetless ...`: pretrain, adapt, eval, bench, report, corpora, methods, serve.
 
 Config flags (`--model-n-layer`, `--adapt-lr`, ...) are generated from the config dataclasses;
 a YAML/JSON `--config` file takes the same sections. Precedence: preset < file < flags.
@@ -357,6 +357,73 @@ def methods():
         table.add_row(name, base_label(build_method(name).base_config(GPTConfig())), ", ".join(cls.default_for), opts,
                       *about or [""])
     out_console.print(table)
+
+
+def serve_sections():
+    from forgetless.serve.engine import ServeConfig
+    return {"serve": ServeConfig}
+
+
+@app.command()
+@friendly
+@config_flags(serve_sections, "config")
+def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `forgetless pretrain` (or a cached "
+                                              "bench base; or --model)"),
+          model: Optional[str] = typer.Option(None, "--model", help="a pretrained model instead of --base: "
+                                              "smollm2-135m, hf:PATH or a .gguf file (then --canary is needed)"),
+          canary: Optional[str] = typer.Option(None, help="corpus whose held-out windows are the canary (default: "
+                                               "the base's domain A)"),
+          canary_windows: int = typer.Option(32, help="held-out windows in the canary"),
+          block_size: int = typer.Option(256, help="with --model: context in tokens"),
+          state_dir: Path = typer.Option(Path("serve-state"), help="snapshots and the write-ahead log; a restart "
+                                         "resumes from them"),
+          token_file: Optional[Path] = typer.Option(None, help="file holding the bearer token of /v1/learn, "
+                                                    "/v1/snapshot, /v1/rollback (else $FORGETLESS_SERVE_TOKEN; "
+                                                    "without either, learning is refused)"),
+          host: str = typer.Option("127.0.0.1", help="address to listen on (localhost by default)"),
+          port: int = typer.Option(8000, help="port to listen on"),
+          device: str = DEVICE, flags: dict = None):
+    """Serve a model over HTTP (score, streamed generation) while a method learns from /v1/learn, with canary
+    checks, automatic rollback, a write-ahead log and snapshots."""
+    import os
+
+    from forgetless.adapted import resolve_device
+    from forgetless.config import from_dict
+    from forgetless.continual.base_model import load_base
+    from forgetless.data.domains import load_domains
+    from forgetless.serve.engine import Engine, ServeConfig
+
+    try:
+        import uvicorn
+
+        from forgetless.serve.app import make_app
+    except ImportError:
+        raise ForgetlessError("forgetless serve needs FastAPI and uvicorn: pip install 'forgetless[serve]' "
+                              "(or bash scripts/setup.sh serve)") from None
+    cfg = from_dict(ServeConfig, flags.get("serve", {}), "serve")
+    if (base is None) == (model is None) or model and not canary:
+        raise ForgetlessError("give --base (a forgetless GPT) or --model with --canary (the text whose retention is "
+                              "checked), not both")
+    if token_file is not None:
+        if not token_file.is_file():
+            raise ForgetlessError(f"--token-file {token_file} does not exist; write the token into it")
+        token = token_file.read_text().strip()
+    else:
+        token = os.environ.get("FORGETLESS_SERVE_TOKEN", "").strip()
+    if model:
+        from forgetless.models.hf import load_model
+        lm, text_tokenizer = load_model(model, device)
+        tokenizer = text_tokenizer
+    else:
+        lm, tok, meta = load_base(base)
+        tokenizer, block_size, canary = tok.to_dict(), lm.config.block_size, canary or meta["domain"]
+    (original,), corpus_tokenizer = load_domains([canary], tokenizer, block_size, 0.1, canary_windows)
+    engine = Engine(lm.to(resolve_device(device)), corpus_tokenizer, original.windows, block_size, cfg, state_dir,
+                    original.train)
+    out_console.print(f"serving {escape(cfg.method)} on http://{host}:{port} (state in {escape(str(state_dir))}: "
+                      f"document {engine.seq}, {engine.counters['replayed']} replayed from the log; learning "
+                      f"{'on' if token else 'off: no token'})", highlight=False)
+    uvicorn.run(make_app(engine, token or None), host=host, port=port, log_level="warning")
 
 
 def set_precision(flags: dict, precision: Optional[str]):

@@ -54,7 +54,7 @@ class Learner:
         if self.mix <= 0:
             return batch
         n, T = max(1, round(self.mix * len(windows))), windows.shape[1] - 1
-        if self.sampler is None or self.sampler.batch_size != n:
+        if self.sampler is None or (self.sampler.batch_size, self.sampler.block_size) != (n, T):
             self.sampler = Sampler(self.mix_from, n, T, self.seed)
         other = self.sampler.next().to(self.device)
         from_other = torch.cat([batch.from_other, torch.ones_like(other.from_other)])  # (W + n,)

@@ -1,0 +1,285 @@
+"""The model behind `forgetless serve`: it scores and generates with published weights while a method
+learns from accepted documents (docs/DESIGN.md §3.6).
+
+- **No torn reads.** The learner trains its own copy; after each accepted document a fresh copy of its
+  weights is published (copy-on-write). A request takes the copy published when it starts and keeps it
+  to the end, so it never sees a half-applied update. Learning, snapshots and rollbacks hold one lock.
+- **Guardrails.** Every `canary_every` accepted documents the canary (held-out windows of the original
+  text) is scored; a loss more than `max_canary_rise` nats/token above the reference (the model's at
+  first start) rolls the learner back to the last good state (logged with the documents undone);
+  otherwise the state becomes the last good one.
+- **Durability.** A document is appended to the write-ahead log (fsync) before it is learned and
+  acknowledged. Every `snapshot_every` documents, a good state (weights, optimizer, hook state, RNG) is
+  written as safetensors. A restart loads the snapshot and replays the log after it: the same updates,
+  checks and rollbacks, so the same weights bit for bit.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from forgetless.checkpoint import load_checkpoint, load_optimizer, optimizer_tensors, save_checkpoint
+from forgetless.continual.evaluate import evaluate
+from forgetless.continual.learner import Learner, chunk_windows
+from forgetless.data.splits import Sampler
+from forgetless.errors import ForgetlessError
+from forgetless.methods.base import as_specs
+from forgetless.models.gpt import logits_of
+from forgetless.serve.wal import WriteAheadLog
+from forgetless.train import TrainConfig, TrainingDiverged
+
+log = logging.getLogger("forgetless.serve")
+SNAPSHOT, WAL = "snapshot.safetensors", "wal.jsonl"
+
+
+@dataclass
+class ServeConfig:
+    method: str = field(default="lora", metadata={"help": "method that learns from /v1/learn, e.g. lora, full, "
+                                                           "dynamic-eval, lora[r=16]"})
+    lr: float = field(default=1e-3, metadata={"help": "learning rate (a method's own lr option wins)"})
+    steps_per_doc: int = field(default=1, metadata={"help": "updates on each accepted document"})
+    canary_every: int = field(default=8, metadata={"help": "score the canary every N accepted documents"})
+    max_canary_rise: float = field(default=0.05, metadata={
+        "help": "roll back when the canary loss rises more than this (nats/token) above its value at first start"})
+    snapshot_every: int = field(default=32, metadata={
+        "help": "write a safetensors snapshot every N accepted documents (a multiple of canary_every)"})
+    max_doc_bytes: int = field(default=65536, metadata={"help": "largest document /v1/learn and /v1/score accept"})
+    learn_per_minute: int = field(default=120, metadata={"help": "rate limit of /v1/learn (0: none)"})
+    max_new_tokens: int = field(default=512, metadata={"help": "most tokens /v1/generate produces per request"})
+    seed: int = field(default=0, metadata={"help": "seed of the method's initialisation and mixed rows"})
+
+    def __post_init__(self):
+        for name in ("steps_per_doc", "canary_every", "snapshot_every", "max_doc_bytes", "max_new_tokens"):
+            if getattr(self, name) <= 0:
+                raise ForgetlessError(f"serve.{name} must be positive, got {getattr(self, name)}")
+        if self.snapshot_every % self.canary_every:
+            raise ForgetlessError(f"serve.snapshot_every ({self.snapshot_every}) must be a multiple of serve.canary_every "
+                                  f"({self.canary_every}): a snapshot is a checked state")
+        if self.learn_per_minute < 0 or not self.max_canary_rise >= 0:
+            raise ForgetlessError("serve.learn_per_minute and serve.max_canary_rise must not be negative")
+
+
+class Engine:
+    """`model` (on its device) with `cfg.method` attached, `tokenizer` (encode(bytes) -> (N,) ids, decode(ids)),
+    `canary` (W, T+1) windows of the original text, state (snapshots, log) in `state_dir`."""
+
+    def __init__(self, model, tokenizer, canary: torch.Tensor, block_size: int, cfg: ServeConfig, state_dir: Path,
+                 mix_from: torch.Tensor | None = None):
+        self.cfg, self.tokenizer, self.canary, self.block_size = cfg, tokenizer, canary, block_size
+        self.state_dir = Path(state_dir)
+        torch.manual_seed(cfg.seed)
+        (spec,) = as_specs([cfg.method])
+        self.learner = Learner(model, spec.build(), TrainConfig(lr=cfg.lr, warmup=0), canary, mix_from, cfg.seed)
+        self.device = self.learner.device
+        self.lock = threading.Lock()
+        self.seq, self.snapshot_seq, self.good = 0, 0, None
+        self.counters = {"accepted": 0, "rollbacks": 0, "score": 0, "generate": 0, "replayed": 0}
+        self.rejected: dict[str, int] = {}
+        self.last_prequential, self.prequential_sum = float("nan"), 0.0
+        self.started = time.time()
+        path = self.state_dir / SNAPSHOT
+        if path.exists():
+            self.restore(self.read_snapshot(path))
+        else:
+            self.reference = self.canary_loss()
+            self.canary_last = self.reference
+            self.good = self.capture()
+            self.write_snapshot()
+        self.wal = WriteAheadLog(self.state_dir / WAL)
+        for record in self.wal.after(self.seq):  # what the snapshot lacks: the same updates, checks, rollbacks
+            self.apply(record["seq"], record["text"])
+            self.counters["replayed"] += 1
+        self.publish()
+
+    # ---- reading ---------------------------------------------------------------------------------
+    def encode(self, text: str) -> torch.Tensor:  # (N,) ids
+        return self.tokenizer.encode(text.encode())
+
+    def windows(self, text: str) -> torch.Tensor:
+        """(W, T+1) windows of a document (one shorter window when it holds less than a context)."""
+        ids = self.encode(text)
+        if len(ids) < 2:
+            raise ForgetlessError("the text needs at least 2 tokens; send a longer text")
+        return chunk_windows(ids, min(self.block_size, len(ids) - 1))
+
+    def score(self, text: str) -> dict:
+        """Loss (nats/token) of `text` under the weights published when the call starts."""
+        version, model = self.serving
+        self.counters["score"] += 1
+        result = evaluate(model, self.windows(text))
+        return {"loss": result["loss"], "ppl": result["ppl"], "tokens": len(self.encode(text)), "version": version}
+
+    @torch.no_grad()
+    def generate(self, prompt: str, max_tokens: int, temperature: float, seed: int):
+        """Yield the text of up to `max_tokens` sampled tokens (greedy at temperature 0), one piece per token
+        that completes a character, all from one published set of weights."""
+        version, model = self.serving
+        self.counters["generate"] += 1
+        ids = self.encode(prompt).to(self.device)[None]  # (1, n)
+        if ids.shape[1] == 0:
+            raise ForgetlessError("the prompt is empty; send at least one character")
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        new, sent = [], ""
+        for _ in range(min(max_tokens, self.cfg.max_new_tokens)):
+            logits = logits_of(model, ids[:, -self.block_size:])[:, -1].float()  # (1, V)
+            if temperature == 0:
+                token = logits.argmax(-1, keepdim=True)                           # (1, 1)
+            else:
+                token = torch.multinomial(F.softmax(logits / temperature, -1), 1, generator=generator)
+            ids = torch.cat([ids, token], 1)
+            new.append(int(token))
+            text = self.tokenizer.decode(new)
+            if not text.endswith("\ufffd"):  # a character split across tokens waits for its last byte
+                yield text[len(sent):]
+                sent = text
+
+    # ---- learning --------------------------------------------------------------------------------
+    def learn(self, text: str) -> dict:
+        """Log `text` (fsync), learn it, check the canary when due; returns what happened."""
+        windows = self.windows(text)
+        with self.lock:
+            seq = self.seq + 1
+            self.wal.append(seq, text)
+            result = self.apply(seq, text, windows)
+            self.publish()
+        return result
+
+    def apply(self, seq: int, text: str, windows: torch.Tensor | None = None) -> dict:
+        """Learn document `seq` (also on replay): prequential loss, updates, the canary when due."""
+        windows = self.windows(text) if windows is None else windows
+        prequential = evaluate(self.learner.model, windows)["loss"]  # before it is learned
+        self.seq = seq
+        self.counters["accepted"] += 1
+        self.last_prequential = prequential
+        self.prequential_sum += prequential
+        rolled_back = False
+        try:
+            self.learner.learn(windows, self.cfg.steps_per_doc)
+        except TrainingDiverged as e:
+            log.warning("document %d: %s", seq, e)
+            rolled_back = self.rollback(f"a non-finite loss on document {seq}")
+        if not rolled_back and seq % self.cfg.canary_every == 0:
+            rolled_back = not self.check()
+        return {"seq": seq, "prequential_loss": prequential, "updates": self.learner.steps, "rolled_back": rolled_back,
+                "canary_loss": self.canary_last}
+
+    def check(self) -> bool:
+        """Score the canary: too far above the reference rolls back (False); else the state is the last good
+        one, written to disk when a snapshot is due (True)."""
+        loss = self.canary_loss()
+        self.canary_last = loss
+        if loss > self.reference + self.cfg.max_canary_rise:
+            self.rollback(f"canary loss {loss:.4f} > reference {self.reference:.4f} + {self.cfg.max_canary_rise}")
+            return False
+        self.good = self.capture()
+        if self.seq % self.cfg.snapshot_every == 0:
+            self.write_snapshot()
+        return True
+
+    def rollback(self, why: str) -> bool:
+        undone = f"documents {self.good['meta']['seq'] + 1}..{self.seq}" if self.seq > self.good["meta"]["seq"] else "none"
+        log.warning("rollback to document %d (%s; undone: %s)", self.good["meta"]["seq"], why, undone)
+        self.restore(self.good, keep_seq=True)
+        self.counters["rollbacks"] += 1
+        self.canary_last = self.canary_loss()
+        return True
+
+    def canary_loss(self) -> float:
+        return evaluate(self.learner.model, self.canary)["loss"]
+
+    def publish(self):
+        """Copy the learner's weights for serving (copy-on-write: requests in flight keep the older copy)."""
+        model = copy.deepcopy(self.learner.model).eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+            p.grad = None
+        self.serving = (self.seq, model)
+
+    # ---- manual snapshot and rollback ------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """Check the canary now (rolling back if it fails), then write the state to disk."""
+        with self.lock:
+            passed = self.check()
+            self.write_snapshot()
+            self.publish()
+        return {"seq": self.seq, "rolled_back": not passed, "path": str(self.state_dir / SNAPSHOT)}
+
+    def manual_rollback(self) -> dict:
+        """Restore the last good state now and write it to disk."""
+        with self.lock:
+            self.rollback("asked for by /v1/rollback")
+            self.write_snapshot()
+            self.publish()
+        return {"seq": self.seq, "good_seq": self.good["meta"]["seq"], "canary_loss": self.canary_last}
+
+    # ---- state -----------------------------------------------------------------------------------
+    def capture(self) -> dict:
+        """The learner's whole state, copied to the CPU: weights, optimizer, hook state, RNG."""
+        learner = self.learner
+        optim, groups = optimizer_tensors(learner.opt)
+        tensors = {**{f"model.{k}": v for k, v in learner.model.state_dict().items()}, **optim,
+                   **{f"hooks.{k}": v for k, v in learner.hooks.hook_state().items()}, "rng.torch": torch.get_rng_state()}
+        if learner.sampler is not None:
+            tensors["rng.sampler"] = learner.sampler.get_state()
+        tensors = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
+        meta = {"kind": "serve", "seq": self.seq, "steps": learner.steps, "optim_groups": groups,
+                "reference": self.reference, "canary": self.canary_last, "method": self.cfg.method,
+                "sampler": [learner.sampler.batch_size, learner.sampler.block_size] if learner.sampler else None}
+        return {"tensors": tensors, "meta": meta}
+
+    def restore(self, state: dict, keep_seq: bool = False):
+        tensors, meta, learner = state["tensors"], state["meta"], self.learner
+        learner.model.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
+        load_optimizer(learner.opt, tensors, meta["optim_groups"])
+        learner.hooks.load_hook_state({k[len("hooks."):]: v for k, v in tensors.items() if k.startswith("hooks.")})
+        torch.set_rng_state(tensors["rng.torch"])
+        learner.sampler = None
+        if "rng.sampler" in tensors:
+            rows, block = meta["sampler"]
+            learner.sampler = Sampler(learner.mix_from, rows, block, learner.seed)
+            learner.sampler.set_state(tensors["rng.sampler"])
+        learner.steps = meta["steps"]
+        self.reference, self.canary_last = meta["reference"], meta["canary"]
+        if not keep_seq:
+            self.seq = self.snapshot_seq = meta["seq"]
+            self.good = state
+
+    def write_snapshot(self):
+        state = self.capture()
+        save_checkpoint(self.state_dir / SNAPSHOT, state["tensors"], state["meta"])
+        self.snapshot_seq = self.seq
+
+    def read_snapshot(self, path: Path) -> dict:
+        tensors, meta = load_checkpoint(path)
+        if meta.get("kind") != "serve" or meta.get("method") != self.cfg.method:
+            raise ForgetlessError(f"{path} is not a snapshot of this server's method ({meta.get('method')} vs "
+                                  f"{self.cfg.method}); give another --state-dir or the same --serve-method")
+        return {"tensors": tensors, "meta": meta}
+
+    def metrics(self) -> dict:
+        """Name -> (kind, help, value or {label: value}) for /v1/metrics."""
+        mean = self.prequential_sum / self.counters["accepted"] if self.counters["accepted"] else math.nan
+        return {
+            "learn_accepted_total": ("counter", "documents accepted by /v1/learn (and replayed)", self.counters["accepted"]),
+            "learn_rejected_total": ("counter", "documents refused by /v1/learn, by reason", dict(self.rejected)),
+            "rollbacks_total": ("counter", "rollbacks to the last good state", self.counters["rollbacks"]),
+            "replayed_total": ("counter", "documents replayed from the write-ahead log at start", self.counters["replayed"]),
+            "updates_total": ("counter", "optimizer updates", self.learner.steps),
+            "score_requests_total": ("counter", "/v1/score requests", self.counters["score"]),
+            "generate_requests_total": ("counter", "/v1/generate requests", self.counters["generate"]),
+            "canary_loss": ("gauge", "last canary loss (nats/token)", self.canary_last),
+            "canary_reference_loss": ("gauge", "canary loss at first start (nats/token)", self.reference),
+            "prequential_loss_last": ("gauge", "loss of the last accepted document before it was learned", self.last_prequential),
+            "prequential_loss_mean": ("gauge", "mean prequential loss of the accepted documents", mean),
+            "sequence": ("gauge", "sequence number of the last accepted document", self.seq),
+            "snapshot_sequence": ("gauge", "sequence number of the last snapshot on disk", self.snapshot_seq),
+            "uptime_seconds": ("gauge", "seconds since the server started", time.time() - self.started),
+        }

@@ -1,0 +1,223 @@
+"""`forgetless serve`: auth, bad input, rate limit, rollback on a poisoned stream, no torn reads under
+concurrent learn + score, streamed generation, metrics, and a write-ahead-log replay after `kill -9` that
+ends in the same weights as an uninterrupted server."""
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi", reason="forgetless serve needs FastAPI (bash scripts/setup.sh dev or serve)")
+import httpx  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
+
+from forgetless.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from forgetless.continual.learner import chunk_windows  # noqa: E402
+from forgetless.data.tokenizers import ByteTokenizer  # noqa: E402
+from forgetless.serve.app import make_app  # noqa: E402
+from forgetless.serve.engine import SNAPSHOT, Engine, ServeConfig  # noqa: E402
+from tiny_models import ours  # noqa: E402
+
+TOKEN = "s3cret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+LINES = [f"{['ROMEO', 'JULIET', 'NURSE'][i % 3]}:\nO speak again, bright angel, line {i}; the night is young.\n"
+         for i in range(300)]
+TEXT = "".join(LINES)
+DOCS = ["".join(LINES[i:i + 3]) for i in range(0, 60, 3)]
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A tiny GPT (context 16) trained a little on TEXT: a canary loss well below a random model's."""
+    model = ours()
+    ids = ByteTokenizer().encode(TEXT.encode())
+    windows = chunk_windows(ids, 16)  # (W, 17)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(80):
+        batch = windows[torch.randint(len(windows), (16,), generator=g)]
+        logits = model(batch[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.state_dict()
+
+
+def engine(trained, state_dir, **options) -> Engine:
+    model = ours()
+    model.load_state_dict(trained)
+    canary = chunk_windows(ByteTokenizer().encode(TEXT[-3000:].encode()), 16)[:16]
+    cfg = ServeConfig(**{"method": "full", "lr": 3e-3, "canary_every": 2, "snapshot_every": 4, **options})
+    return Engine(model, ByteTokenizer(), canary, 16, cfg, state_dir)
+
+
+def client(trained, tmp_path, token=TOKEN, **options) -> TestClient:
+    return TestClient(make_app(engine(trained, tmp_path / "state", **options), token))
+
+
+def test_learning_needs_the_token(trained, tmp_path):
+    c = client(trained, tmp_path)
+    assert c.post("/v1/learn", json={"text": DOCS[0]}).status_code == 401
+    wrong = c.post("/v1/learn", json={"text": DOCS[0]}, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and "Bearer" in wrong.json()["error"]
+    ok = c.post("/v1/learn", json={"text": DOCS[0]}, headers=AUTH)
+    assert ok.status_code == 200 and ok.json()["seq"] == 1
+    assert c.post("/v1/snapshot").status_code == 401 and c.post("/v1/rollback").status_code == 401
+    assert c.post("/v1/score", json={"text": DOCS[0]}).status_code == 200  # reading needs no token
+    off = client(trained, tmp_path / "off", token=None).post("/v1/learn", json={"text": DOCS[0]}, headers=AUTH)
+    assert off.status_code == 403 and "FORGETLESS_SERVE_TOKEN" in off.json()["error"]
+
+
+@pytest.mark.parametrize("body, status, reason", [
+    (b'{"text": "caf\xe9 au lait"}', 400, "not valid UTF-8 JSON"),
+    (b'{"text": ', 400, "not valid UTF-8 JSON"),
+    (b'{"text": "   "}', 422, "empty"),
+    (b'{"text": "' + b"a" * 3000 + b'"}', 413, "more than the limit"),
+    (b'{"text": "hello", "lr": 1}', 422, "unknown field 'lr'"),
+    (b'{"txt": "hello"}', 422, "unknown field 'txt'"),
+    (b'{}', 422, "missing field 'text'"),
+], ids=["latin-1", "not-json", "empty", "oversize", "unknown-field", "misspelt-field", "missing-field"])
+def test_bad_input_is_a_one_line_4xx(trained, tmp_path, body, status, reason):
+    c = client(trained, tmp_path, max_doc_bytes=2000)
+    r = c.post("/v1/learn", content=body, headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == status and reason in r.json()["error"] and "\n" not in r.json()["error"]
+    assert c.get("/v1/health").json()["seq"] == 0  # nothing was learned or logged
+
+
+def test_rate_limit_on_learn(trained, tmp_path):
+    c = client(trained, tmp_path, learn_per_minute=2)
+    assert [c.post("/v1/learn", json={"text": d}, headers=AUTH).status_code for d in DOCS[:3]] == [200, 200, 429]
+    assert 'forgetless_learn_rejected_total{reason="rate"} 1' in c.get("/v1/metrics").text
+
+
+def test_rollback_fires_on_a_poisoned_stream_and_restores_the_canary(trained, tmp_path):
+    e = engine(trained, tmp_path / "state", lr=1e-3, max_canary_rise=0.05)
+    c = TestClient(make_app(e, TOKEN))
+    for doc in DOCS[:4]:  # good text: the canary stays within bounds
+        assert not c.post("/v1/learn", json={"text": doc}, headers=AUTH).json()["rolled_back"]
+    rng = random.Random(0)
+    for _ in range(10):  # random bytes
+        good = e.good["meta"]["canary"]
+        reply = c.post("/v1/learn", json={"text": "".join(chr(rng.randrange(256)) for _ in range(400))},
+                       headers=AUTH).json()
+        if reply["rolled_back"]:
+            break
+    assert reply["rolled_back"] and reply["canary_loss"] == good <= e.reference + 0.05
+    assert e.canary_loss() == good and e.seq > e.good["meta"]["seq"] >= 4
+    assert "forgetless_rollbacks_total 1" in c.get("/v1/metrics").text
+
+
+def test_no_torn_reads_under_concurrent_learn_and_score(trained, tmp_path):
+    probe, docs = DOCS[-1], DOCS[:6]
+    reference = engine(trained, tmp_path / "reference", canary_every=100, snapshot_every=100)
+    expected = {0: reference.score(probe)["loss"]}
+    for doc in docs:
+        seq = reference.learn(doc)["seq"]
+        expected[seq] = reference.score(probe)["loss"]
+    c = client(trained, tmp_path, canary_every=100, snapshot_every=100)
+    seen, stop = [], threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            r = c.post("/v1/score", json={"text": probe}).json()
+            seen.append((r["version"], r["loss"]))
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for doc in docs:
+        assert c.post("/v1/learn", json={"text": doc}, headers=AUTH).status_code == 200
+        time.sleep(0.02)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert len({v for v, _ in seen}) > 1
+    bad = [(v, loss, expected[v]) for v, loss in seen if loss != expected[v]]
+    assert not bad, (bad[:5], len(bad), len(seen))
+
+
+def test_generate_streams_and_metrics_are_prometheus_text(trained, tmp_path):
+    c = client(trained, tmp_path)
+    with c.stream("POST", "/v1/generate", json={"prompt": "ROMEO:", "max_tokens": 12, "temperature": 0}) as r:
+        pieces = list(r.iter_text())
+    assert r.status_code == 200 and 1 <= len("".join(pieces)) <= 12
+    again = c.post("/v1/generate", json={"prompt": "ROMEO:", "max_tokens": 12, "temperature": 0}).text
+    assert again == "".join(pieces)  # greedy: the same text
+    text = c.get("/v1/metrics").text
+    assert "# TYPE forgetless_generate_requests_total counter" in text and "forgetless_canary_loss " in text
+    assert c.get("/v1/health").json()["status"] == "ok"
+
+
+# ---- durability: a real server killed with SIGKILL --------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(base, canary, state_dir, token_file):
+    port = free_port()
+    args = [sys.executable, "-m", "forgetless", "serve", "--base", base, "--canary", canary, "--canary-windows", "8",
+            "--state-dir", state_dir, "--token-file", token_file, "--port", port, "--serve-method", "full",
+            "--serve-lr", "1e-3", "--serve-canary-every", "2", "--serve-snapshot-every", "4"]
+    proc = subprocess.Popen([str(a) for a in args], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            httpx.get(f"{url}/v1/health", timeout=1)
+            return proc, url
+        except httpx.HTTPError:
+            if proc.poll() is not None:
+                raise AssertionError(proc.stderr.read().decode()[-2000:])
+            time.sleep(0.1)
+    proc.kill()
+    raise AssertionError("the server did not start")
+
+
+def learn(url, docs):
+    for doc in docs:
+        r = httpx.post(f"{url}/v1/learn", json={"text": doc}, headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+
+
+def final_state(url, state_dir):
+    assert httpx.post(f"{url}/v1/snapshot", headers=AUTH, timeout=60).status_code == 200
+    return load_checkpoint(state_dir / SNAPSHOT)[0]
+
+
+def test_wal_replay_after_kill_9_gives_the_same_weights(trained, tmp_path):
+    base, canary, token_file = tmp_path / "base.safetensors", tmp_path / "canary.txt", tmp_path / "token"
+    save_checkpoint(base, {f"model.{k}": v for k, v in trained.items()},
+                    {"kind": "base", "model_config": ours().config.to_dict(), "tokenizer": {"kind": "bytes"},
+                     "domain": str(canary)})
+    canary.write_text(TEXT)
+    token_file.write_text(TOKEN + "\n")
+    docs = DOCS[:7]
+    proc, url = start_server(base, canary, tmp_path / "whole", token_file)
+    try:
+        learn(url, docs)
+        whole = final_state(url, tmp_path / "whole")
+    finally:
+        proc.kill()
+    proc, url = start_server(base, canary, tmp_path / "killed", token_file)
+    learn(url, docs[:5])  # snapshot at document 4; document 5 only in the log
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    proc, url = start_server(base, canary, tmp_path / "killed", token_file)
+    try:
+        health = httpx.get(f"{url}/v1/health").json()
+        assert health["seq"] == 5 and health["snapshot_seq"] == 4
+        learn(url, docs[5:])
+        resumed = final_state(url, tmp_path / "killed")
+    finally:
+        proc.kill()
+    assert whole.keys() == resumed.keys()
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole if not k.startswith("rng."))
