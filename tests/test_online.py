@@ -90,8 +90,9 @@ def test_dynamic_eval_step_is_sgd_then_decay():
 
 def test_online_bench_writes_results_report_and_table(tmp_path):
     cfg = build_config("smoke", STREAM)
-    results = run_online(cfg, ["full", "lora"], [0], tmp_path, "smoke")
-    assert results["protocol"] == "online" and list(results["methods"]) == ["frozen", "dynamic-eval", "full", "lora"]
+    results = run_online(cfg, ["full", "lora", "apn"], [0], tmp_path, "smoke")
+    assert results["protocol"] == "online"
+    assert list(results["methods"]) == ["frozen", "dynamic-eval", "full", "lora", "apn"]
     s = results["stream"]
     assert s["chunks"] == 6 and s["switch_chunk"] == 3 and s["chunk_tokens"] == 256 and len(s["positions"]) == 6
     assert results["config"]["online"]["steps_per_chunk"] == 1
@@ -104,10 +105,12 @@ def test_online_bench_writes_results_report_and_table(tmp_path):
     assert frozen["gain_vs_frozen"]["mean"] == 0 and dynamic["gain_vs_dynamic_eval"]["mean"] == 0
     assert frozen["updates_per_s"]["mean"] is None and frozen["forgetting"]["mean"] == 0
     assert full["gain_vs_frozen"]["mean"] > 0 and full["updates"] == 6
+    apn = results["methods"]["apn"]  # compared with its own (APN) base without updates, not the dense one
+    assert abs(apn["gain_vs_frozen"]["mean"]) < 0.01 < abs(apn["prequential_loss"]["mean"] - frozen["prequential_loss"]["mean"])
     files = write_report(results, tmp_path)
     assert {f.name for f in files} == {"results.json", "results.csv", "results.md", "online.png"}
     assert "gain vs dynamic-eval" in (tmp_path / "results.md").read_text()
-    again = run_online(cfg, ["full", "lora"], [0], tmp_path, "smoke")  # saved arms are reused
+    again = run_online(cfg, ["full", "lora", "apn"], [0], tmp_path, "smoke")  # saved arms are reused
     assert again["methods"]["full"]["prequential_loss"] == full["prequential_loss"]
     assert json.loads((tmp_path / "results.json").read_text())["methods"]["lora"]["method"] == "lora"
 

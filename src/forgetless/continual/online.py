@@ -6,7 +6,8 @@ A's validation text (never pretrained on), the rest from B's training text. Each
 the method (continual.learner). Every `online.canary_every` chunks the canary, held-out windows of A,
 is scored: the retention curve. Two baseline arms run beside the methods: `frozen` (no updates) and
 `dynamic-eval` (plain SGD on each chunk, decaying toward the original weights); every arm's gain is its
-mean prequential loss below theirs.
+mean prequential loss below theirs (`frozen` on the arm's own base: APN, CMS and HOPE methods start from
+bases of their own).
 """
 from __future__ import annotations
 
@@ -122,9 +123,15 @@ def run_online(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[int]
         return score + cfg.online.chunks * cfg.online.steps_per_chunk * \
             calibration.step(base_cfg, method, len(chunks[0]))
 
+    frozen: dict[str, list[float]] = {}  # base name -> its prequential losses without updates, shared by its arms
+
     def run(label, method, seed, base_name, load, arm_dir):
+        model = load()
+        if base_name not in frozen:
+            frozen[base_name] = [evaluate(model, c)["loss"] for c in chunks]
         method = method if isinstance(method, Frozen) else fresh(method)
-        return run_online_arm(load(), method, chunks, canary, a, cfg.adapt, cfg.online, seed)
+        return {**run_online_arm(model, method, chunks, canary, a, cfg.adapt, cfg.online, seed),
+                "frozen_prequential": frozen[base_name]}
 
     arms, summary = run_arms(built, seeds, cfg, a, tokenizer, device, model, pretrained, out, arm_config, run,
                              arm_seconds, base_seeds, workers)
@@ -149,7 +156,9 @@ def run_online(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[int]
 
 def arm_metrics(run: dict, frozen: dict, dynamic: dict, switch: int) -> dict:
     """One seed's scalars: mean prequential loss (all chunks, A's, B's), canary before/after, forgetting
-    (canary PPL rise), gains over the baselines (their mean prequential loss minus this arm's, nats/token)."""
+    (canary PPL rise), gains over the baselines (their mean prequential loss minus this arm's, nats/token):
+    over the arm's own base without updates (an APN, CMS or HOPE base for those methods) and over
+    dynamic-eval (on the dense base)."""
     mean = statistics.fmean(run["prequential"])
     before, after = run["canary"][0][1], run["canary"][-1][1]
     part_a, part_b = run["prequential"][:switch], run["prequential"][switch:]
@@ -157,7 +166,7 @@ def arm_metrics(run: dict, frozen: dict, dynamic: dict, switch: int) -> dict:
             "prequential_loss_b": statistics.fmean(part_b) if part_b else None,
             "canary_loss_before": before, "canary_loss_after": after, "canary_ppl_before": math.exp(before),
             "canary_ppl_after": math.exp(after), "forgetting": math.exp(after - before) - 1,
-            "gain_vs_frozen": statistics.fmean(frozen["prequential"]) - mean,
+            "gain_vs_frozen": statistics.fmean(run.get("frozen_prequential", frozen["prequential"])) - mean,
             "gain_vs_dynamic_eval": statistics.fmean(dynamic["prequential"]) - mean,
             "updates_per_s": run["updates_per_s"], "wall_s": run["wall_s"]}
 
