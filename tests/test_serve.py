@@ -221,3 +221,18 @@ def test_wal_replay_after_kill_9_gives_the_same_weights(trained, tmp_path):
         proc.kill()
     assert whole.keys() == resumed.keys()
     assert all(torch.equal(whole[k], resumed[k]) for k in whole if not k.startswith("rng."))
+
+
+def test_a_torn_last_log_line_is_cut_off(tmp_path):
+    from forgetless.serve.wal import WriteAheadLog
+    wal = WriteAheadLog(tmp_path / "wal.jsonl")
+    wal.append(1, "first")
+    wal.append(2, "second ü")
+    wal.close()
+    with open(tmp_path / "wal.jsonl", "ab") as f:
+        f.write(b'{"seq": 3, "te')  # a crash mid-write
+    again = WriteAheadLog(tmp_path / "wal.jsonl")
+    assert [r["seq"] for r in again.records] == [1, 2] and again.after(1) == [{"seq": 2, "text": "second ü"}]
+    again.append(3, "third")
+    again.close()
+    assert [r["seq"] for r in WriteAheadLog(tmp_path / "wal.jsonl").records] == [1, 2, 3]

@@ -42,8 +42,8 @@ SNAPSHOT, WAL = "snapshot.safetensors", "wal.jsonl"
 
 @dataclass
 class ServeConfig:
-    method: str = field(default="lora", metadata={"help": "method that learns from /v1/learn, e.g. lora, full, "
-                                                           "dynamic-eval, lora[r=16]"})
+    method: str = field(default="lora", metadata={"help": "method that learns from /v1/learn: a name or spec as in "
+                                                           "bench --methods, e.g. lora, full, dynamic-eval"})
     lr: float = field(default=1e-3, metadata={"help": "learning rate (a method's own lr option wins)"})
     steps_per_doc: int = field(default=1, metadata={"help": "updates on each accepted document"})
     canary_every: int = field(default=8, metadata={"help": "score the canary every N accepted documents"})
