@@ -47,6 +47,7 @@ class Learner:
         self.sampler = None
         self.steps = 0
         self.device = self.params[0][1].device
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.cfg.precision == "fp16")
 
     def batch(self, windows: torch.Tensor) -> Batch:
         """The chunk's windows (W, T+1), plus round(mix * W) (at least one) rows of the original domain."""
@@ -71,12 +72,14 @@ class Learner:
             if not torch.isfinite(loss):
                 raise TrainingDiverged(f"online update {self.steps + 1}: loss is {loss.item()}; lower the learning rate")
             self.opt.zero_grad(set_to_none=True)
-            loss.backward()
+            self.scaler.scale(loss).backward()
+            self.scaler.unscale_(self.opt)
             if self.cfg.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_([p for _, p in self.params], self.cfg.grad_clip)
             self.steps += 1
             self.hooks.before_step(self.model, self.opt, self.steps, False)
-            self.opt.step()
+            self.scaler.step(self.opt)
+            self.scaler.update()
             self.hooks.after_step(self.model, self.opt, self.steps, False)
             lm = lm_loss.item()
         return lm

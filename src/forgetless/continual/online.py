@@ -44,7 +44,6 @@ METRICS = ["prequential_loss", "prequential_loss_a", "prequential_loss_b", "cana
 class Frozen(Method):
     """The no-update baseline: the stream scored by the base's own weights (not registered: it learns nothing)."""
     name = FROZEN
-    default_for = ()
 
     def trainable_parameters(self, model):
         return []
