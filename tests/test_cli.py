@@ -416,6 +416,7 @@ def test_bench_prints_its_plan_first(tmp_path, text_file, monkeypatch):
 @pytest.mark.parametrize("args, preset, methods", [
     ((), "first", ["full", "lora", "ewc", "neutral", "apn-retrofit"]),           # the first run: one base
     (("--protocol", "sequence"), "first", ["full", "lora", "ewc", "moram", "seq-lora"]),
+    (("--protocol", "online"), "first", ["full", "lora", "ewc", "neutral", "apn-retrofit"]),
     (("--methods", "all"), "first", None),                                       # the whole comparison
     (("--preset", "quick"), "quick", None),
     (("--preset", "quick", "--methods", "lora"), "quick", ["lora"]),
@@ -423,7 +424,7 @@ def test_bench_prints_its_plan_first(tmp_path, text_file, monkeypatch):
 def test_bench_defaults_to_the_first_run(args, preset, methods, tmp_path, monkeypatch):
     """`forgetless bench` alone runs the `first` preset's short list; --methods all (or a preset without a
     list) runs the protocol's whole set."""
-    from forgetless.continual import sequence, two_domain
+    from forgetless.continual import online, sequence, two_domain
     from forgetless.methods import method_names
     seen = {}
 
@@ -432,6 +433,7 @@ def test_bench_defaults_to_the_first_run(args, preset, methods, tmp_path, monkey
         raise ForgetlessError("captured")
     monkeypatch.setattr(two_domain, "run_two_domain", capture)
     monkeypatch.setattr(sequence, "run_sequence", capture)
+    monkeypatch.setattr(online, "run_online", capture)
     result = invoke("bench", "--out", tmp_path, *args)
     assert result.exit_code == 2 and "captured" in result.output
     protocol = "sequence" if "sequence" in args else "two-domain"
