@@ -157,6 +157,8 @@ def test_gate_report_and_figure(tmp_path):
     results = {"methods": {"neutral": {"report": {"before": report, "after": report}}, "full": {}}}
     assert METHODS["neutral"].figures(results, ["neutral"], tmp_path) == [tmp_path / "gates.png"]
     assert (tmp_path / "gates.png").stat().st_size > 1000
+    from forgetless.methods.neutral import shown_layers  # a 30-layer model shows six layers, first and last
+    assert shown_layers(4) == [0, 1, 2, 3] and shown_layers(30) == [0, 6, 12, 17, 23, 29]
     assert adapted.figures(tmp_path / "api", wa, wb) == [tmp_path / "api" / "gates.png"]
 
 

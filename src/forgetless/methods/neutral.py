@@ -97,18 +97,27 @@ class Neutral(Method):
                 "gate_closed_b": [(g == 0).float().mean().item() for g in gb]}
 
 
+def shown_layers(n_layers: int, most: int = 6) -> list[int]:
+    """Every layer of a shallow model; of a deep one `most` evenly spaced, the first and last among them."""
+    if n_layers <= most:
+        return list(range(n_layers))
+    return sorted({round(i * (n_layers - 1) / (most - 1)) for i in range(most)})
+
+
 def gate_histograms(results: dict, labels: list[str], path: Path) -> bool:
-    """Neutral-residue gates after adaptation: distribution of g(x) on held-out A vs B, per layer."""
+    """Neutral-residue gates after adaptation: distribution of g(x) on held-out A vs B, per layer (at most six
+    layers of a deep model: results.json keeps them all)."""
     from forgetless.report.figures import plt, reported, save
     arms = reported(results, labels, "gate_hist_a")
     if not arms:
         return False
     n_layers = max(len(r["gate_hist_a"]) for r in arms.values())
-    fig, axes = plt.subplots(len(arms), n_layers, figsize=(3.2 * n_layers, 2.6 * len(arms)), squeeze=False)
+    shown = shown_layers(n_layers)
+    fig, axes = plt.subplots(len(arms), len(shown), figsize=(3.2 * len(shown), 2.6 * len(arms)), squeeze=False)
     for row, (name, r) in zip(axes, arms.items()):
         edges = r["gate_bins"]
         mids = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
-        for layer, ax in enumerate(row[:len(r["gate_hist_a"])]):
+        for layer, ax in zip([i for i in shown if i < len(r["gate_hist_a"])], row):
             for side, color in (("a", "tab:blue"), ("b", "tab:red")):
                 ax.step(mids, r[f"gate_hist_{side}"][layer], where="mid", color=color,
                         label=f"{side.upper()}: mean {r[f'gate_mean_{side}'][layer]:.3f}, "
