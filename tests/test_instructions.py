@@ -191,9 +191,15 @@ def test_long_prompts_lose_their_beginning_and_are_counted(tok, capsys):
     assert len(enc.x[1]) < 40 and enc.x[1].tolist()[:len(whole)] == whole
     encode([short], tok, max_len=40)
     assert capsys.readouterr().err == ""
-    cut = encode([Example("Q:", " ".join(["yes"] * 60))], tok, max_len=10)
-    assert cut.answers_cut == 1 and len(cut.x[0]) == 10 and (cut.y[0] != -100).sum().item() == 10
-    assert "1 answers also lost their end" in capsys.readouterr().err
+    question = prompt_ids(tok, "Q:")
+    cut = encode([Example("Q:", " ".join(["yes"] * 60))], tok, max_len=10)  # a short prompt stays whole
+    assert cut.answers_cut == 1 and cut.truncated == 0 and len(cut.x[0]) == 10
+    assert cut.x[0].tolist()[:len(question)] == question and (cut.y[0] != -100).sum().item() == 11 - len(question)
+    assert "0 of 1 prompts were cut from the left to fit max_len 10; 1 answers lost their end" in capsys.readouterr().err
+    both = encode([Example(long.prompt, " ".join(["yes"] * 60))], tok, max_len=40)  # long prompt, long answer
+    assert both.truncated == 1 and both.answers_cut == 1 and len(both.x[0]) == 40
+    assert (both.y[0] != -100).sum().item() == 41 - 41 // 2                 # the prompt keeps half the row
+    assert both.x[0].tolist()[1:41 // 2] == prompt[-(41 // 2 - 1):]         # bos, then the prompt's end
 
 
 # ---- sampling --------------------------------------------------------------------------------

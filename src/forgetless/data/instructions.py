@@ -260,8 +260,10 @@ class Encoded:
 
 def encode(examples: list[Example], tokenizer, max_len: int) -> Encoded:
     """Rows of prompt + answer + eos, each feeding the model at most `max_len` tokens. A longer prompt
-    loses its beginning (left truncation: its end and the whole answer stay), counted and reported in
-    one warning line; an answer too long to fit even so loses its end."""
+    loses its beginning (left truncation: its end and the whole answer stay); an answer longer than
+    what is left when its prompt keeps half the row (or all of a shorter prompt) loses its end, so the
+    question is never cut away for the sake of an answer's tail (e.g. ScienceQA's reasoning). Both are
+    counted and reported in one warning line."""
     if max_len < 2:
         raise ForgetlessError(f"max_len must be at least 2 tokens, got {max_len}")
     if not examples:
@@ -275,16 +277,17 @@ def encode(examples: list[Example], tokenizer, max_len: int) -> Encoded:
             raise ForgetlessError(f"prompt {ex.prompt!r} has no tokens and the tokenizer no bos; "
                                   "give a non-empty prompt")
         if len(prompt) + len(answer) > room:
-            cut += 1
-            if len(answer) > room - 1:
-                answer, answers_cut = answer[:room - 1], answers_cut + 1
-            prompt = keep_end(prompt, room - len(answer), bos)
+            answer_room = room - min(len(prompt), room // 2)  # the prompt keeps at least half the row
+            if len(answer) > answer_room:
+                answer, answers_cut = answer[:answer_room], answers_cut + 1
+            kept = keep_end(prompt, room - len(answer), bos)
+            cut, prompt = cut + (len(kept) < len(prompt)), kept
         row = torch.tensor(prompt + answer)                                      # (L,)
         targets = torch.tensor([IGNORE] * len(prompt) + answer)                  # (L,)
         xs.append(row[:-1])
         ys.append(targets[1:])
-    if cut:
-        also = f"; {answers_cut} answers also lost their end" if answers_cut else ""
+    if cut or answers_cut:
+        also = f"; {answers_cut} answers lost their end" if answers_cut else ""
         console.print(f"[yellow]warning:[/yellow] {cut} of {len(examples)} prompts were cut from the left to fit "
                       f"max_len {max_len}{also}", highlight=False, soft_wrap=True)
     pad = tokenizer.pad_id if getattr(tokenizer, "pad_id", None) is not None else tokenizer.eos_id
