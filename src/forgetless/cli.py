@@ -16,7 +16,7 @@ from rich.table import Column, Table
 
 from forgetless.aunn.cli import app as aunn_app
 from forgetless.cliutil import config_flags, friendly, merge_overrides, out_console
-from forgetless.config import code_fingerprint
+from forgetless.config import code_fingerprint, git_commit
 from forgetless.errors import ForgetlessError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
@@ -82,7 +82,7 @@ def bench(preset: Optional[str] = BENCH_PRESET,
           model: str = MODEL, device: str = DEVICE, precision: Optional[str] = PRECISION,
           config_file: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET, flags: dict = None):
     """Pretrain (cached) or load a pretrained model, adapt every method, write results.json/csv/md and figures."""
-    code_fingerprint()  # of the code this process runs, before anything can edit the files
+    code_fingerprint(), git_commit()  # of the code this process runs, before anything can edit or commit files
     from forgetless.continual.instruct import run_instruction_sequence
     from forgetless.continual.online import run_online
     from forgetless.continual.optimizers import run_optimizers

@@ -107,7 +107,8 @@ def code_fingerprint() -> str:
 @functools.cache
 def git_commit() -> str | None:
     """The commit of the checkout the package runs from ('+dirty' when its files differ from it), None outside
-    a git checkout (an installed wheel)."""
+    a git checkout (an installed wheel). Read once per process (`bench` reads it at start, with the code
+    fingerprint): a commit made while a run goes on is not the run's."""
     root = Path(__file__).parent
 
     def git(*args):
