@@ -501,3 +501,10 @@ def test_base_seeds_pretrain_a_base_per_seed(tmp_path, text_file, monkeypatch):
 def test_base_seeds_need_forgetless_bases(tmp_path):
     result = invoke("bench", "--model", "smollm2-135m", "--base-seeds", 2, "--out", tmp_path)
     assert result.exit_code == 2 and "a pretrained --model has one base" in " ".join(result.output.split())
+
+
+def test_bench_help_shows_the_arm_example_whole(monkeypatch):
+    """Rich reads '[r=16]' as markup unless escaped: the help must show the example as typed."""
+    monkeypatch.setenv("COLUMNS", "200")
+    result = invoke("bench", "--help")
+    assert result.exit_code == 0 and "'lora,lora[r=16]'" in result.output

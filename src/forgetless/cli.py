@@ -57,7 +57,7 @@ def bench(preset: Optional[str] = BENCH_PRESET,
                                        "online (a stream from A to B, each chunk scored then learned; --online-* flags)"),
           methods: str = typer.Option("default", help="comma-separated method names; 'all' (the protocol's whole set, "
                                       "see `forgetless methods`) or 'default' (the preset's short list, else all); "
-                                      "NAME[OPTION=VALUE;...] adds an arm with other options, e.g. 'lora,lora[r=16]'"),
+                                      "NAME[OPTION=VALUE;...] adds an arm with other options, e.g. 'lora,lora\\[r=16]'"),
           seeds: int = typer.Option(3, help="number of seeds (0..N-1); tables show mean ± std"),
           out: Optional[Path] = typer.Option(None, help="output folder (default runs/<protocol>-<preset>)"),
           domain_a: Optional[str] = typer.Option(None, "--domain-a", help="corpus spec or path for domain A"),
