@@ -2,11 +2,10 @@
 against stream position, every arm."""
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 from forgetless.report.figures import band, colors, plt, save
-from forgetless.report.tables import cell, interval_lines, scaled, seeds_text
+from forgetless.report.tables import cell, interval_lines, scaled, seeds_text, write_csv
 
 COLUMNS = [  # (results key, header, format)
     ("prequential_loss", "prequential loss", "{:.4f}"), ("prequential_loss_a", "on A", "{:.4f}"),
@@ -54,14 +53,7 @@ def online_markdown(results: dict) -> str:
 
 
 def write_online_csv(results: dict, path: Path):
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        keys = [k for k, _, _ in COLUMNS]
-        writer.writerow(["method"] + [f"{k}_{s}" for k in keys for s in ("mean", "std")]
-                        + ["trainable_params", "total_params", "peak_rss_mb"])
-        for name, m in results["methods"].items():
-            writer.writerow([name] + [m[k][s] for k in keys for s in ("mean", "std")]
-                            + [m["trainable_params"], m["total_params"], m["peak_rss_mb"]])
+    write_csv(results, path, COLUMNS)
 
 
 def online_figure(results: dict, path: Path):

@@ -106,10 +106,11 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_csv(results: dict, path: Path):
+def write_csv(results: dict, path: Path, columns: list | None = None):
+    """One row per arm: mean and std of each column's stat (default: the two-domain `COLUMNS`), then sizes."""
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
-        keys = [k for k, _, _ in COLUMNS]
+        keys = [k for k, *_ in (columns or COLUMNS)]
         writer.writerow(["method"] + [f"{k}_{s}" for k in keys for s in ("mean", "std")]
                         + ["trainable_params", "total_params", "peak_rss_mb"])
         for name, m in results["methods"].items():
