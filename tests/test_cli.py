@@ -508,3 +508,19 @@ def test_bench_help_shows_the_arm_example_whole(monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     result = invoke("bench", "--help")
     assert result.exit_code == 0 and "'lora,lora[r=16]'" in result.output
+
+
+@pytest.mark.parametrize("command, shown", [("bench", True), ("pretrain", False), ("adapt", False)])
+def test_online_flags_only_where_the_online_protocol_runs(monkeypatch, command, shown):
+    monkeypatch.setenv("COLUMNS", "200")
+    result = invoke(command, "--help")
+    assert result.exit_code == 0 and ("--online-chunks" in result.output) is shown
+    assert "--adapt-steps" in result.output
+
+
+def test_tables_on_a_pipe_get_100_columns():
+    """Off a terminal rich assumes 80 columns and folds 'apn-retrofit'; the tables are sized for 100."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    out = subprocess.run([sys.executable, "-c", "from forgetless.cliutil import out_console; print(out_console.width)"],
+                         capture_output=True, text=True, env=env, check=True).stdout
+    assert out.strip() == "100"

@@ -28,7 +28,13 @@ def config_sections():
     return SECTIONS
 
 
+def training_sections():
+    """The sections pretrain and adapt read (all but the online protocol's)."""
+    return {name: cls for name, cls in config_sections().items() if name != "online"}
+
+
 with_config_flags = config_flags(config_sections, "config (default: the preset's)")
+with_training_flags = config_flags(training_sections, "config (default: the preset's)")
 
 
 def run_config(preset: str, config_file, flags, sets):
@@ -152,7 +158,7 @@ def bench(preset: Optional[str] = BENCH_PRESET,
 
 @app.command()
 @friendly(resume="run the same command with --resume to continue from the last checkpoint")
-@with_config_flags
+@with_training_flags
 def pretrain(out: Path = typer.Option(..., help="base checkpoint to write (.safetensors)"),
              preset: str = PRESET,
              domain_a: Optional[str] = typer.Option(None, "--domain-a", help="corpus to pretrain on"),
@@ -185,7 +191,7 @@ def pretrain(out: Path = typer.Option(..., help="base checkpoint to write (.safe
 
 @app.command()
 @friendly(resume="run the same command again to resume from the last checkpoint")
-@with_config_flags
+@with_training_flags
 def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `forgetless pretrain` (or --model)"),
           model: Optional[str] = typer.Option(None, "--model", help="a pretrained model instead of --base: "
                                               "smollm2-135m, hf:PATH or a .gguf file (then --domain-a is needed)"),

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import os
+import sys
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -15,7 +17,8 @@ from forgetless.config import field_types, help_of, load_file
 from forgetless.errors import ForgetlessError
 from forgetless.progress import console
 
-out_console = console.__class__()  # stdout, for tables
+# stdout, for tables; a log or pipe gets the 100 columns the tables are sized for (rich's default there is 80)
+out_console = console.__class__(width=None if sys.stdout.isatty() or "COLUMNS" in os.environ else 100)
 
 HIDDEN_FIELDS = {"vocab_size", "ffn_options"}
 

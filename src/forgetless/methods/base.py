@@ -59,9 +59,11 @@ def register_method(name: str):
     return wrap
 
 
-# Table order: the names of docs/DESIGN.md §6 first, any other registered method after them.
+# Table order: the names of docs/DESIGN.md §6 with the later methods beside their kin, then any other
+# registered method (a plugin's) by name.
 CANONICAL_ORDER = ["full", "ffn", "lora", "adapter", "apn", "apn-local", "apn-param-matched", "apn-retrofit",
-                   "moram", "moe-lora", "seq-lora", "neutral", "ewc", "cms"]
+                   "moram", "moe-lora", "seq-lora", "o-lora", "neutral", "ewc", "cms", "cms-fast", "hope",
+                   "dynamic-eval"]
 
 
 def method_names(protocol: str | None = None) -> list[str]:

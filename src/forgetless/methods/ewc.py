@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from forgetless.errors import ForgetlessError
 from forgetless.methods.base import Method, MethodConfig, register_method
+from forgetless.progress import progress_task
 from forgetless.models.gpt import logits_of
 
 
@@ -91,13 +92,15 @@ def empirical_fisher(model, windows: torch.Tensor) -> dict[str, torch.Tensor]:
     model.eval()
     fisher = {n: torch.zeros_like(p) for n, p in params.items()}
     device = next(iter(params.values())).device
-    for window in windows.to(device):
-        window = window[None]                                                  # (1, T+1)
-        loss = F.cross_entropy(logits_of(model, window[:, :-1]).flatten(0, 1), window[0, 1:])
-        grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
-        for (n, _), grad in zip(params.items(), grads):
-            if grad is not None:
-                fisher[n] += grad.square() / len(windows)
+    with progress_task("EWC Fisher (windows)", len(windows)) as advance:  # minutes on a 100M+ model on a CPU
+        for window in windows.to(device):
+            window = window[None]                                              # (1, T+1)
+            loss = F.cross_entropy(logits_of(model, window[:, :-1]).flatten(0, 1), window[0, 1:])
+            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+            for (n, _), grad in zip(params.items(), grads):
+                if grad is not None:
+                    fisher[n] += grad.square() / len(windows)
+            advance()
     model.train(was_training)
     for n, p in params.items():
         p.requires_grad_(flags[n])
