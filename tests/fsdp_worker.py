@@ -1,5 +1,5 @@
-"""A tiny adaptation of a random Hugging Face Llama for tests/test_fsdp.py: `main([...])` in the test's
-process, or launched in N processes with FSDP (`torchrun --nproc_per_node N tests/fsdp_worker.py ... --fsdp`).
+"""A tiny adaptation of a random Hugging Face Llama (tied embeddings) for tests/test_fsdp.py: `main([...])` in
+the test's process, or in N processes with FSDP (`torchrun --nproc_per_node N tests/fsdp_worker.py ... --fsdp`).
 
 Rank 0 writes OUT: the trained parameters, whole ("param.<name>"), and meta {"loss", "evals", "world_size"};
 --ckpt checkpoints the training and --stop-at stops it after a step (raises Stopped), as a killed run.
@@ -19,7 +19,7 @@ from forgetless.data.splits import Sampler, eval_windows
 from forgetless.train import StepHooks, TrainConfig, train
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import hf_llama
+from tiny_models import gguf_llama
 
 BLOCK = 16
 
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None):
     args = ap.parse_args(argv)
     distributed.init_from_env()
     data = tokens()
-    adapted = attach(hf_llama(), args.method)
+    adapted = attach(gguf_llama(256).train(), args.method)  # tied embeddings, as SmolLM2
     if args.fsdp:
         adapted.shard()
     adapted.start_task(1)
