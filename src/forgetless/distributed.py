@@ -171,13 +171,8 @@ def sharded(params: list[tuple[str, nn.Parameter]]) -> bool:
 
 
 def full(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`tensors` with every FSDP shard gathered whole (on the CPU); every rank must call it. Shards of one
-    storage (tied weights) give one tensor, which `save_checkpoint` writes once."""
-    whole = {}
-    for v in tensors.values():
-        if isinstance(v, DTensor) and (key := (v.to_local().data_ptr(), v.shape)) not in whole:
-            whole[key] = v.full_tensor().cpu()
-    return {k: whole[v.to_local().data_ptr(), v.shape] if isinstance(v, DTensor) else v for k, v in tensors.items()}
+    """`tensors` with every FSDP shard gathered whole (on the CPU); every rank must call it, with the same keys."""
+    return {k: v.full_tensor().cpu() if isinstance(v, DTensor) else v for k, v in tensors.items()}
 
 
 def shard_as(t: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:
