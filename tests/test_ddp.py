@@ -37,11 +37,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(out: Path, *args: str, procs: int = 1, check: bool = True) -> subprocess.CompletedProcess:
+def run(out: Path, *args: str, procs: int = 1, check: bool = True, worker: str = WORKER) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launch = [sys.executable, WORKER] if procs == 1 else [
+    launch = [sys.executable, worker] if procs == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_addr", "127.0.0.1",
-        "--master_port", str(free_port()), WORKER]
+        "--master_port", str(free_port()), worker]
     done = subprocess.run([*launch, str(out), *args], env=env, capture_output=True, text=True, timeout=300)
     if check:
         assert done.returncode == 0, done.stderr[-3000:]

@@ -86,6 +86,17 @@ class Adapted(nn.Module):
         total = sum(p.numel() for p in self.model.parameters())
         print(f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {100 * trainable / total:.4f}")
 
+    def shard(self):
+        """FSDP over the processes of torchrun (distributed.shard_model), after attaching and before
+        training; methods that need whole tensors in their hooks or state refuse."""
+        check_fsdp(self.model, self.method)
+        base = {name for name, t in self._named_tensors() if id(t) in self._base}
+        distributed.shard_model(self.model)  # replaces the parameters by shards of the same names
+        self._base = {id(t) for name, t in self._named_tensors() if name in base}
+
+    def _named_tensors(self):
+        return [*self.model.named_parameters(), *self.model.named_buffers()]
+
     def injected(self) -> set[str]:
         """Names of the parameters the method added to the model."""
         return {name for name, p in self.model.named_parameters() if id(p) not in self._base}
@@ -104,6 +115,8 @@ class Adapted(nn.Module):
     def start_task(self, task: int, previous=None):
         """Before training task `task` (1, 2, ...): `previous` is what the model learned last (a Domain
         or (N, T+1) token windows), which methods that protect it need (EWC)."""
+        if task > 1 and distributed.sharded(list(self.model.named_parameters())):
+            raise ForgetlessError("a model sharded by --fsdp learns one task (tested so); run task sequences without it")
         if previous is None and self.method.needs_previous:
             raise ForgetlessError(f"method {self.method.name} protects what was learned before: "
                                   "call start_task(task, previous=<(N, T+1) token windows of it>)")
@@ -149,7 +162,8 @@ class Adapted(nn.Module):
 
     # ---- saving ---------------------------------------------------------------------------
     def method_state(self) -> dict[str, torch.Tensor]:
-        return self.method.state_dict(self.model, self.injected())
+        """The method's tensors, whole (gathered from every rank under FSDP)."""
+        return distributed.full(self.method.state_dict(self.model, self.injected()))
 
     def save_pretrained(self, out_dir: str | Path):
         """Write the method's tensors (and loop state, e.g. EWC's Fisher) as safetensors plus a JSON
@@ -189,6 +203,14 @@ def from_pretrained(model: nn.Module, folder: str | Path) -> Adapted:
     adapted.method.load_hook_state({k[len("hooks."):]: v for k, v in tensors.items() if k.startswith("hooks.")})
     adapted._follow_model()
     return adapted
+
+
+def check_fsdp(model: nn.Module, method: Method):
+    """Refuse FSDP (Adapted.shard) for a method, model or launch it does not run on."""
+    if not method.shardable:
+        raise ForgetlessError(f"method {method.name} does not run under --fsdp (tested: lora, seq-lora, full); "
+                              "drop --fsdp to run it with data parallelism")
+    distributed.check_shardable(model)
 
 
 def architecture_fingerprint(model: nn.Module) -> dict:

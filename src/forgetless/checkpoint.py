@@ -84,9 +84,12 @@ def optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tenso
 
 
 def load_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], groups: list):
+    """Load what `optimizer_tensors` split (states of FSDP-sharded parameters sharded as they are)."""
+    params = [p for group in opt.param_groups for p in group["params"]]
     state: dict[int, dict] = {}
     for name, t in tensors.items():
         if name.startswith("optim."):
             _, idx, key = name.split(".", 2)
-            state.setdefault(int(idx), {})[key] = t.clone()  # fresh memory: reductions sum in the same order
+            # clone: fresh memory, so reductions sum in the same order
+            state.setdefault(int(idx), {})[key] = distributed.shard_as(t.clone(), params[int(idx)])
     opt.load_state_dict({"state": state, "param_groups": groups})

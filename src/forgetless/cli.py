@@ -201,9 +201,11 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
           out: Path = typer.Option(..., help="folder for metrics.json and the method (seed<N>/, loaded by "
                                    "forgetless.from_pretrained or `eval --method-state`)"),
           seed: int = 0, preset: str = PRESET, device: str = DEVICE, precision: Optional[str] = PRECISION,
+          fsdp: bool = typer.Option(False, "--fsdp", help="under torchrun: shard the --model over the processes "
+                                    "(FSDP) instead of copying it to each; lora, seq-lora or full, with adamw"),
           config_file: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET, flags: dict = None):
     """Adapt a base on B with one method (NAME or NAME[OPTION=VALUE;...]); report retention on A and adaptation on B."""
-    from forgetless.adapted import resolve_device
+    from forgetless.adapted import check_fsdp, resolve_device
     from forgetless.checkpoint import write_json
     from forgetless.continual.arm import run_arm
     from forgetless.continual.base_model import load_base
@@ -227,10 +229,13 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
         lm, tok, meta = load_base(base)
         tokenizer, block_size, domain_a = tok.to_dict(), lm.config.block_size, domain_a or meta["domain"]
     m.check_base(lm)  # before any work: the base must be the one the method needs
+    if fsdp:
+        check_fsdp(lm, m)
     (a, b), _ = load_domains([domain_a, domain_b], tokenizer, block_size, cfg.data.val_fraction, cfg.data.eval_windows,
                                      cfg.data.dev_fraction)
     result = run_arm(lm.to(resolve_device(device)), m, a, b, cfg.adapt, seed, out_dir=out,
-                     run_config={"base": str(base or model), "adapt": cfg.adapt.__dict__, "options": m.options()})
+                     run_config={"base": str(base or model), "adapt": cfg.adapt.__dict__, "options": m.options()},
+                     fsdp=fsdp)
     write_json(out / "metrics.json", result)
     out_console.print(
         f"{method}: PPL_A {result['ppl_a_before']:.3f} → {result['ppl_a_after']:.3f} "

@@ -1,4 +1,4 @@
-"""Data parallelism over `torch.distributed` (launched by `torchrun` or `accelerate launch`).
+"""Data parallelism over `torch.distributed` (launched by `torchrun` or `accelerate launch`), and FSDP.
 
 Every rank draws the SAME global batch from the same seeded sampler and trains on its slice of rows;
 after backward the gradients are averaged by hand (no DistributedDataParallel wrapper), so a parameter
@@ -7,6 +7,10 @@ that a rank's shard never reached (an unused APN patch, a frozen MoRAM atom) nee
 LM loss is weighted by its share of the batch's scored tokens, so the averaged gradient is the one a
 single process computes on the whole batch. Files are written by rank 0 only. In one process every
 function here is the identity (or a no-op).
+
+`shard_model` adds FSDP (torch's `fully_shard`) for transformers models: each rank keeps 1/N of every
+parameter, gradient and optimizer state (DTensors); FSDP averages the gradients of those, so the
+hand-made averaging skips them, and `full` / `shard_as` turn them into whole tensors for files and back.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from forgetless.data.splits import Batch
 from forgetless.errors import ForgetlessError
@@ -103,11 +108,12 @@ def total(values: list[float], device: torch.device) -> list[float]:
 def average_gradients(params: list[tuple[str, nn.Parameter]]):
     """Replace every gradient by its mean over the ranks, in one all-reduce per dtype. A parameter
     without a gradient on some rank counts zero there; one without a gradient on every rank keeps
-    none (as in one process, where e.g. AdamW then skips it)."""
+    none (as in one process, where e.g. AdamW then skips it). FSDP shards (DTensors) are left alone:
+    FSDP averaged their gradients in backward."""
     n = world_size()
-    if n == 1:
+    params = [p for _, p in params if not isinstance(p, DTensor)]
+    if n == 1 or not params:
         return
-    params = [p for _, p in params]
     device = params[0].device
     has = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=device)
     dist.all_reduce(has)
@@ -125,9 +131,52 @@ def average_gradients(params: list[tuple[str, nn.Parameter]]):
 
 
 def broadcast_parameters(params: list[tuple[str, nn.Parameter]]):
-    """Give every rank rank 0's values of `params` (the same start even if an initialisation differed)."""
+    """Give every rank rank 0's values of `params` (the same start even if an initialisation differed);
+    FSDP shards are skipped (`shard_model` broadcast them whole)."""
     if world_size() == 1:
         return
     with torch.no_grad():
         for _, p in params:
-            dist.broadcast(p.data, 0)
+            if not isinstance(p, DTensor):
+                dist.broadcast(p.data, 0)
+
+
+def shard_model(model: nn.Module):
+    """FSDP: shard the parameters of a transformers `model` over the ranks, one group per decoder layer
+    (the classes of its `_no_split_modules`) and one for the rest, from rank 0's values. A layer's
+    whole weights exist only while it runs forward or backward."""
+    check_shardable(model)
+    from torch.distributed.fsdp import fully_shard
+    broadcast_parameters(list(model.named_parameters()))
+    layers = model._no_split_modules
+    for module in list(model.modules()):
+        if type(module).__name__ in layers:
+            fully_shard(module)
+    fully_shard(model)
+
+
+def check_shardable(model: nn.Module):
+    """Refuse FSDP for a model without decoder layers to shard by, or in one process."""
+    if not getattr(model, "_no_split_modules", None):
+        raise ForgetlessError(f"--fsdp shards transformers models by decoder layer and {type(model).__name__} names "
+                              "none; use --model hf:PATH or smollm2-135m, or drop --fsdp")
+    if world_size() == 1:
+        raise ForgetlessError("--fsdp shards the model over several processes but this is one; launch with "
+                              "torchrun --nproc_per_node N (or accelerate launch), or drop --fsdp")
+
+
+def sharded(params: list[tuple[str, nn.Parameter]]) -> bool:
+    """Whether FSDP shards any of `params`."""
+    return any(isinstance(p, DTensor) for _, p in params)
+
+
+def full(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` with every FSDP shard gathered whole (on the CPU); every rank must call it, with the same keys."""
+    return {k: v.full_tensor().cpu() if isinstance(v, DTensor) else v for k, v in tensors.items()}
+
+
+def shard_as(t: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:
+    """Whole tensor `t` sharded as `like` when that is an FSDP shard of t's shape; else `t`."""
+    if isinstance(like, DTensor) and t.shape == like.shape:
+        return distribute_tensor(t.to(like.device), like.device_mesh, like.placements)
+    return t

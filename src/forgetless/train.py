@@ -154,6 +154,9 @@ def train(model: nn.Module, params: list[tuple[str, nn.Parameter]], sampler: Sam
     steps and at the end (unless `evaluate_at_end` is False: the caller scores the final model itself)."""
     if not params:
         raise ForgetlessError("nothing to train: the method selected no parameters (check target_modules)")
+    if distributed.sharded(params) and (cfg.optimizer != "adamw" or cfg.precision == "fp16"):
+        raise ForgetlessError(f"--fsdp runs with the adamw optimizer in fp32 or bf16 only, not {cfg.optimizer} in "
+                              f"{cfg.precision}; choose those or drop --fsdp")
     run_config = run_config or {}
     device = params[0][1].device
     hooks = HookChain([hooks or StepHooks(), *module_hooks(model, params)])
@@ -176,7 +179,7 @@ def train(model: nn.Module, params: list[tuple[str, nn.Parameter]], sampler: Sam
                    **({"rng.cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else {})}
         meta = {"kind": "training", "step": step, "config_hash": stable_hash(run_config),
                 "config": run_config, "optim_groups": groups, "history": asdict(history)}
-        save_checkpoint(ckpt_path, tensors, meta)
+        save_checkpoint(ckpt_path, distributed.full(tensors), meta)
 
     with progress_task(desc, total=cfg.steps, completed=start) as advance:
         for step in range(start, cfg.steps):
@@ -226,7 +229,9 @@ def resume(model, opt, sampler, ckpt_path, run_config, hooks: StepHooks) -> tupl
         raise ForgetlessError(
             f"checkpoint {ckpt_path} was written with a different config ({diff}); "
             "use a new output directory, or run again with the same config")
-    model.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
+    own = model.state_dict()  # under FSDP, each rank's shards
+    saved = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    model.load_state_dict({k: distributed.shard_as(v, own.get(k)) for k, v in saved.items()})
     load_optimizer(opt, tensors, meta["optim_groups"])
     torch.set_rng_state(tensors["rng.torch"])
     if "rng.cuda" in tensors:

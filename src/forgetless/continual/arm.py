@@ -50,16 +50,20 @@ def score(model: nn.Module, a: Domain, b: Domain, dev: bool = False) -> dict:
 
 
 def run_arm(model: nn.Module, method: Method, a: Domain, b: Domain, cfg: AdaptConfig, seed: int,
-            out_dir: Path | None = None, run_config: dict | None = None, before: dict | None = None) -> dict:
+            out_dir: Path | None = None, run_config: dict | None = None, before: dict | None = None,
+            fsdp: bool = False) -> dict:
     """Attach `method` to `model` (a pretrained base, on its device), adapt on B, return the arm's metrics.
 
     `before` is `score(model, a, b)` when the caller has it (arms on one base share it). With `out_dir`,
     training checkpoints there (resumable) and the method is saved (save_pretrained) in `out_dir/seed<seed>/`.
-    The last point of the curve is the final score (not computed twice).
+    The last point of the curve is the final score (not computed twice). With `fsdp`, the model is
+    sharded over the processes once the method is attached (Adapted.shard).
     """
     before = before or score(model, a, b, dev=True)
     torch.manual_seed(seed)
     adapted = attach(model, method)
+    if fsdp:
+        adapted.shard()
     model = adapted.model
     report_before = method.report(model, a.windows, b.windows)
     eval_s = 0.0

@@ -15,17 +15,21 @@ from forgetless.models.gpt import aux_loss, logits_of, recorded_forward, takes_l
 @torch.no_grad()
 def evaluate(model: nn.Module, windows: torch.Tensor, batch_size: int = 64) -> dict:
     """PPL = exp(mean token cross-entropy) over all tokens of `windows` (W, T+1); acc = top-1.
-    Under torchrun each rank scores its slice of the windows and the sums are added up."""
+    Under torchrun each rank scores its slice of the windows and the sums are added up; every rank runs
+    the same number of forward passes (an FSDP forward gathers weights from all ranks): a rank whose
+    slice ran out scores the first window again and counts nothing."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    if distributed.world_size() > 1:
-        windows = windows.tensor_split(distributed.world_size())[distributed.rank()]
+    ranks = distributed.world_size()
+    mine = windows.tensor_split(ranks)[distributed.rank()]
     total_loss, total_correct, n = 0.0, 0, 0
-    for i in range(0, len(windows), batch_size):
-        chunk = windows[i:i + batch_size].to(device)
-        x, y = chunk[:, :-1], chunk[:, 1:]  # (b, T)
+    for i in range(0, -(-len(windows) // ranks), batch_size):  # over the largest slice
+        chunk = mine[i:i + batch_size] if i < len(mine) else windows[:1]
+        x, y = chunk[:, :-1].to(device), chunk[:, 1:].to(device)  # (b, T)
         logits = logits_of(model, x)        # (b, T, V)
+        if i >= len(mine):
+            continue
         total_loss += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
         total_correct += (logits.argmax(-1) == y).sum().item()
         n += y.numel()

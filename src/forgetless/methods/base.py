@@ -162,6 +162,7 @@ class Method(StepHooks):
     # token_weights(logits (B, T, V), batch) -> (B, T) weights of each token's LM loss (None: all 1), e.g. to gate
     # updates by entropy; a method that defines it gets every position's logits (None here: only scored ones)
     token_weights = None
+    shardable = False  # runs under FSDP (Adapted.shard): tested with sharded parameters, adamw, no hooks of its own
 
     def __init__(self, cfg: MethodConfig):
         self.cfg = cfg

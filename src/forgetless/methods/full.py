@@ -7,6 +7,7 @@ from forgetless.methods.base import Method, register_method
 @register_method("full")
 class Full(Method):
     """Full fine-tuning: every parameter trains."""
+    shardable = True
 
     def trainable_parameters(self, model):
         return list(model.named_parameters())

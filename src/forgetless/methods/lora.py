@@ -39,6 +39,7 @@ class LoRAMethodConfig(MethodConfig):
 class LoRA(Method):
     """LoRA via peft on the linears; in a sequence, merged after each task and started afresh."""
     Config = LoRAMethodConfig
+    shardable = True
 
     def attach(self, model):
         rules = self.cfg.target_modules or default_linear_targets(model)
