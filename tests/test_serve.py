@@ -1,8 +1,10 @@
 """`forgetless serve`: auth, bad input, rate limit, rollback on a poisoned stream, no torn reads under
-concurrent learn + score, streamed generation, metrics, and a write-ahead-log replay after `kill -9` that
-ends in the same weights as an uninterrupted server."""
+concurrent learn + score, streamed generation, metrics, the dashboard's stats and the page itself in headless
+Chromium, and a write-ahead-log replay after `kill -9` that ends in the same weights as an uninterrupted server."""
+import contextlib
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -112,6 +114,8 @@ def test_rollback_fires_on_a_poisoned_stream_and_restores_the_canary(trained, tm
     assert reply["rolled_back"] and reply["canary_loss"] == good <= e.reference + 0.05
     assert e.canary_loss() == good and e.seq > e.good["meta"]["seq"] >= 4
     assert "forgetless_rollbacks_total 1" in c.get("/v1/metrics").text
+    stats = c.get("/v1/stats").json()
+    assert stats["rollbacks"] == [[e.seq, e.seq - e.good["meta"]["seq"]]] and stats["canary"][-1] == [e.seq, good]
 
 
 def test_no_torn_reads_under_concurrent_learn_and_score(trained, tmp_path):
@@ -155,11 +159,121 @@ def test_generate_streams_and_metrics_are_prometheus_text(trained, tmp_path):
     assert c.get("/v1/health").json()["status"] == "ok"
 
 
-# ---- durability: a real server killed with SIGKILL --------------------------------------------------
+# ---- the dashboard ----------------------------------------------------------------------------------
+ROUTED = "apn-retrofit[lr=0.01]"  # a routed method (patch usage) whose canary fails within a few random documents
+
+
+def traffic(post, n_docs: int = 6) -> int:
+    """Good documents, two refusals, a score, then random bytes until a rollback; returns the last sequence number."""
+    for doc in DOCS[:n_docs]:
+        assert post("/v1/learn", json={"text": doc}, headers=AUTH).status_code == 200
+    assert post("/v1/learn", json={"text": " "}, headers=AUTH).status_code == 422
+    assert post("/v1/learn", json={"text": DOCS[0]}).status_code == 401
+    assert post("/v1/score", json={"text": DOCS[-1]}).status_code == 200
+    rng = random.Random(0)
+    for _ in range(10):
+        reply = post("/v1/learn", json={"text": "".join(chr(rng.randrange(256)) for _ in range(400))}, headers=AUTH)
+        if reply.json()["rolled_back"]:
+            return reply.json()["seq"]
+    raise AssertionError("no rollback on random bytes")
+
+
+def test_stats_feed_the_dashboard(trained, tmp_path):
+    c = client(trained, tmp_path, method=ROUTED)
+    page = c.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "/v1/stats" in page.text and "http" not in page.text.replace("http://www.w3.org/2000/svg", "")  # no CDN
+    empty = c.get("/v1/stats").json()
+    assert empty["prequential"] == [] and empty["prequential_mean"] is None  # NaN is null in JSON
+    seq = traffic(c.post)
+    s = c.get("/v1/stats").json()
+    assert [p[0] for p in s["prequential"]] == list(range(1, seq + 1))
+    assert [p[0] for p in s["canary"]][:3] == [2, 4, 6] and s["rollbacks"][0][0] == seq
+    assert s["counters"]["accepted"] == seq and s["counters"]["rollbacks"] == 1 and s["counters"]["score"] == 1
+    assert s["rejected"] == {"auth": 1, "empty": 1} and s["canary_limit"] == s["canary_reference"] + 0.05
+    assert len(s["usage"]) == 2 and all(len(row) == 256 and abs(sum(row) - 1) < 1e-4 for row in s["usage"])
+    assert "forgetless_learn_accepted_total" in c.get("/v1/metrics").text  # Prometheus text as before
+    assert client(trained, tmp_path / "dense").get("/v1/stats").json()["usage"] is None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def chromium():
+    """Selenium driving Debian's headless chromium (skips with the reason when either is missing)."""
+    webdriver = pytest.importorskip("selenium.webdriver", reason="the browser test needs selenium "
+                                    "(bash scripts/setup.sh dev)")
+    browser, driver = shutil.which("chromium") or shutil.which("chromium-browser"), shutil.which("chromedriver")
+    if not browser or not driver:
+        pytest.skip("the browser test needs Debian's chromium and chromium-driver (apt-get install chromium "
+                    "chromium-driver; bash scripts/setup.sh dev installs them when run as root)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = browser
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(arg)
+    browser = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver))
+    browser.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",  # the viewport (headless clamps the window)
+                            {"width": 1200, "height": 600, "deviceScaleFactor": 1, "mobile": False})
+    return browser
+
+
+@contextlib.contextmanager
+def served(app):
+    """`app` under uvicorn on a free loopback port, in a thread; yields its URL."""
+    import uvicorn
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(600):
+        if server.started:
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("uvicorn did not start within 30 s")
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_dashboard_in_headless_chromium(trained, tmp_path):
+    """Load the page after some traffic: every chart shows the data, and it follows new documents live.
+    FORGETLESS_DASHBOARD_PNG=docs/figures/serve/dashboard.png also keeps the screenshot there."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+    browser = chromium()
+    try:
+        with served(make_app(engine(trained, tmp_path / "state", method=ROUTED), TOKEN)) as url:
+            with httpx.Client(base_url=url, timeout=60) as http:
+                seq = traffic(http.post)
+                browser.get(f"{url}/?every=300")
+                points = lambda chart: int(browser.find_element(By.ID, chart).get_attribute("data-points"))  # noqa: E731
+                WebDriverWait(browser, 30).until(lambda _: points("prequential") == seq)
+                stats = http.get("/v1/stats").json()
+                line = browser.find_element(By.CSS_SELECTOR, "#prequential polyline").get_attribute("points")
+                assert len(line.split()) == seq
+                assert points("canary") == len(stats["canary"]) > 0
+                assert len(browser.find_elements(By.CSS_SELECTOR, "#canary .mark")) == 1  # the rollback
+                assert len(browser.find_elements(By.CSS_SELECTOR, "#canary .ref")) == 2   # reference, limit
+                bars = browser.find_element(By.ID, "updates").text
+                assert "accepted" in bars and "refused: empty" in bars and "refused: auth" in bars and str(seq) in bars
+                assert len(browser.find_elements(By.CSS_SELECTOR, "#usage rect")) == 2 * 256
+                assert ROUTED in browser.find_element(By.ID, "status").text
+                assert http.post("/v1/learn", json={"text": DOCS[7]}, headers=AUTH).status_code == 200
+                WebDriverWait(browser, 30).until(lambda _: points("prequential") == seq + 1)  # live
+                shot = tmp_path / "dashboard.png"
+                assert browser.save_screenshot(str(shot)) and shot.read_bytes()[:4] == b"\x89PNG"
+                if os.environ.get("FORGETLESS_DASHBOARD_PNG"):
+                    shutil.copy(shot, os.environ["FORGETLESS_DASHBOARD_PNG"])
+    finally:
+        browser.quit()
+
+
+# ---- durability: a real server killed with SIGKILL --------------------------------------------------
 
 
 def start_server(base, canary, state_dir, token_file):

@@ -1,6 +1,6 @@
 """The HTTP API of `forgetless serve` (FastAPI): score, generate (streamed), learn (bearer token), metrics
-(Prometheus text), health, snapshot, rollback. Bad input gets a 4xx with a one-line reason, as JSON
-`{"error": "..."}`."""
+(Prometheus text), stats (JSON) and the dashboard page that draws them, health, snapshot, rollback. Bad
+input gets a 4xx with a one-line reason, as JSON `{"error": "..."}`."""
 from __future__ import annotations
 
 import collections
@@ -8,15 +8,18 @@ import hmac
 import math
 import threading
 import time
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from forgetless.errors import ForgetlessError
 from forgetless.serve.engine import Engine
+
+DASHBOARD = Path(__file__).with_name("dashboard.html")
 
 
 class Strict(BaseModel):
@@ -133,6 +136,16 @@ def make_app(engine: Engine, token: str | None) -> FastAPI:
     def metrics():
         return PlainTextResponse(prometheus(engine.metrics()), media_type="text/plain; version=0.0.4")
 
+    @app.get("/v1/stats")
+    def stats():
+        return JSONResponse(finite(engine.stats()))
+
+    page = DASHBOARD.read_text()
+
+    @app.get("/", response_class=HTMLResponse)
+    def dashboard():
+        return page
+
     return app
 
 
@@ -158,6 +171,17 @@ def validation_reason(errors: list) -> str:
     if kind == "missing":
         return f"missing field {field!r}" if field else "missing JSON body"
     return f"{field or 'body'}: {e.get('msg', 'invalid')}"
+
+
+def finite(value):
+    """`value` with every NaN or infinite float as None (JSON has no NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    return value
 
 
 def number(value) -> str:

@@ -15,6 +15,7 @@ learns from accepted documents (docs/DESIGN.md §3.6).
 """
 from __future__ import annotations
 
+import collections
 import copy
 import logging
 import math
@@ -33,11 +34,13 @@ from forgetless.data.splits import Sampler
 from forgetless.errors import ForgetlessError
 from forgetless.methods.base import as_specs
 from forgetless.models.gpt import logits_of
+from forgetless.nn.apn import APN, routing
 from forgetless.serve.wal import WriteAheadLog
 from forgetless.train import TrainConfig, TrainingDiverged
 
 log = logging.getLogger("forgetless.serve")
 SNAPSHOT, WAL = "snapshot.safetensors", "wal.jsonl"
+HISTORY = 2000  # points of each dashboard curve kept (the latest)
 
 
 @dataclass
@@ -80,10 +83,14 @@ class Engine:
         self.learner = Learner(model, spec.build(), TrainConfig(lr=cfg.lr, warmup=0), canary, mix_from, cfg.seed)
         self.device = self.learner.device
         self.lock = threading.Lock()
-        self.seq, self.snapshot_seq, self.good = 0, 0, None
-        self.counters = {"accepted": 0, "rollbacks": 0, "score": 0, "generate": 0, "replayed": 0}
+        self.seq, self.snapshot_seq, self.good, self.undone_to = 0, 0, None, 0
+        self.counters = {"accepted": 0, "rollbacks": 0, "undone": 0, "score": 0, "generate": 0, "replayed": 0}
         self.rejected: dict[str, int] = {}
         self.last_prequential, self.prequential_sum = float("nan"), 0.0
+        # the dashboard's curves: (seq, prequential loss), (seq, canary loss), (seq, documents undone)
+        self.history = {k: collections.deque(maxlen=HISTORY) for k in ("prequential", "canary", "rollbacks")}
+        self.routed = any(isinstance(m, APN) for m in self.learner.model.modules())
+        self.usage: list[list[float]] | None = None  # routed methods: share of each patch per layer, last document
         self.started = time.time()
         path = self.state_dir / SNAPSHOT
         if path.exists():
@@ -156,10 +163,13 @@ class Engine:
         """Learn document `seq` (also on replay): prequential loss, updates, the canary when due."""
         windows = self.windows(text) if windows is None else windows
         prequential = evaluate(self.learner.model, windows)["loss"]  # before it is learned
+        if self.routed:
+            self.usage = patch_usage(self.learner.model, windows)
         self.seq = seq
         self.counters["accepted"] += 1
         self.last_prequential = prequential
         self.prequential_sum += prequential
+        self.history["prequential"].append((seq, prequential))
         rolled_back = False
         try:
             self.learner.learn(windows, self.cfg.steps_per_doc)
@@ -176,6 +186,7 @@ class Engine:
         one, written to disk when a snapshot is due (True)."""
         loss = self.canary_loss()
         self.canary_last = loss
+        self.history["canary"].append((self.seq, loss))
         if loss > self.reference + self.cfg.max_canary_rise:
             self.rollback(f"canary loss {loss:.4f} > reference {self.reference:.4f} + {self.cfg.max_canary_rise}")
             return False
@@ -189,7 +200,12 @@ class Engine:
         log.warning("rollback to document %d (%s; undone: %s)", self.good["meta"]["seq"], why, undone)
         self.restore(self.good, keep_seq=True)
         self.counters["rollbacks"] += 1
+        undone = self.seq - max(self.good["meta"]["seq"], self.undone_to)  # not counting those undone before
+        self.counters["undone"] += undone
+        self.undone_to = self.seq
+        self.history["rollbacks"].append((self.seq, undone))
         self.canary_last = self.canary_loss()
+        self.history["canary"].append((self.seq, self.canary_last))
         return True
 
     def canary_loss(self) -> float:
@@ -197,7 +213,7 @@ class Engine:
 
     def publish(self):
         """Copy the learner's weights for serving (copy-on-write: requests in flight keep the older copy)."""
-        model = copy.deepcopy(self.learner.model).eval()
+        model = copy.deepcopy(self.learner.model, graph_free(self.learner.model)).eval()
         for p in model.parameters():
             p.requires_grad_(False)
             p.grad = None
@@ -283,3 +299,29 @@ class Engine:
             "snapshot_sequence": ("gauge", "sequence number of the last snapshot on disk", self.snapshot_seq),
             "uptime_seconds": ("gauge", "seconds since the server started", time.time() - self.started),
         }
+
+    def stats(self) -> dict:
+        """What the dashboard draws (GET /v1/stats): counters, the curves, the patch usage of routed methods."""
+        mean = self.prequential_sum / self.counters["accepted"] if self.counters["accepted"] else math.nan
+        return {"method": self.cfg.method, "seq": self.seq, "snapshot_seq": self.snapshot_seq,
+                "updates": self.learner.steps, "counters": dict(self.counters), "rejected": dict(self.rejected),
+                "canary_reference": self.reference, "canary_limit": self.reference + self.cfg.max_canary_rise,
+                "canary_loss": self.canary_last, "prequential_mean": mean, "uptime_seconds": time.time() - self.started,
+                **{k: [list(p) for p in list(v)] for k, v in self.history.items()},  # list(deque): one C call
+                "usage": self.usage}
+
+
+def graph_free(model) -> dict:
+    """A `copy.deepcopy` memo that copies the tensors some modules keep from their last training forward
+    (APN's routing weights and auxiliary loss: not leaves, so not copyable) as None."""
+    kept = [t for m in model.modules() for v in vars(m).values()
+            for t in (v if isinstance(v, (tuple, list)) else (v,)) if torch.is_tensor(t) and t.grad_fn is not None]
+    return {id(t): None for t in kept}
+
+
+@torch.no_grad()
+def patch_usage(model, windows: torch.Tensor) -> list[list[float]]:
+    """Share of the tokens of `windows` (W, T+1) routed to each patch, per APN layer: (layers, K) as lists."""
+    apns = [m for m in model.modules() if isinstance(m, APN)]
+    return [(torch.bincount(r.index.reshape(-1), minlength=m.cfg.n_patches).float() / r.index.numel()).tolist()
+            for m, r in zip(apns, routing(model, windows))]
