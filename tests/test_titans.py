@@ -182,6 +182,49 @@ def test_self_modifying_linear_write_matches_token_by_token():
     torch.testing.assert_close(got_S, want_S)
 
 
+@pytest.mark.parametrize("self_modify", [False, True])
+@pytest.mark.parametrize("x_needs_grad", [True, False])
+def test_recomputed_memory_gives_the_same_values_and_gradients(self_modify, x_needs_grad):
+    """checkpoint=True keeps only x and runs the forward again in backward: nothing changes, and the
+    parameters learn even when x needs no gradient (a retrofitted first layer under a frozen embedding)."""
+    torch.manual_seed(0)
+    mem = NeuralMemory(8, TitansConfig(heads=2, chunk=3, self_modify=self_modify)).double()
+    with torch.no_grad():
+        mem.gate_bias[:2] = 1.0  # write hard enough to see
+    x = torch.randn(2, 10, 8, dtype=torch.double)
+    w = torch.randn(2, 10, 8, dtype=torch.double)
+    runs = []
+    for checkpoint in (False, True):
+        mem.checkpoint = checkpoint
+        xi = x.clone().requires_grad_(x_needs_grad)
+        y = mem(xi)
+        mem.zero_grad()
+        (y * w).sum().backward()
+        runs.append([y.detach(), xi.grad, *(p.grad.clone() for p in mem.parameters())])
+    for kept, recomputed in zip(*runs):
+        assert (kept is None) == (recomputed is None) and (kept is None or torch.equal(kept, recomputed))
+    assert all(g is not None for g in runs[1][2:])
+
+
+def test_hope_retrofit_recomputes_its_memories_with_the_same_gradients():
+    from tiny_models import hf_llama
+    x = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for checkpoint in (False, True):
+        adapted = forgetless.attach(hf_llama(), "hope", chunk=4, checkpoint=checkpoint)
+        assert all(m.checkpoint == checkpoint for m in adapted.modules() if isinstance(m, NeuralMemory))
+        with torch.no_grad():
+            for m in adapted.modules():
+                if isinstance(m, NeuralMemory):
+                    m.c_proj.weight.normal_()  # off zero, so the memory reaches the loss
+        adapted.train()
+        loss = adapted.loss(x)
+        loss.backward()
+        runs.append([loss.detach(), *(p.grad for _, p in adapted.trainable_parameters())])
+    for kept, recomputed in zip(*runs):
+        assert (kept is None) == (recomputed is None) and (kept is None or torch.equal(kept, recomputed))
+
+
 def test_bad_titans_options_are_one_line_errors():
     with pytest.raises(ForgetlessError, match="chunk must be positive"):
         TitansConfig(chunk=0)

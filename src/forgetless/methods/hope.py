@@ -35,6 +35,9 @@ class HopeMethodConfig(MethodConfig, HopeConfig):
     retrofit_size: float = field(default=0.05, metadata={
         "help": "on transformers models: the slots' parameters as a fraction of the model's (sets the CMS level "
                 "width unless level_hidden is given; the memory's own size is fixed by the model's width)"})
+    checkpoint: bool = field(default=True, metadata={
+        "help": "recompute each memory's forward in backward instead of keeping its per-chunk weights: one "
+                "layer's at a time (batch 8 x 200 beside SmolLM2's 30 MLPs: tens of GB otherwise); same values"})
 
     def __post_init__(self):
         super().__post_init__()
@@ -68,6 +71,9 @@ class HopeMethod(Method):
         if not slots(model):
             raise ForgetlessError(f"method {self.name} found no HOPE slot: it needs a HOPE base (model.ffn = hope)")
         set_writes(model, self.cfg.writes)
+        for m in model.modules():
+            if isinstance(m, NeuralMemory):
+                m.checkpoint = self.cfg.checkpoint
         return model
 
     def retrofit(self, model):

@@ -65,13 +65,15 @@ class TitansConfig:
 
 class NeuralMemory(nn.Module):
     """Titans memory as a sequence layer: (B, T, d) -> (B, T, d). `writes = False` freezes the memory at its
-    learned initial weights (reads only), e.g. to measure what test-time writes do."""
+    learned initial weights (reads only), e.g. to measure what test-time writes do. `checkpoint = True` keeps
+    only x for backward and runs the forward again there: the per-chunk weights (B, H, F, D), four tensors per
+    chunk, then exist for one layer at a time instead of for every layer (same values and gradients)."""
 
     def __init__(self, d: int, opts: TitansConfig, bias: bool = True):
         super().__init__()
         if d % opts.heads:
             raise ForgetlessError(f"titans heads ({opts.heads}) must divide d_model ({d}); choose another heads")
-        self.cfg, self.writes = opts, True
+        self.cfg, self.writes, self.checkpoint = opts, True, False
         H, D = opts.heads, d // opts.heads
         Fh = opts.mem_mult * D
         self.c_qkv = nn.Linear(d, 3 * d, bias=bias)
@@ -86,6 +88,11 @@ class NeuralMemory(nn.Module):
         self.c_proj = nn.Linear(d, d, bias=bias)
 
     def forward(self, x):  # (B, T, d)
+        if self.checkpoint and self.writes and torch.is_grad_enabled():
+            return Recompute.apply(self.run, x, *self.parameters())
+        return self.run(x)
+
+    def run(self, x):  # (B, T, d)
         B, T, d = x.shape
         if self.cfg.self_modify and self.writes:
             return self.c_proj(self.self_modifying(x))
@@ -136,6 +143,30 @@ class NeuralMemory(nn.Module):
                 for i in range(2):
                     P[i], S[i] = write_linear(P[i], P0[i], S[i], keys, values, *gates, self.cfg.backprop_writes)
         return torch.cat(reads, dim=2).transpose(1, 2).reshape(B, T, d)
+
+
+class Recompute(torch.autograd.Function):
+    """y = fn(x), keeping only x for backward: the forward runs without a graph, and again with one in backward
+    (activation checkpointing). The parameters are inputs, so they get gradients even when x needs none (the
+    first retrofitted layer). Not torch.utils.checkpoint: its non-reentrant form records the forward's graph,
+    whose nodes kept glibc from reusing the freed chunk states (6.5 GB RSS after four SmolLM2-wide layers)."""
+
+    @staticmethod
+    def forward(ctx, fn, x, *params):
+        ctx.fn, ctx.params = fn, params
+        ctx.save_for_backward(x)
+        return fn(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, = ctx.saved_tensors
+        needs = ctx.needs_input_grad[1:]
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(needs[0])
+            y = ctx.fn(x)
+        wanted = [t for t, need in zip((x, *ctx.params), needs) if need]
+        grads = iter(torch.autograd.grad(y, wanted, grad, allow_unused=True))
+        return None, *(next(grads) if need else None for need in needs)
 
 
 def memory_scan(q, k, v, eta, alpha, mu, w1, w2, chunk: int, backprop_writes: bool = False):
