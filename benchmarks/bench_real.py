@@ -38,9 +38,6 @@ import forgetless
 from forgetless.continual.evaluate import training_loss
 from forgetless.data.splits import Batch
 from forgetless.methods import method_names
-
-# left out of --methods all: beside SmolLM2's 30 MLPs at batch 8 x 200, hope took all 24 GB and was killed (2026-11-24)
-OUT_OF_MEMORY = {"hope": "ran out of 24 GB beside SmolLM2's 30 MLPs at batch 8 x 200 (2026-11-24)"}
 from forgetless.methods.base import parse_method_specs
 from forgetless.models.hf import describe, load_model
 from forgetless.monitor import PeakRSS, release_memory, rss_mb
@@ -163,11 +160,7 @@ def main():
     facts = describe(base)
     batch = answer_batch(base.get_input_embeddings().num_embeddings, args.batch, args.tokens, args.answer_tokens)
     cfg = dataclasses.replace(build_config("real").adapt, batch_size=args.batch)
-    names = [n for n in method_names() if n not in OUT_OF_MEMORY] if args.methods == "all" else None
-    specs = parse_method_specs(",".join(names) if names else args.methods)
-    if names:
-        for name, why in OUT_OF_MEMORY.items():
-            print(f"skipped: {name} ({why}; name it in --methods to run it)", flush=True)
+    specs = parse_method_specs(",".join(method_names()) if args.methods == "all" else args.methods)
     tokens = args.batch * args.tokens
     print(f"{args.model}: {facts['class']}, {facts['total_params']:,} params, loaded in {load_s:.0f} s; "
           f"batch {args.batch} x {args.tokens} tokens ({args.answer_tokens} scored per row), "
