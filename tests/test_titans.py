@@ -16,7 +16,7 @@ from forgetless.errors import ForgetlessError
 from forgetless.methods import build_method
 from forgetless.models.gpt import GPT, GPTConfig
 from forgetless.nn.hope import HOPE
-from forgetless.nn.titans import NeuralMemory, TitansConfig, memory_scan
+from forgetless.nn.titans import NeuralMemory, TitansConfig, memory_scan, write
 from forgetless.train import TrainConfig, train
 
 B, H, T, D, Fh = 2, 2, 11, 4, 6
@@ -33,7 +33,8 @@ def one_thread():
 
 def reference(q, k, v, eta, alpha, mu, w1, w2, chunk, backprop_writes):
     """Token by token: each token's gradient of ||M(k) - v||^2 by autograd at its chunk's starting weights, then
-    S = mu S - eta g; W = alpha W + S one token at a time; chunk n reads the weights chunks < n left. Without
+    S = mu S - scale eta g; W = alpha W + S one token at a time; chunk n reads the weights chunks < n left; scale
+    = 1 / max(1, rho), rho the chunk's step times curvature bound, from GELU' by autograd. Without
     `backprop_writes` the gradients g are constants (taken on detached k, v, W); the gates and W stay in the graph."""
     out = torch.zeros_like(q)
     for b in range(q.shape[0]):
@@ -42,16 +43,26 @@ def reference(q, k, v, eta, alpha, mu, w1, w2, chunk, backprop_writes):
             S = [torch.zeros_like(w1[h]), torch.zeros_like(w2[h])]
             for start in range(0, q.shape[2], chunk):
                 W0 = W
-                for t in range(start, min(start + chunk, q.shape[2])):
+                tokens = range(start, min(start + chunk, q.shape[2]))
+                for t in tokens:
                     x = q[b, h, t]
                     out[b, h, t] = x + W0[1] @ F.gelu(W0[0] @ x)
-                for t in range(start, min(start + chunk, q.shape[2])):
+                rho = 0.0  # sum_t eta_t / (1 - mu_t) * 2 (|a_t|^2 + |k_t|^2 sum_f GELU'(z_tf)^2 |W2[:, f]|^2)
+                for t in tokens:
+                    kt = k[b, h, t] if backprop_writes else k[b, h, t].detach()
+                    W1t, W2t = W0 if backprop_writes else [w.detach() for w in W0]
+                    z = (W1t @ kt).requires_grad_()
+                    slope, = torch.autograd.grad(F.gelu(z).sum(), z, create_graph=backprop_writes)
+                    curv = 2 * (F.gelu(z).square().sum() + kt.square().sum() * (slope.square() * W2t.square().sum(0)).sum())
+                    rho = rho + eta[b, h, t] / (1 - (mu[b, h, t] if mu is not None else 0.0)) * curv
+                scale = 1 / torch.clamp(rho, min=1)
+                for t in tokens:
                     kt, vt = (k[b, h, t], v[b, h, t]) if backprop_writes else (k[b, h, t].detach(), v[b, h, t].detach())
                     Wg = W0 if backprop_writes else [w.detach().requires_grad_() for w in W0]
                     loss = (kt + Wg[1] @ F.gelu(Wg[0] @ kt) - vt).square().sum()
                     g = torch.autograd.grad(loss, Wg, create_graph=backprop_writes)
                     m = mu[b, h, t] if mu is not None else 0.0
-                    S = [m * s - eta[b, h, t] * gi for s, gi in zip(S, g)]
+                    S = [m * s - scale * eta[b, h, t] * gi for s, gi in zip(S, g)]
                     W = [alpha[b, h, t] * w + s for w, s in zip(W, S)]
     return out
 
@@ -173,10 +184,11 @@ def test_self_modifying_linear_write_matches_token_by_token():
     eta, alpha, mu = (0.2 + 0.6 * torch.rand(Bn, C, generator=g) for _ in range(3))
     got_P, got_S = write_linear(P, P0, S, keys, values, eta, alpha, mu, False)
     want_P, want_S = P.clone(), S.clone()
+    scale = 1 / (eta / (1 - mu) * 2 * keys.square().sum(-1)).sum(-1).clamp(min=1)  # (B,): rho = sum_t eta_t curv_t / (1 - mu_t)
     for t in range(C):
         err = keys[:, t:t + 1] @ P.transpose(-1, -2) - values[:, t:t + 1] @ P.transpose(-1, -2)  # (B, 1, out)
         grad = 2 * err.transpose(-1, -2) @ keys[:, t:t + 1]  # (B, out, d)
-        want_S = mu[:, t, None, None] * want_S - eta[:, t, None, None] * grad
+        want_S = mu[:, t, None, None] * want_S - (scale * eta[:, t])[:, None, None] * grad
         want_P = P0 + alpha[:, t, None, None] * (want_P - P0) + want_S
     torch.testing.assert_close(got_P, want_P)
     torch.testing.assert_close(got_S, want_S)
@@ -223,6 +235,46 @@ def test_hope_retrofit_recomputes_its_memories_with_the_same_gradients():
         runs.append([loss.detach(), *(p.grad for _, p in adapted.trainable_parameters())])
     for kept, recomputed in zip(*runs):
         assert (kept is None) == (recomputed is None) and (kept is None or torch.equal(kept, recomputed))
+
+
+@pytest.mark.parametrize("d", [576, 1152])
+@pytest.mark.parametrize("eta", [0.01, 3.0])
+def test_wide_memory_writes_stay_bounded(d, eta):
+    """At d = 576 the plain step diverged (|W1| 27 -> 9.5e18 -> NaN within 11 chunks of unit-scale inputs): the
+    write now caps each chunk's step times curvature at 1, so the weights stay bounded at any width and rate."""
+    torch.manual_seed(0)
+    mem = NeuralMemory(d, TitansConfig(heads=2, mem_mult=2, eta_init=eta))
+    x = torch.randn(1, 320, d)  # 20 chunks of 16
+    with torch.no_grad():
+        qkv = mem.conv(mem.c_qkv(x).transpose(1, 2))[..., :320].transpose(1, 2)
+        q, k, v, eta, alpha, mu = mem.split(qkv, mem.c_gates(x) + mem.gate_bias)
+        W1, W2, S1, S2 = mem.w1[None], mem.w2[None], None, None
+        norms = []
+        for start in range(0, 320, 16):
+            p = slice(start, start + 16)
+            W1, W2, S1, S2 = write(W1, W2, S1, S2, k[:, :, p], v[:, :, p], eta[..., p], alpha[..., p], mu[..., p],
+                                   False)
+            norms.append(max(W1.norm(), W2.norm()))
+        assert max(norms) <= mem.w1.norm() and torch.isfinite(mem(x)).all()
+
+
+def test_hope_beside_a_wide_llama_gives_finite_loss_and_gradients():
+    """SmolLM2's width (576, head dim 64): the retrofitted memories' reads were NaN from token 112 on."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=576, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=9, num_key_value_heads=3, vocab_size=256,
+                                         max_position_embeddings=256))
+    adapted = forgetless.attach(model, "hope")
+    with torch.no_grad():
+        for m in adapted.modules():
+            if isinstance(m, NeuralMemory):
+                m.c_proj.weight.normal_(std=0.02)  # off zero, so the memory reaches the loss
+    adapted.train()
+    loss = adapted.loss(torch.randint(0, 256, (1, 193), generator=torch.Generator().manual_seed(1)))
+    loss.backward()
+    grads = [p.grad for _, p in adapted.trainable_parameters()]
+    assert torch.isfinite(loss) and all(g is not None and torch.isfinite(g).all() for g in grads)
 
 
 def test_bad_titans_options_are_one_line_errors():

@@ -196,10 +196,12 @@ def write(W1, W2, S1, S2, k, v, eta, alpha, mu, backprop_writes: bool):
     if not backprop_writes:
         k, v = k.detach(), v.detach()
     z = k @ U1.transpose(-1, -2)                                     # (B, H, C, F)
-    a = F.gelu(z)
+    a, slope = F.gelu(z), gelu_grad(z)
     err = 2 * (k + a @ U2.transpose(-1, -2) - v)                     # (B, H, C, D): d loss / d M(k)
-    dz = (err @ U2) * gelu_grad(z)                                   # (B, H, C, F)
-    c, decay, carry, keep, m = coefficients(eta, alpha, mu)
+    dz = (err @ U2) * slope                                          # (B, H, C, F)
+    # curvature bound of loss_t: 2 (|a|^2 + |k|^2 |W2 diag(GELU'(z))|_F^2) >= top eigenvalue of its Gauss-Newton
+    curv = 2 * (a.square().sum(-1) + k.square().sum(-1) * (slope.square() @ U2.square().sum(-2)[..., None])[..., 0])
+    c, decay, carry, keep, m = coefficients(eta * step_scale(eta, mu, curv), alpha, mu)
     G1 = weighted(c, dz, k)                                          # sum_t c_t grad_W1 loss_t: (B, H, F, D)
     G2 = weighted(c, err, a)                                         # (B, H, D, F)
     W1, W2 = decay[..., None, None] * W1 - G1, decay[..., None, None] * W2 - G2
@@ -218,7 +220,7 @@ def write_linear(P, P0, S, keys, values, eta, alpha, mu, backprop_writes: bool):
     U = P if backprop_writes else P.detach()
     k = keys if backprop_writes else keys.detach()
     err = 2 * (k @ U.transpose(-1, -2) - (values @ P.transpose(-1, -2)).detach())  # (B, C, out)
-    c, decay, carry, keep, m = coefficients(eta, alpha, mu)
+    c, decay, carry, keep, m = coefficients(eta * step_scale(eta, mu, 2 * k.square().sum(-1)), alpha, mu)
     P = P0 + decay[..., None, None] * (P - P0) - weighted(c, err, k)
     if mu is None:
         return P, None
@@ -226,6 +228,15 @@ def write_linear(P, P0, S, keys, values, eta, alpha, mu, backprop_writes: bool):
     if S is not None:
         P, M = P + carry[..., None, None] * S, M - keep[..., None, None] * S
     return P, -M
+
+
+def step_scale(eta, mu, curv):
+    """The chunk's write rates scaled so that rho = sum_t eta_t curv_t / (1 - mu_t) <= 1: each token's step with
+    what momentum adds in later chunks, times its curvature bound. At rho <= 1 the chunked scan is a contraction
+    on a quadratic loss for any chunk, momentum and retention (DESIGN §2.4); below 1 the rates are unchanged.
+    eta, mu (..., C) (mu None: no momentum), curv (..., C) -> (..., 1)."""
+    gain = eta if mu is None else eta / (1 - mu).clamp_min(1e-6)
+    return 1 / (gain * curv).sum(-1, keepdim=True).clamp_min(1)
 
 
 def coefficients(eta, alpha, mu):
