@@ -53,7 +53,8 @@ def reference(q, k, v, eta, alpha, mu, w1, w2, chunk, backprop_writes):
                     W1t, W2t = W0 if backprop_writes else [w.detach() for w in W0]
                     z = (W1t @ kt).requires_grad_()
                     slope, = torch.autograd.grad(F.gelu(z).sum(), z, create_graph=backprop_writes)
-                    curv = 2 * (F.gelu(z).square().sum() + kt.square().sum() * (slope.square() * W2t.square().sum(0)).sum())
+                    w1_block = kt.square().sum() * (slope.square() * W2t.square().sum(0)).sum()
+                    curv = 2 * (F.gelu(z).square().sum() + w1_block)
                     rho = rho + eta[b, h, t] / (1 - (mu[b, h, t] if mu is not None else 0.0)) * curv
                 scale = 1 / torch.clamp(rho, min=1)
                 for t in tokens:
@@ -184,7 +185,7 @@ def test_self_modifying_linear_write_matches_token_by_token():
     eta, alpha, mu = (0.2 + 0.6 * torch.rand(Bn, C, generator=g) for _ in range(3))
     got_P, got_S = write_linear(P, P0, S, keys, values, eta, alpha, mu, False)
     want_P, want_S = P.clone(), S.clone()
-    scale = 1 / (eta / (1 - mu) * 2 * keys.square().sum(-1)).sum(-1).clamp(min=1)  # (B,): rho = sum_t eta_t curv_t / (1 - mu_t)
+    scale = 1 / (eta / (1 - mu) * 2 * keys.square().sum(-1)).sum(-1).clamp(min=1)  # (B,): 1 / max(1, rho)
     for t in range(C):
         err = keys[:, t:t + 1] @ P.transpose(-1, -2) - values[:, t:t + 1] @ P.transpose(-1, -2)  # (B, 1, out)
         grad = 2 * err.transpose(-1, -2) @ keys[:, t:t + 1]  # (B, out, d)

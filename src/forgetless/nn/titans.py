@@ -3,18 +3,19 @@ at training and at test time, by gradient steps on an associative loss, and read
 
     M(x)     = x + W2 GELU(W1 x)                                  per head: W1 (F, D), W2 (D, F)
     loss_t   = ||M(k_t) - v_t||^2                                 k_t, q_t L2-normalised
-    S_t      = mu_t S_{t-1} - eta_t grad loss_t                   momentum (the "surprise"); mu = 0 without it
+    S_t      = mu_t S_{t-1} - s eta_t grad loss_t                 momentum (the "surprise"); mu = 0 without it
     W_t      = alpha_t W_{t-1} + S_t                              alpha: retention (forgetting as weight decay)
     eta_t    = softplus(w_eta x_t + b_eta),  alpha_t = sigmoid(.),  mu_t = sigmoid(.)      data-dependent, per head
 
 For a linear memory M(k) = W k the write is the delta rule W <- W (alpha I - eta k k^T) + eta v k^T, the form of
 the Nested Learning source. Tokens are taken in chunks of `chunk`: every gradient of a chunk is computed at the
 chunk's starting weights, all tokens at once and in closed form; momentum and decay over the chunk are a product
-of scalar gates, summed with a (C, C) mask (no loop over tokens). Queries of chunk n read the memory as written
-by chunks 0..n-1, so the output at t never sees a later token. The memory starts from its learned initial
-weights for every sequence (batch row) and carries its state from chunk to chunk. With `self_modify` the q/k/v
-and gate projections are linear memories of each sequence too, written by the same rule (HOPE's self-modifying
-Titans).
+of scalar gates, summed with a (C, C) mask (no loop over tokens). The chunk's rates are scaled by one s <= 1 so
+that its step times the curvature of its loss is at most 1 (`step_scale`): the write is stable at any width and
+rate. Queries of chunk n read the memory as written by chunks 0..n-1, so the output at t never sees a later
+token. The memory starts from its learned initial weights for every sequence (batch row) and carries its state
+from chunk to chunk. With `self_modify` the q/k/v and gate projections are linear memories of each sequence
+too, written by the same rule (HOPE's self-modifying Titans).
 
 Source: Nested Learning (Behrouz, Razaviyayn, Zhong, Mirrokni), building on Titans: Learning to Memorize at
 Test Time (Behrouz, Zhong, Mirrokni).
@@ -232,8 +233,8 @@ def write_linear(P, P0, S, keys, values, eta, alpha, mu, backprop_writes: bool):
 
 def step_scale(eta, mu, curv):
     """The chunk's write rates scaled so that rho = sum_t eta_t curv_t / (1 - mu_t) <= 1: each token's step with
-    what momentum adds in later chunks, times its curvature bound. At rho <= 1 the chunked scan is a contraction
-    on a quadratic loss for any chunk, momentum and retention (DESIGN §2.4); below 1 the rates are unchanged.
+    what momentum adds in later chunks, times its curvature bound. At rho <= 1 the chunked scan of a quadratic loss
+    is stable for any chunk, momentum and retention (DESIGN §2.4); below 1 the rates are unchanged.
     eta, mu (..., C) (mu None: no momentum), curv (..., C) -> (..., 1)."""
     gain = eta if mu is None else eta / (1 - mu).clamp_min(1e-6)
     return 1 / (gain * curv).sum(-1, keepdim=True).clamp_min(1)
