@@ -6,8 +6,9 @@
 # Times are for 2 CPU cores; the real-* sections need `bash scripts/setup.sh real`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+mkdir -p runs
 
-SECTIONS=(two-domain-quick tiny-renamed apn-ablation two-domain-neutral sequence-quick sequence-ablation
+SECTIONS=(frontier-two-domain frontier-two-domain-mix two-domain-quick tiny-renamed apn-ablation two-domain-neutral sequence-quick sequence-ablation
           two-domain-cms sequence-cms optimizers-quick real-standard real-trace real-two-domain
           first-run benchmarks aunn)
 
@@ -25,7 +26,16 @@ bench() {  # bench SECTION ARGS...: one forgetless bench into runs/SECTION, then
 
 run_section() {
     case "$1" in
-    two-domain-quick)   bench two-domain-quick --preset quick --methods all ;;                                           # ~25-45 min
+    frontier-two-domain) OMP_NUM_THREADS=1 bench frontier-two-domain --preset quick --seeds 3 --base-seeds 3 \
+                            --methods full,lora,adapter,neutral,ewc,apn-retrofit --sweep full.lr=1e-4,1e-3 \
+                            --sweep ewc.lr=1e-4,1e-3 --sweep lora.lr=3e-4,3e-3 --sweep adapter.lr=3e-4,3e-3 \
+                            --sweep neutral.lr=3e-4,3e-3 --sweep apn-retrofit.lr=3e-4,3e-3 ;;                   # ~1.5 h
+    frontier-two-domain-mix) OMP_NUM_THREADS=1 bench frontier-two-domain-mix --preset quick --seeds 3 --base-seeds 3 \
+                            --mix 0.1 --methods full,ewc,lora --sweep full.lr=1e-4,1e-3 --sweep ewc.lr=1e-4,1e-3 \
+                            --sweep lora.lr=3e-4,3e-3 ;;                                                          # ~30 min
+    two-domain-quick)   /usr/bin/time -v forgetless bench --preset quick --methods all --out runs/two-domain-quick \
+                            2>&1 | tee runs/two-domain-quick.log                                                 # ~25-45 min
+                        publish runs/two-domain-quick two-domain-quick ;;
     tiny-renamed)       bench tiny-renamed --preset quick --domain-a tinyshakespeare --domain-b renamed:tinyshakespeare \
                             --methods full,ffn,lora,apn,apn-local,apn-param-matched,apn-retrofit ;;
     apn-ablation)       bench apn-ablation --preset quick --seeds 1 --methods 'apn,apn[local=true],apn[local=true;decoders_only=true],apn[norm_cap=0.1],apn[update_rule=gain;lr=0.03],apn[gate_on=router;gate_min=0.3],apn[gate_on=entropy;gate_max=2.0],apn[allocate=true],apn[allocate=true;novelty_threshold=0.34],apn[train_prototypes=false]' ;;
