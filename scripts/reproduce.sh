@@ -51,7 +51,7 @@ run_section() {
                             --lrs 3e-5,1e-4,3e-4,1e-3 --seeds 3 --pretrain-seeds 3 ;;
     real-standard)      bench real-standard --model smollm2-135m --preset real --protocol sequence \
                             --tasks dbpedia,amazon,yahoo,agnews --seeds 1 \
-                            --methods 'seq-lora,moram,o-lora,neutral,moram[lr=1e-3],seq-lora[mix=0.2],full,moram[lr=5e-3]' ;;
+                            --methods 'seq-lora,moram,o-lora,neutral,moram[lr=1e-3],seq-lora[mix=0.2],full,moram[lr=5e-3],ewc,moe-lora' ;;
     real-trace)         bench real-trace --model smollm2-135m --preset real --protocol sequence \
                             --tasks FOMC,ScienceQA,NumGLUE-cm,NumGLUE-ds --data-held-out-tasks dbpedia --seeds 1 \
                             --methods 'seq-lora,moram[lr=5e-3],seq-lora[mix=0.2]' ;;
