@@ -280,9 +280,13 @@ class Engine:
                                   f"{self.cfg.method}); give another --state-dir or the same --serve-method")
         return {"tensors": tensors, "meta": meta}
 
+    def prequential_mean(self) -> float:
+        """Mean prequential loss of the accepted documents (NaN before the first)."""
+        return self.prequential_sum / self.counters["accepted"] if self.counters["accepted"] else math.nan
+
     def metrics(self) -> dict:
         """Name -> (kind, help, value or {label: value}) for /v1/metrics."""
-        mean = self.prequential_sum / self.counters["accepted"] if self.counters["accepted"] else math.nan
+        mean = self.prequential_mean()
         return {
             "learn_accepted_total": ("counter", "documents accepted by /v1/learn (and replayed)", self.counters["accepted"]),
             "learn_rejected_total": ("counter", "documents refused by /v1/learn, by reason", dict(self.rejected)),
@@ -302,7 +306,7 @@ class Engine:
 
     def stats(self) -> dict:
         """What the dashboard draws (GET /v1/stats): counters, the curves, the patch usage of routed methods."""
-        mean = self.prequential_sum / self.counters["accepted"] if self.counters["accepted"] else math.nan
+        mean = self.prequential_mean()
         return {"method": self.cfg.method, "seq": self.seq, "snapshot_seq": self.snapshot_seq,
                 "updates": self.learner.steps, "counters": dict(self.counters), "rejected": dict(self.rejected),
                 "canary_reference": self.reference, "canary_limit": self.reference + self.cfg.max_canary_rise,
