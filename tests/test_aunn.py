@@ -4,12 +4,16 @@ from itertools import pairwise
 import pytest
 import torch
 
+import forgetless.train
+
 from forgetless.aunn import shakespeare, toy
 from forgetless.aunn.encoding import build_encoding
 from forgetless.aunn.model import AUNN, AUNNConfig, count_params, match_width
 from forgetless.aunn.train import Learner, AUNNTrainConfig, build_learner, fit, schedule
 from forgetless.aunn.use import condition, generate, load_learner, prequential, save_learner
 from forgetless.checkpoint import save_checkpoint
+from forgetless.continual.evaluate import training_loss
+from forgetless.data.splits import Sampler
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPT, GPTConfig
 from forgetless.train import PretrainConfig
@@ -221,10 +225,11 @@ def test_gpt_step_budget_leaves_out_the_warm_up(monkeypatch):
         for _ in range(cfg.steps):
             clock[0] += 5.0 if clock[0] == 0 else 0.1  # a slow first step, then 0.1 CPU s per step
 
-    monkeypatch.setattr(shakespeare, "train", fake_train)
-    monkeypatch.setattr(shakespeare.time, "process_time", lambda: clock[0])
+    monkeypatch.setattr(forgetless.train, "train", fake_train)
+    monkeypatch.setattr(forgetless.train.time, "process_time", lambda: clock[0])
     model = GPT(GPTConfig(block_size=8, n_layer=1, n_head=1, d_model=8))
-    assert shakespeare.gpt_steps_for(10.0, model, torch.zeros(64, dtype=torch.long), PretrainConfig(batch_size=2)) == 100
+    sampler = Sampler(torch.zeros(64, dtype=torch.long), 2, 8, seed=0)
+    assert forgetless.train.steps_for_seconds(10.0, model, sampler, PretrainConfig(batch_size=2), training_loss) == 100
 
 
 def test_an_under_trained_toy_run_reports_whatever_bytes_it_predicts():

@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.table import Column, Table
 
 from forgetless.aunn.cli import app as aunn_app
+from forgetless.hope.cli import app as hope_app
 from forgetless.cliutil import config_flags, friendly, merge_overrides, out_console
 from forgetless.config import code_fingerprint, git_commit
 from forgetless.errors import ForgetlessError
@@ -452,6 +453,7 @@ def writable(folder: Path) -> Path:
 
 
 app.add_typer(aunn_app, name="aunn")
+app.add_typer(hope_app, name="hope")
 
 
 def main():

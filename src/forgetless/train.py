@@ -6,8 +6,10 @@ stop on a non-finite loss that keeps the last good checkpoint.
 """
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import asdict, dataclass, field
+import time
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -216,6 +218,22 @@ def train(model: nn.Module, params: list[tuple[str, nn.Parameter]], sampler: Sam
                 checkpoint(done)
             advance(1, loss=lm_loss.item())
     return history
+
+
+def steps_for_seconds(seconds: float, model: nn.Module, sampler, cfg: TrainConfig, loss_fn: LossFn,
+                      probe_steps: int = 10, warmup_steps: int = 2) -> int:
+    """Training steps of `model` that fill `seconds` of process CPU time, timed on throwaway copies of the
+    model and sampler after `warmup_steps` untimed ones (the first steps allocate and run slower)."""
+    probe, probe_sampler = copy.deepcopy(model), copy.deepcopy(sampler)
+
+    def run(steps: int):
+        train(probe, list(probe.named_parameters()), probe_sampler, replace(cfg, steps=steps), loss_fn,
+              desc="step timing")
+
+    run(warmup_steps)
+    t0 = time.process_time()
+    run(probe_steps)
+    return max(1, round(seconds * probe_steps / (time.process_time() - t0)))
 
 
 def last_ckpt_step(step: int, cfg: TrainConfig) -> int:

@@ -162,13 +162,21 @@ def bench(experiment: str = typer.Argument(..., help="toy, shakespeare or digits
           set_: Optional[list[str]] = typer.Option(None, "--set", help="an experiment option, KEY=VALUE (repeatable)"),
           config_file: Optional[Path] = typer.Option(None, "--config", help="YAML/JSON file of experiment options")):
     """Run one of the AUNN experiments; write results.json, results.md and figures."""
+    from forgetless.aunn.experiments import EXPERIMENTS
+
+    run_bench(EXPERIMENTS, "aunn", experiment, seeds, out, set_, config_file, example="tasks=5")
+
+
+def run_bench(registry: dict, prefix: str, experiment: str, seeds: int, out: Optional[Path],
+              set_: Optional[list[str]], config_file: Optional[Path], example: str):
+    """The body of a `bench` command over `registry`'s experiments: run, print the table, list the files."""
     from forgetless.aunn.experiments import run_experiment
 
     if seeds <= 0:
         raise ForgetlessError(f"--seeds must be positive, got {seeds}")
-    options = merge_overrides(config_file, {}, set_, example="tasks=5")
-    out = out or Path("runs") / f"aunn-{experiment}"
-    _, files = run_experiment(experiment, options, list(range(seeds)), out)
+    options = merge_overrides(config_file, {}, set_, example=example)
+    out = out or Path("runs") / f"{prefix}-{experiment}"
+    _, files = run_experiment(experiment, options, list(range(seeds)), out, registry)
     typer.echo(files[1].read_text())
     out_console.print("wrote " + ", ".join(str(f) for f in files))
 
@@ -177,11 +185,18 @@ def bench(experiment: str = typer.Argument(..., help="toy, shakespeare or digits
 @friendly
 def experiments():
     """List the experiments and their options (set them with `bench --set KEY=VALUE`)."""
-    from forgetless.aunn.experiments import EXPERIMENTS, experiment
+    from forgetless.aunn.experiments import EXPERIMENTS
 
-    for name, (_, about) in EXPERIMENTS.items():
+    list_experiments(EXPERIMENTS)
+
+
+def list_experiments(registry: dict):
+    """One table per experiment of `registry`: its options, defaults and help."""
+    from forgetless.aunn.experiments import experiment
+
+    for name, (_, about) in registry.items():
         table = Table("option", "default", "about", title=f"{name}: {about}", title_justify="left")
-        for f in dataclasses.fields(experiment(name).Config):
+        for f in dataclasses.fields(experiment(name, registry).Config):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             table.add_row(f.name, str(default), help_of(f))
         out_console.print(table)

@@ -1,4 +1,4 @@
-"""`forgetless aunn bench EXPERIMENT`: run an experiment over seeds, write results.json, results.md, figures.
+"""`forgetless aunn bench EXPERIMENT` (and `forgetless hope bench`): run an experiment over seeds, write results.json, results.md, figures.
 
 An experiment is a module with a `Config` dataclass and `run(cfg, seed) -> dict` (one seed),
 `summarize(cfg, runs) -> dict`, `markdown(results) -> str`, `figures(results, out) -> [paths]`.
@@ -44,25 +44,27 @@ def save_figure(fig, path: Path) -> list[Path]:
     return [path]
 
 
-def experiment(name: str):
-    if name not in EXPERIMENTS:
-        raise ForgetlessError(f"unknown experiment {name!r}; valid: {', '.join(EXPERIMENTS)}")
-    return importlib.import_module(EXPERIMENTS[name][0])
+def experiment(name: str, registry: dict = EXPERIMENTS):
+    """The module of experiment `name` in `registry` (name -> (module, about)): the AUNN's by default."""
+    if name not in registry:
+        raise ForgetlessError(f"unknown experiment {name!r}; valid: {', '.join(registry)}")
+    return importlib.import_module(registry[name][0])
 
 
-def build_config(name: str, overrides: dict):
-    return from_dict(experiment(name).Config, overrides, name)
+def build_config(name: str, overrides: dict, registry: dict = EXPERIMENTS):
+    return from_dict(experiment(name, registry).Config, overrides, name)
 
 
-def run_experiment(name: str, overrides: dict, seeds: list[int], out: Path) -> tuple[dict, list[Path]]:
+def run_experiment(name: str, overrides: dict, seeds: list[int], out: Path,
+                   registry: dict = EXPERIMENTS) -> tuple[dict, list[Path]]:
     """Run (or reuse) every seed, then summarise; returns (results, files written). CPU times are
     measured with torch's current number of threads (the CLI sets one by default)."""
     from forgetless.continual.plan import run_or_reuse_arm
 
     if not seeds:
         raise ForgetlessError("give at least one seed")
-    mod = experiment(name)
-    cfg = build_config(name, overrides)
+    mod = experiment(name, registry)
+    cfg = build_config(name, overrides, registry)
     runs = [run_or_reuse_arm(out / "seeds" / f"seed{seed}.json", {"config": asdict(cfg), "seed": seed},
                              lambda _dir, seed=seed: mod.run(cfg, seed)) for seed in seeds]
     results = {"experiment": name, "date": datetime.date.today().isoformat(), "seeds": seeds,

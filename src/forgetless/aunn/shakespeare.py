@@ -32,7 +32,7 @@ from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPT, GPTConfig
 from forgetless.presets import PRESETS
 from forgetless.progress import progress_task
-from forgetless.train import PretrainConfig, train
+from forgetless.train import PretrainConfig, steps_for_seconds, train
 
 LN2 = math.log(2)
 
@@ -111,30 +111,13 @@ def run_aunn(cfg: Config, data: torch.Tensor, held: torch.Tensor, target_params:
             "loss_curve": {"cpu_s": curve["cpu_s"], "bits": [v / LN2 for v in curve["loss"]]}}
 
 
-def gpt_steps_for(seconds: float, model: GPT, data: torch.Tensor, cfg: PretrainConfig, probe_steps: int = 10,
-                  warmup_steps: int = 2) -> int:
-    """Steps that fill `seconds` of CPU time, timed on a throwaway copy of the model after
-    `warmup_steps` untimed ones (the first steps allocate and run slower)."""
-    probe = copy.deepcopy(model)
-    sampler = Sampler(data, cfg.batch_size, probe.config.block_size, cfg.seed)
-
-    def run(steps: int):
-        train(probe, list(probe.named_parameters()), sampler, replace(cfg, steps=steps), training_loss,
-              desc="GPT step timing")
-
-    run(warmup_steps)
-    t0 = time.process_time()
-    run(probe_steps)
-    return max(1, round(seconds * probe_steps / (time.process_time() - t0)))
-
-
 def run_gpt(cfg: Config, tokens: torch.Tensor, held: torch.Tensor, seconds: float, seed: int) -> dict:
     n = cfg.train_bytes
     model_cfg, train_cfg = gpt_configs(cfg, seed)
     torch.manual_seed(seed)
     model = GPT(model_cfg)
-    train_cfg = replace(train_cfg, steps=gpt_steps_for(seconds, model, tokens[:n], train_cfg))
     sampler = Sampler(tokens[:n], train_cfg.batch_size, model_cfg.block_size, seed)
+    train_cfg = replace(train_cfg, steps=steps_for_seconds(seconds, model, sampler, train_cfg, training_loss))
     t0 = time.process_time()
     history = train(model, list(model.named_parameters()), sampler, train_cfg, training_loss,
                     desc=f"GPT (equal CPU time) seed {seed}")
