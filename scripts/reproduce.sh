@@ -10,7 +10,7 @@ mkdir -p runs
 
 SECTIONS=(frontier-two-domain frontier-two-domain-mix two-domain-quick tiny-renamed apn-ablation two-domain-neutral sequence-quick sequence-ablation
           two-domain-cms sequence-cms optimizers-quick real-standard real-trace real-two-domain
-          first-run benchmarks aunn)
+          online-quick hope-two-domain hope-lm hope-needle serve first-run benchmarks aunn)
 
 publish() {  # publish RUN_DIR SECTION: its tables and figures, next to RESULTS.md
     mkdir -p "docs/figures/$2"
@@ -57,6 +57,13 @@ run_section() {
                             --methods 'seq-lora,moram[lr=5e-3],seq-lora[mix=0.2]' ;;
     real-two-domain)    bench real-two-domain --model smollm2-135m --preset real --seeds 1 \
                             --methods full,lora,adapter,neutral,moram,apn,cms ;;
+    online-quick)       OMP_NUM_THREADS=1 bench online-quick --preset quick --protocol online --methods all --seeds 3 \
+                            --base-seeds 3 ;;                                                                     # ~1.5 h
+    hope-two-domain)    OMP_NUM_THREADS=1 bench hope-two-domain --preset quick --methods 'hope,hope[writes=false]' \
+                            --seeds 3 ;;                                                                          # ~1.3 h
+    hope-lm|hope-needle) OMP_NUM_THREADS=1 forgetless hope bench "${1#hope-}" --seeds 3 --out "runs/$1"       # ~50 / 35 min
+                        publish "runs/$1" "$1" ;;
+    serve)              OMP_NUM_THREADS=2 python benchmarks/bench_serve.py --threads 2 | tee runs/serve.log ;;      # alone
     first-run)          /usr/bin/time -v forgetless bench --out runs/first-run 2>&1 | tee runs/first-run.log
                         publish runs/first-run first-run ;;
     benchmarks)         for b in apn cms moram optim train scoring real harness; do

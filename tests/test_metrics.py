@@ -77,7 +77,7 @@ def test_frontier_curves_and_operating_points():
                "methods": {"full": arm(0.20, 1.0), "full[lr=1e-4]": arm(0.04, 0.8), "full[lr=3e-5]": arm(0.01, 0.5),
                            "lora": arm(0.015, 0.7, lr=1e-3)}}
     assert [(v, label) for v, label, _ in curves(results)["full, lr"]] == [
-        ("3e-5", "full[lr=3e-5]"), ("1e-4", "full[lr=1e-4]"), ("0.0003", "full")]
+        ("3e-5", "full[lr=3e-5]"), ("1e-4", "full[lr=1e-4]"), ("3e-4", "full")]  # one label format
     points = operating_points(results)  # no validation numbers: chosen on the held-out ones
     held = {"chosen_on": "held-out"}
     assert points["full, lr"] == {"best_g_at_f_le_5": {"value": 0.8, "arm": "full[lr=1e-4]", "chosen_value": 0.8, **held},

@@ -40,7 +40,7 @@ def curves(results: dict) -> dict[str, list[tuple[str, str, dict]]]:
             value = plain.get("options", {}).get(option)
             value = adapt.get(option) if value is None else value
             if value is not None and all(not same(value, v) for v, _, _ in points):
-                points.append((str(value), name, plain))
+                points.append((compact(value), name, plain))
         if len(points) >= 2:
             out[f"{name}, {option}"] = sorted(points, key=lambda p: number(p[0]))
     return out
@@ -135,6 +135,14 @@ def number(text: str) -> float:
         return float(text)
     except ValueError:
         return float("inf")
+
+
+def compact(value) -> str:
+    """An option value as a sweep writes it: 0.001 -> '1e-3' (so a curve's labels share one format)."""
+    if isinstance(value, float) and 0 < abs(value) < 0.01:
+        mantissa, exponent = f"{value:.0e}".split("e")
+        return f"{mantissa}e{int(exponent)}" if float(f"{mantissa}e{exponent}") == value else f"{value:g}"
+    return str(value)
 
 
 def same(a, b) -> bool:
