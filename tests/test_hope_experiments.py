@@ -79,3 +79,9 @@ def test_bad_options_are_one_line_errors(args, message, tmp_path):
     result = hope(*args, "--out", tmp_path / "x")
     assert result.exit_code != 0 and message in result.output
     assert not (tmp_path / "x").exists()
+
+
+def test_experiments_lists_every_option():
+    result = hope("experiments")
+    assert result.exit_code == 0, result.output
+    assert all(word in result.output for word in ("lm:", "needle:", "budget_s", "memory_windows", "pairs"))
