@@ -108,7 +108,8 @@ def test_online_bench_writes_results_report_and_table(tmp_path):
     apn = results["methods"]["apn"]  # compared with its own (APN) base without updates, not the dense one
     assert abs(apn["gain_vs_frozen"]["mean"]) < 0.01 < abs(apn["prequential_loss"]["mean"] - frozen["prequential_loss"]["mean"])
     files = write_report(results, tmp_path)
-    assert {f.name for f in files} == {"results.json", "results.csv", "results.md", "online.png"}
+    assert {f.name for f in files} == {"results.json", "results.csv", "results.md", "online.png",
+                                       "online_tradeoff.png"}
     assert "gain vs dynamic-eval" in (tmp_path / "results.md").read_text()
     again = run_online(cfg, ["full", "lora", "apn"], [0], tmp_path, "smoke")  # saved arms are reused
     assert again["methods"]["full"]["prequential_loss"] == full["prequential_loss"]

@@ -6,7 +6,7 @@ from pathlib import Path
 from forgetless import distributed
 from forgetless.checkpoint import write_json
 from forgetless.report.figures import method_figures, r_heatmaps, write_figures
-from forgetless.report.online import online_figure, online_markdown, write_online_csv
+from forgetless.report.online import online_figure, online_markdown, online_tradeoff, write_online_csv
 from forgetless.report.frontier import curves, frontier_figure, frontier_markdown, operating_points
 from forgetless.report.tables import markdown, sequence_markdown, write_csv, write_sequence_csv
 
@@ -26,7 +26,9 @@ def write_report(results: dict, out: Path) -> list[Path]:
         write_online_csv(results, out / "results.csv")
         (out / "results.md").write_text(online_markdown(results))
         online_figure(results, out / "online.png")
-        return [out / "results.json", out / "results.csv", out / "results.md", out / "online.png"]
+        online_tradeoff(results, out / "online_tradeoff.png")
+        return [out / "results.json", out / "results.csv", out / "results.md", out / "online.png",
+                out / "online_tradeoff.png"]
     sequence = results["protocol"] == "sequence"
     (write_sequence_csv if sequence else write_csv)(results, out / "results.csv")
     text = sequence_markdown(results) if sequence else markdown(results)

@@ -1,5 +1,5 @@
-"""The online protocol's table (CSV, Markdown, terminal) and figure: prequential loss and retention
-against stream position, every arm."""
+"""The online protocol's table (CSV, Markdown, terminal) and figures: prequential loss and retention
+against stream position, every arm; and each arm's gain over the frozen base against its forgetting."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -76,4 +76,23 @@ def online_figure(results: dict, path: Path):
     right.set(xlabel="tokens streamed", ylabel="canary loss (held-out A, nats/token)  ↓ better", title="Retention")
     left.legend(fontsize=8)
     fig.suptitle(f"Online protocol ({results['preset']}, {len(results['seeds'])} seed(s))", fontsize=10)
+    save(fig, path)
+
+
+def online_tradeoff(results: dict, path: Path):
+    """One point per arm (mean ± std over seeds): gain over its frozen base (x, nats/token, → better) against
+    forgetting on the canary (y, %, ↓ better), the online analogue of the two-domain scatter."""
+    methods = results["methods"]
+    color = colors(list(methods))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, m in methods.items():
+        x, y = m["gain_vs_frozen"], m["forgetting"]
+        ax.errorbar(x["mean"], 100 * y["mean"], xerr=x["std"] or 0, yerr=100 * (y["std"] or 0), fmt="o",
+                    color=color[name], capsize=3, label=f"{name} ({m['trainable_params']:,} trainable)")
+        ax.annotate(name, (x["mean"], 100 * y["mean"]), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.margins(x=0.15)
+    ax.set(xlabel="gain over the frozen base (mean prequential loss, nats/token)  → better",
+           ylabel="forgetting on the canary (% rise of PPL_A)  ↓ better",
+           title=f"Online: learning from the stream vs retention ({results['preset']}, {len(results['seeds'])} seed(s))")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     save(fig, path)
