@@ -56,3 +56,5 @@ def test_method_specs_make_labelled_arms():
     assert MethodSpec("lora", {"r": 16}).build({"r": 4, "alpha": 8}).cfg.r == 16  # the spec wins over defaults
     with pytest.raises(ForgetlessError, match="write NAME\\[OPTION=VALUE;...\\]"):
         parse_method_specs("lora[r]")
+    with pytest.raises(ForgetlessError, match="separated by ';'"):  # a comma would end up inside r's value
+        parse_method_specs("lora[r=16,lr=3e-4]")

@@ -60,6 +60,7 @@ def run_experiment(name: str, overrides: dict, seeds: list[int], out: Path,
     """Run (or reuse) every seed, then summarise; returns (results, files written). CPU times are
     measured with torch's current number of threads (the CLI sets one by default)."""
     from forgetless.continual.plan import run_or_reuse_arm
+    from forgetless.continual.two_domain import provenance
 
     if not seeds:
         raise ForgetlessError("give at least one seed")
@@ -68,7 +69,7 @@ def run_experiment(name: str, overrides: dict, seeds: list[int], out: Path,
     runs = [run_or_reuse_arm(out / "seeds" / f"seed{seed}.json", {"config": asdict(cfg), "seed": seed},
                              lambda _dir, seed=seed: mod.run(cfg, seed)) for seed in seeds]
     results = {"experiment": name, "date": datetime.date.today().isoformat(), "seeds": seeds,
-               "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
+               "threads": torch.get_num_threads(), **provenance("cpu"), "machine": platform.machine(),
                "config": asdict(cfg), **mod.summarize(cfg, runs)}
     out.mkdir(parents=True, exist_ok=True)
     write_json(out / "results.json", results)

@@ -110,6 +110,8 @@ def figures(results: dict, out: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
     for arm, s in results["arms"].items():
         curve = s["loss_curve"]
-        ax.plot(curve["cpu_s"], [v / LN2 for v in curve["loss"]], label=f"{arm} (PPL {s['ppl']['mean']:.2f})")
-    ax.set(xlabel="training CPU seconds", ylabel="training loss (bits/byte)", title="equal CPU time, seed 0")
+        ax.plot(curve["cpu_s"], [v / LN2 for v in curve["loss"]], label=f"{arm} (held-out PPL {s['ppl']['mean']:.2f})")
+    n = len(results["seeds"])
+    ax.set(xlabel="training CPU seconds", ylabel="training loss (bits/byte)",
+           title=f"equal CPU time: curves of seed {results['seeds'][0]}, PPL the mean of {n} seed(s)")
     return save_figure(fig, out / "hope_lm.png")

@@ -107,8 +107,9 @@ def parse_method_specs(text: str) -> list[MethodSpec]:
         options = {}
         for item in filter(None, rest.rstrip("]").split(";")):
             key, eq, value = item.partition("=")
-            if not eq:
-                raise ForgetlessError(f"method spec {spec!r}: write NAME[OPTION=VALUE;...], e.g. lora[r=16]")
+            if not eq or "=" in value:
+                raise ForgetlessError(f"method spec {spec!r}: write NAME[OPTION=VALUE;...], options separated by ';', "
+                                      "e.g. lora[r=16;lr=3e-4]")
             options[key.strip()] = value.strip()
         out.append(MethodSpec(name.strip(), options, spec))
     return out

@@ -19,7 +19,7 @@ def write_report(results: dict, out: Path) -> list[Path]:
         distributed.barrier()
         return []
     out.mkdir(parents=True, exist_ok=True)
-    if curves(results):
+    if results["protocol"] != "online" and curves(results):  # the online protocol has no frontier
         results["frontier"] = operating_points(results)
     write_json(out / "results.json", results)
     if results["protocol"] == "online":
