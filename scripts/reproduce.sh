@@ -58,7 +58,13 @@ run_section() {
     real-two-domain)    bench real-two-domain --model smollm2-135m --preset real --seeds 1 \
                             --methods full,lora,adapter,neutral,moram,apn,cms ;;
     online-quick)       OMP_NUM_THREADS=1 bench online-quick --preset quick --protocol online --methods all --seeds 3 \
-                            --base-seeds 3 ;;                                                                     # ~1.5 h
+                            --base-seeds 3                                                                        # ~1.5 h
+                        OMP_NUM_THREADS=1 forgetless bench --preset quick --protocol online --methods moram --seeds 3 \
+                            --base-seeds 3 --out runs/online-moram                                              # ~10 min
+                        OMP_NUM_THREADS=1 forgetless bench --preset quick --protocol online \
+                            --methods 'hope,hope[writes=false]' --seeds 3 --out runs/online-hope                # ~15 min
+                        cp runs/online-moram/results.md docs/figures/online-quick/results-moram.md
+                        cp runs/online-hope/results.md docs/figures/online-quick/results-hope.md ;;
     hope-two-domain)    OMP_NUM_THREADS=1 bench hope-two-domain --preset quick --methods 'hope,hope[writes=false]' \
                             --seeds 3 ;;                                                                          # ~1.3 h
     hope-lm|hope-needle) OMP_NUM_THREADS=1 forgetless hope bench "${1#hope-}" --seeds 3 --out "runs/$1"       # ~50 / 35 min
