@@ -68,7 +68,12 @@ run_section() {
     hope-two-domain)    OMP_NUM_THREADS=1 bench hope-two-domain --preset quick --methods 'hope,hope[writes=false]' \
                             --seeds 3 ;;                                                                          # ~1.3 h
     hope-lm|hope-needle) OMP_NUM_THREADS=1 forgetless hope bench "${1#hope-}" --seeds 3 --out "runs/$1"       # ~50 / 35 min
-                        publish "runs/$1" "$1" ;;
+                        publish "runs/$1" "$1"
+                        if [ "$1" = hope-needle ]; then                                                           # ~25 min
+                            OMP_NUM_THREADS=1 forgetless hope bench needle --seeds 1 --set budget_s=600 \
+                                --set arms=gpt,titans --out runs/hope-needle-600
+                            cp runs/hope-needle-600/results.md docs/figures/hope-needle/results-600s.md
+                        fi ;;
     serve)              OMP_NUM_THREADS=2 python benchmarks/bench_serve.py --threads 2 | tee runs/serve.log ;;      # alone
     first-run)          /usr/bin/time -v forgetless bench --out runs/first-run 2>&1 | tee runs/first-run.log
                         publish runs/first-run first-run ;;

@@ -27,10 +27,10 @@ EXPERIMENTS = {
 
 
 def pm(stat: dict, scale: float = 100.0, digits: int = 1) -> str:
-    """`mean ± std` of a {"mean", "std"} stat, scaled (default: as %)."""
+    """`mean ± std` of a stat of `mean_std`, scaled (default: as %); the mean alone for one seed (no spread)."""
     from forgetless.report.tables import cell
 
-    return cell({"mean": scale * stat["mean"], "std": scale * stat["std"]}, f"{{:.{digits}f}}", with_std=True)
+    return cell({"mean": scale * stat["mean"], "std": scale * stat["std"]}, f"{{:.{digits}f}}", with_std="ci95" in stat)
 
 
 def save_figure(fig, path: Path) -> list[Path]:
