@@ -78,6 +78,15 @@ def test_frontier_curves_and_operating_points():
                            "lora": arm(0.015, 0.7, lr=1e-3)}}
     assert [(v, label) for v, label, _ in curves(results)["full, lr"]] == [
         ("3e-5", "full[lr=3e-5]"), ("1e-4", "full[lr=1e-4]"), ("3e-4", "full")]  # one label format
+    grid = {"methods": {**results["methods"], "adapter": arm(0.2, 0.8, lr=1e-3), "adapter[bottleneck=512]": arm(0.3, 1.0),
+                        "adapter[bottleneck=512;lr=3e-4]": arm(0.25, 0.9), "lora[r=4]": arm(0.01, 0.6),
+                        "lora[r=16]": arm(0.02, 0.8)}, "protocol": "two-domain", "config": results["config"]}
+    grid["methods"]["adapter[bottleneck=512]"]["options"]["lr"] = 1e-3
+    found = curves(grid)  # arms sharing every other option make one lr curve; an r sweep joins the plain arm
+    assert [label for _, label, _ in found["adapter[bottleneck=512], lr"]] == [
+        "adapter[bottleneck=512;lr=3e-4]", "adapter[bottleneck=512]"]
+    assert [(v, label) for v, label, _ in found["lora, r"]] == [("4", "lora[r=4]"), ("16", "lora[r=16]")]
+    assert "adapter, bottleneck" not in found and "adapter, lr" not in found  # the plain adapter is one point
     points = operating_points(results)  # no validation numbers: chosen on the held-out ones
     held = {"chosen_on": "held-out"}
     assert points["full, lr"] == {"best_g_at_f_le_5": {"value": 0.8, "arm": "full[lr=1e-4]", "chosen_value": 0.8, **held},

@@ -7,12 +7,10 @@ chosen on the validation windows where the run has them (two-domain) and reporte
 """
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from forgetless.report.figures import colors, plt, save
 
-SWEPT = re.compile(r"([\w-]+)\[(\w+)=([^;\]]+)\]")
 F_LIMITS, G_TARGET, LA_MARGIN = (5.0, 2.0), 0.9, 1.0
 
 
@@ -26,24 +24,45 @@ def axes_of(results: dict) -> tuple[tuple[str, str, float], tuple[str, str, floa
 
 def curves(results: dict) -> dict[str, list[tuple[str, str, dict]]]:
     """'lora, lr' -> [(value, arm label, arm)] sorted by value, for every method run at >= 2 values of one
-    option (its plain arm counts, at its own option value or the protocol's for lr and mix)."""
+    option (its arm without that option counts, at its own value or the protocol's for lr and mix). The
+    arms of one method that share every other option make one lr curve ('adapter[bottleneck=512], lr');
+    an arm in no lr curve joins the curve of its one option ('lora, r')."""
     adapt = results["config"]["adapt"]
-    swept: dict[tuple[str, str], list] = {}
-    for label, m in results["methods"].items():
-        match = SWEPT.fullmatch(label)
-        if match:
-            swept.setdefault((match.group(1), match.group(2)), []).append((match.group(3), label, m))
-    out = {}
-    for (name, option), points in swept.items():
-        plain = results["methods"].get(name)
-        if plain is not None:
-            value = plain.get("options", {}).get(option)
-            value = adapt.get(option) if value is None else value
-            if value is not None and all(not same(value, v) for v, _, _ in points):
-                points.append((compact(value), name, plain))
-        if len(points) >= 2:
-            out[f"{name}, {option}"] = sorted(points, key=lambda p: number(p[0]))
+    explicit = {label: options_of(label) for label in results["methods"]}
+
+    def point(label: str, option: str):
+        m = results["methods"][label]
+        value = explicit[label][1].get(option, m.get("options", {}).get(option))
+        value = adapt.get(option) if value is None else value
+        return None if value is None else (compact(value), label, m)
+
+    def collect(groups: dict, key: str, labels: list[str], option: str):
+        points = [p for p in (point(label, option) for label in labels) if p is not None]
+        if len({number(v) if number(v) != float("inf") else v for v, _, _ in points}) >= 2:
+            groups[key] = sorted(points, key=lambda p: number(p[0]))
+
+    out, by_rest = {}, {}
+    for label, (name, options) in explicit.items():
+        rest = ";".join(f"{k}={v}" for k, v in options.items() if k != "lr")
+        by_rest.setdefault((name, rest), []).append(label)
+    for (name, rest), labels in by_rest.items():
+        collect(out, f"{name}[{rest}], lr" if rest else f"{name}, lr", labels, "lr")
+    in_lr = {label for points in out.values() for _, label, _ in points}
+    single = {}
+    for label, (name, options) in explicit.items():
+        if label not in in_lr and len(options) == 1:
+            single.setdefault((name, next(iter(options))), []).append(label)
+    for (name, option), labels in single.items():
+        plain = [name] if name in results["methods"] and option != "lr" else []
+        collect(out, f"{name}, {option}", plain + labels, option)
     return out
+
+
+def options_of(label: str) -> tuple[str, dict]:
+    """'adapter[bottleneck=512;lr=3e-4]' -> ('adapter', {'bottleneck': '512', 'lr': '3e-4'})."""
+    name, _, rest = label.partition("[")
+    options = dict(item.partition("=")[::2] for item in rest.rstrip("]").split(";") if item)
+    return name, options
 
 
 def every_arm(results: dict) -> dict[str, list[tuple[str, str, dict]]]:
