@@ -8,9 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p runs
 
-SECTIONS=(frontier-two-domain frontier-two-domain-mix two-domain-quick tiny-renamed apn-ablation two-domain-neutral sequence-quick sequence-ablation
+SECTIONS=(frontier-two-domain frontier-two-domain-mix frontier-two-domain-capacity two-domain-quick tiny-renamed apn-ablation two-domain-neutral sequence-quick sequence-ablation
           two-domain-cms sequence-cms optimizers-quick real-standard real-trace real-two-domain
-          online-quick hope-two-domain hope-lm hope-needle serve first-run benchmarks aunn)
+          online-quick hope-two-domain hope-lm hope-needle hope-speed serve first-run benchmarks aunn)
 
 publish() {  # publish RUN_DIR SECTION: its tables and figures, next to RESULTS.md
     mkdir -p "docs/figures/$2"
@@ -33,6 +33,14 @@ run_section() {
     frontier-two-domain-mix) OMP_NUM_THREADS=1 bench frontier-two-domain-mix --preset quick --seeds 3 --base-seeds 3 \
                             --mix 0.1 --methods full,ewc,lora --sweep full.lr=1e-4,1e-3 --sweep ewc.lr=1e-4,1e-3 \
                             --sweep lora.lr=3e-4,3e-3 ;;                                                          # ~30 min
+    frontier-two-domain-capacity) OMP_NUM_THREADS=1 forgetless bench --preset quick --seeds 3 --base-seeds 3 \
+                            --methods 'full,lora,adapter,neutral,ewc,apn-retrofit,adapter[bottleneck=4287],adapter[bottleneck=4287;lr=3e-4],adapter[bottleneck=4287;lr=1e-4],adapter[bottleneck=4287;lr=3e-5]' \
+                            --sweep full.lr=1e-4,1e-3 --sweep ewc.lr=1e-4,1e-3 --sweep lora.lr=3e-4,3e-3 \
+                            --sweep adapter.lr=3e-4,3e-3 --sweep neutral.lr=3e-4,3e-3 --sweep apn-retrofit.lr=3e-4,3e-3 \
+                            --out runs/frontier-two-domain                           # reuses the frontier's arms; ~1 h more
+                        mkdir -p docs/figures/frontier-two-domain-capacity
+                        cp runs/frontier-two-domain/{results.md,frontier.png,routing_overlap.png} \
+                            docs/figures/frontier-two-domain-capacity/ ;;
     two-domain-quick)   /usr/bin/time -v forgetless bench --preset quick --methods all --out runs/two-domain-quick \
                             2>&1 | tee runs/two-domain-quick.log                                                 # ~25-45 min
                         publish runs/two-domain-quick two-domain-quick ;;
@@ -74,7 +82,9 @@ run_section() {
                                 --set arms=gpt,titans --out runs/hope-needle-600
                             cp runs/hope-needle-600/results.md docs/figures/hope-needle/results-600s.md
                         fi ;;
-    serve)              OMP_NUM_THREADS=2 python benchmarks/bench_serve.py --threads 2 | tee runs/serve.log ;;      # alone
+    serve)              OMP_NUM_THREADS=2 python benchmarks/bench_serve.py --threads 2 --repeats 3 | tee runs/serve.log ;;  # alone
+    hope-speed)         PYTHONPATH="${TITANS_DEPS:-/tmp/titans_deps}" OMP_NUM_THREADS=2 python benchmarks/bench_titans.py \
+                            | tee runs/hope-speed.log ;;                        # alone; the peer: bench_titans.py's docstring
     first-run)          /usr/bin/time -v forgetless bench --out runs/first-run 2>&1 | tee runs/first-run.log
                         publish runs/first-run first-run ;;
     benchmarks)         for b in apn cms moram optim train scoring real harness; do
