@@ -35,3 +35,21 @@ def parse_args(doc: str) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--iters", type=int, default=5)
     return parser.parse_args()
+
+
+def provenance(**packages: str) -> dict:
+    """What produced a benchmark's numbers: forgetless version, git commit, code fingerprint, torch, threads,
+    and the versions of `packages` (label -> distribution name) where installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import forgetless
+    from forgetless.config import code_fingerprint, git_commit
+
+    def installed(name: str) -> str | None:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+    return {"forgetless": forgetless.__version__, "git_commit": git_commit(), "code": code_fingerprint(),
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            **{label: installed(name) for label, name in packages.items()}}

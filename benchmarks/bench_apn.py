@@ -14,7 +14,7 @@ import json
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from _timing import compare, parse_args
+from _timing import compare, parse_args, provenance
 
 from forgetless.nn.apn import APN, APNConfig
 
@@ -43,7 +43,7 @@ def main():
         print(f"{name:5s} d={size['d']} tokens={size['tokens']}: dense {r['baseline_ms']:.1f} ms, "
               f"APN {r['candidate_ms']:.1f} ms, ratio {r['ratio']:.2f} (fwd+bwd; "
               f"{r['apn_macs_per_token']:,} vs {r['dense_macs_per_token']:,} MACs/token)")
-    print(json.dumps({"bench": "apn", "ratio": results["seed"]["ratio"], "baseline_ms": results["seed"]["baseline_ms"],
+    print(json.dumps({"bench": "apn", "provenance": provenance(), "ratio": results["seed"]["ratio"], "baseline_ms": results["seed"]["baseline_ms"],
                       "candidate_ms": results["seed"]["candidate_ms"],
                       "config": {"sizes": SIZES, "threads": torch.get_num_threads(), "repeats": args.repeats,
                                  "iters": args.iters, "apn": APNConfig().__dict__, "quick": results["quick"]}}))

@@ -9,7 +9,7 @@ import json
 
 import torch
 import torch.nn.functional as F
-from _timing import compare, parse_args
+from _timing import compare, parse_args, provenance
 
 from forgetless.models.gpt import DenseFFN, GPTConfig
 from forgetless.nn.cms import CMSConfig, cms_ffn
@@ -24,7 +24,7 @@ def main():
     r = compare(dense, cms, x, args.repeats, args.iters)
     print(f"dense FFN {r['baseline_ms']:.1f} ms, CMS {r['candidate_ms']:.1f} ms, ratio {r['ratio']:.2f} (fwd+bwd; "
           f"{sum(p.numel() for p in cms.parameters()):,} vs {sum(p.numel() for p in dense.parameters()):,} parameters)")
-    print(json.dumps({"bench": "cms", **r, "config": {"d": 128, "tokens": 4096, "cms": CMSConfig().__dict__,
+    print(json.dumps({"bench": "cms", "provenance": provenance(), **r, "config": {"d": 128, "tokens": 4096, "cms": CMSConfig().__dict__,
                                                       "threads": torch.get_num_threads(), "repeats": args.repeats,
                                                       "iters": args.iters}}))
 

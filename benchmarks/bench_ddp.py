@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from _timing import provenance
 
 from forgetless import distributed
 from forgetless.checkpoint import write_json
@@ -83,7 +84,7 @@ def main():
     b, c = statistics.median(base), statistics.median(cand)
     print(f"{args.preset} model, global batch {args.batch_size}: {c:.1f} ms/step with 2 processes, {b:.1f} ms/step "
           f"with 1 ({os.cpu_count()} cores, 1 thread per process; on this CPU box DDP is for correctness, not speed)")
-    print(json.dumps({"bench": "ddp", "ratio": round(c / b, 3), "baseline_ms": round(b, 2), "candidate_ms": round(c, 2),
+    print(json.dumps({"bench": "ddp", "provenance": provenance(), "ratio": round(c / b, 3), "baseline_ms": round(b, 2), "candidate_ms": round(c, 2),
                       "config": {"preset": args.preset, "steps": args.steps, "repeats": args.repeats,
                                  "batch_size": args.batch_size, "processes": 2, "cores": os.cpu_count()}}))
 

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from _timing import provenance
 
 PHASES = ["plan", "pretrain", "adapt", "evaluate", "report", "other"]
 
@@ -115,7 +116,7 @@ def main():
     for name in PHASES:
         print(f"{name:<10} {clock.seconds[name]:>9.1f} {100 * clock.seconds[name] / total:>6.1f}%")
     print(f"{'total':<10} {total:>9.1f}   (plan estimated {estimate.get('seconds', float('nan')):.1f} s)")
-    print(json.dumps({"bench": "harness", "ratio": estimate.get("seconds", float("nan")) / total,
+    print(json.dumps({"bench": "harness", "provenance": provenance(), "ratio": estimate.get("seconds", float("nan")) / total,
                       "baseline_ms": 1000 * total, "candidate_ms": 1000 * estimate.get("seconds", float("nan")),
                       "phases_s": {k: round(v, 2) for k, v in clock.seconds.items()}, "threads": args.threads,
                       "cold": not args.warm, "args": bench_args}))

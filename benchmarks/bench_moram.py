@@ -14,7 +14,7 @@ import json
 
 import torch
 import torch.nn as nn
-from _timing import compare, parse_args
+from _timing import compare, parse_args, provenance
 from peft import LoraConfig, inject_adapter_in_model
 
 from forgetless.nn.moram import MoRAMConfig, MoRAMLinear
@@ -64,7 +64,7 @@ def main():
             print(f"{name:5s} d={d} tokens={size['tokens']} atoms {label}: LoRA r=64 {r['baseline_ms']:.2f} ms, "
                   f"MoRAM {r['candidate_ms']:.2f} ms, ratio {r['ratio']:.2f} (fwd+bwd)")
     main_row = results["d768/8x8"]
-    print(json.dumps({"bench": "moram", **main_row,
+    print(json.dumps({"bench": "moram", "provenance": provenance(), **main_row,
                       "config": {"sizes": SIZES, "threads": torch.get_num_threads(), "repeats": args.repeats,
                                  "iters": args.iters, "all": results}}))
 

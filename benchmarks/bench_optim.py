@@ -12,7 +12,7 @@ import statistics
 import time
 
 import torch
-from _timing import parse_args
+from _timing import parse_args, provenance
 
 from forgetless.models.gpt import GPT, GPTConfig
 from forgetless.optim import OPTIMIZERS, build_optimizer
@@ -50,7 +50,7 @@ def main():
         print(f"{name:6s} {ms[name]:7.2f} ms per step, ratio {ratios[name]:.2f} vs AdamW")
     print(f"(forward + backward of one 32 x 128 batch: {fwd_bwd_ms:.0f} ms, unwarmed)")
     slowest = max((n for n in ms if n != "adamw"), key=ms.get)
-    print(json.dumps({"bench": "optim", "ratio": ratios[slowest], "baseline_ms": round(ms["adamw"], 2),
+    print(json.dumps({"bench": "optim", "provenance": provenance(), "ratio": ratios[slowest], "baseline_ms": round(ms["adamw"], 2),
                       "candidate_ms": round(ms[slowest], 2),
                       "config": {"candidate": slowest, "ratios": ratios, "params": model.num_params(),
                                  "threads": torch.get_num_threads(), "repeats": args.repeats, "iters": args.iters}}))

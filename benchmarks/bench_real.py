@@ -32,6 +32,7 @@ import statistics
 import time
 
 import torch
+from _timing import provenance
 from peft import LoraConfig, get_peft_model
 
 import forgetless
@@ -206,7 +207,7 @@ def main():
           f"{', '.join(k for k in attach_style if k not in meet) or 'none'}")
 
     print(json.dumps({
-        "bench": "real", "baseline": BASELINE, "baseline_ms": round(baseline_ms, 1), "methods": rows,
+        "bench": "real", "provenance": provenance(peft="peft", transformers="transformers"), "baseline": BASELINE, "baseline_ms": round(baseline_ms, 1), "methods": rows,
         "config": {"model": args.model, "model_facts": facts, "batch": args.batch, "tokens": args.tokens,
                    "answer_tokens": args.answer_tokens, "steps": args.steps, "warmup": args.warmup,
                    "threads": torch.get_num_threads(), "optimizer": cfg.optimizer, "lr": cfg.lr,

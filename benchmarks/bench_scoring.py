@@ -17,6 +17,7 @@ import statistics
 import time
 
 import torch
+from _timing import provenance
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -111,7 +112,7 @@ def main():
     print(f"{len(prompts)} dbpedia prompts (mean {statistics.mean(lengths):.0f} tokens) x {len(labels)} labels: "
           f"per candidate {t['per_candidate']:.2f} s, per-prompt batch {t['per_prompt_batch']:.2f} s, "
           f"fast {t['fast']:.2f} s; max |diff| {diff:.1e}, same choices: {same}")
-    print(json.dumps({"bench": "scoring", "ratio": round(t["per_candidate"] / t["fast"], 2),
+    print(json.dumps({"bench": "scoring", "provenance": provenance(), "ratio": round(t["per_candidate"] / t["fast"], 2),
                       "ratio_vs_per_prompt_batch": round(t["per_prompt_batch"] / t["fast"], 2),
                       "baseline_s": round(t["per_candidate"], 3), "per_prompt_batch_s": round(t["per_prompt_batch"], 3),
                       "fast_s": round(t["fast"], 3), "max_abs_diff": diff, "same_choices": same,

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from _timing import provenance
 
 from forgetless.checkpoint import save_checkpoint
 from forgetless.data.corpora import load_corpus
@@ -150,7 +151,7 @@ def main():
     print(f"learning on: {len(learned)} documents sent while scoring, {docs_per_s:.2f}/s, /v1/learn p50 "
           f"{learn_p50} ms; {stats['counters']['rollbacks']} rollbacks")
     off, on = result["off"], result["on"]
-    print(json.dumps({"bench": "serve", "ratio": round(on["p50_ms"] / off["p50_ms"], 3),
+    print(json.dumps({"bench": "serve", "provenance": provenance(), "ratio": round(on["p50_ms"] / off["p50_ms"], 3),
                       "baseline_ms": round(off["p50_ms"], 2), "candidate_ms": round(on["p50_ms"], 2),
                       "p99_ratio": round(on["p99_ms"] / off["p99_ms"], 3), "baseline_p99_ms": round(off["p99_ms"], 2),
                       "candidate_p99_ms": round(on["p99_ms"], 2), "throughput_ratio": round(on["rps"] / off["rps"], 3),

@@ -24,7 +24,7 @@ import statistics
 
 import torch
 import torch.nn as nn
-from _timing import step_ms
+from _timing import provenance, step_ms
 
 from forgetless.models.gpt import Block, GPTConfig
 from forgetless.nn.adapter import n_params, width_for
@@ -106,7 +106,7 @@ def main():
                                                f"({row[name]['tokens_per_s']:,} tok/s, x{row[name]['ratio']:.2f})"
                                                for name in med))
     first = rows[0]
-    print(json.dumps({"bench": "titans", "ratio": first["HOPE block"]["ratio"],
+    print(json.dumps({"bench": "titans", "provenance": provenance(titans_pytorch="titans-pytorch"), "ratio": first["HOPE block"]["ratio"],
                       "baseline_ms": first["attention block"]["ms"], "candidate_ms": first["HOPE block"]["ms"],
                       "config": {"d": args.d, "tokens": args.tokens, "chunk": args.chunk, "params": params,
                                  "threads": torch.get_num_threads(), "repeats": args.repeats, "iters": args.iters,

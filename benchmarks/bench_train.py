@@ -16,6 +16,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _timing import provenance
 
 from forgetless.continual.evaluate import training_loss
 from forgetless.data.corpora import load_corpus
@@ -68,7 +69,7 @@ def main():
     tokens_per_step = cfg.pretrain.batch_size * cfg.model.block_size
     print(f"quick preset: {tokens_per_step / c:,.0f} training tokens/s with forgetless's loop, "
           f"{tokens_per_step / b:,.0f} bare PyTorch ({torch.get_num_threads()} threads)")
-    print(json.dumps({"bench": "train", "ratio": round(c / b, 3), "baseline_ms": round(1000 * b, 2),
+    print(json.dumps({"bench": "train", "provenance": provenance(), "ratio": round(c / b, 3), "baseline_ms": round(1000 * b, 2),
                       "candidate_ms": round(1000 * c, 2), "candidate_tokens_per_s": round(tokens_per_step / c),
                       "config": {"preset": "quick", "steps": args.steps, "repeats": args.repeats,
                                  "tokens_per_step": tokens_per_step}}))

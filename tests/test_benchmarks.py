@@ -4,6 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
+from forgetless.config import code_fingerprint
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -17,6 +21,7 @@ def test_bench_harness_splits_a_cold_run_into_phases(tmp_path, text_file):
     assert line["cold"] and phases["pretrain"] > 0 and phases["adapt"] > 0 and phases["evaluate"] > 0
     assert abs(sum(phases.values()) - total) < 0.05 * total  # every second counted once
     assert line["candidate_ms"] > 0  # the plan's estimate was caught
+    assert line["provenance"]["torch"] == torch.__version__ and line["provenance"]["code"] == code_fingerprint()
 
 
 def test_bench_harness_exits_with_the_cli_error(tmp_path):
