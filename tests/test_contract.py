@@ -28,8 +28,8 @@ T = 12  # tokens per window (the GPT's context is 16)
 
 SMALL_APN = {"n_patches": 8, "top_k": 2, "rank": 4}
 OWN_BASE = {n for n in NAMES if build_method(n).base_config(GPTConfig()) != GPTConfig()}  # apn, cms, ...
-TRAINS_EVERYTHING = {"full", "ewc", "dynamic-eval"}
-NOTHING_INJECTED = {"full", "ffn", "ewc", "dynamic-eval"}  # and, on our GPT, the methods with a base of their own
+TRAINS_EVERYTHING = {"full", "ewc", "distill", "wise-ft", "dynamic-eval"}
+NOTHING_INJECTED = {"full", "ffn", "ewc", "distill", "wise-ft", "dynamic-eval"}  # and, on our GPT, the methods with a base of their own
 FOLDABLE = {"lora", "seq-lora", "o-lora"}  # merge_and_unload folds them into the base weights
 OTHER_ARCHITECTURE = {"gpt": lambda method: ours(d=48, method=method),
                       "gpt2": lambda method: hf_llama(), "llama": lambda method: hf_gpt2()}

@@ -62,7 +62,7 @@ def register_method(name: str):
 # Table order: the names of docs/DESIGN.md §6 with the later methods beside their kin, then any other
 # registered method (a plugin's) by name.
 CANONICAL_ORDER = ["full", "ffn", "lora", "adapter", "apn", "apn-local", "apn-param-matched", "apn-retrofit",
-                   "moram", "moe-lora", "seq-lora", "o-lora", "neutral", "ewc", "cms", "cms-fast", "hope",
+                   "moram", "moe-lora", "seq-lora", "o-lora", "neutral", "ewc", "distill", "wise-ft", "cms", "cms-fast", "hope",
                    "dynamic-eval"]
 
 
