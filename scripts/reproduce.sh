@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p runs
 
-SECTIONS=(frontier-two-domain frontier-two-domain-mix frontier-two-domain-capacity frontier-two-domain-ewc two-domain-quick tiny-renamed apn-ablation two-domain-neutral sequence-quick sequence-ablation
+SECTIONS=(frontier-two-domain frontier-two-domain-mix frontier-two-domain-capacity frontier-two-domain-ewc frontier-two-domain-stdlib two-domain-quick tiny-renamed apn-ablation two-domain-neutral sequence-quick sequence-ablation
           two-domain-cms sequence-cms optimizers-quick real-standard real-trace real-two-domain
           online-quick hope-two-domain hope-lm hope-needle hope-speed serve first-run benchmarks aunn)
 
@@ -48,6 +48,10 @@ run_section() {
                             --out runs/frontier-two-domain                           # reuses the frontier's arms; ~20 min more
                         mkdir -p docs/figures/frontier-two-domain-ewc
                         cp runs/frontier-two-domain/{results.md,frontier.png} docs/figures/frontier-two-domain-ewc/ ;;
+    frontier-two-domain-stdlib) OMP_NUM_THREADS=1 bench frontier-two-domain-stdlib --preset quick --seeds 3 --base-seeds 3 \
+                            --domain-b python-stdlib --methods 'full,lora,adapter,neutral,ewc,apn-retrofit,neutral[mix=0],full[mix=0.1;lr=1e-4],full[mix=0.1],full[mix=0.1;lr=1e-3],ewc[mix=0.1;lr=1e-4],ewc[mix=0.1],ewc[mix=0.1;lr=1e-3]' \
+                            --sweep full.lr=1e-4,1e-3 --sweep ewc.lr=1e-4,1e-3 --sweep lora.lr=3e-4,3e-3 \
+                            --sweep adapter.lr=3e-4,3e-3 --sweep neutral.lr=3e-4,3e-3 --sweep apn-retrofit.lr=3e-4,3e-3 ;;  # ~2 h
     two-domain-quick)   /usr/bin/time -v forgetless bench --preset quick --methods all --out runs/two-domain-quick \
                             2>&1 | tee runs/two-domain-quick.log                                                 # ~25-45 min
                         publish runs/two-domain-quick two-domain-quick ;;
