@@ -38,6 +38,9 @@ def test_bench_smoke_writes_the_contract(smoke_run):
     results = json.loads((out / "results.json").read_text())
     assert results["protocol"] == "two-domain" and results["preset"] == "smoke" and results["seeds"] == [0, 1]
     assert results["domains"] == {"a": "shakespeare-modern", "b": "shakespeare-folio"}
+    fingerprints = results["data_fingerprints"]  # what the corpora held on this machine, split as used
+    assert set(fingerprints) == {"a", "b"} and fingerprints["a"] != fingerprints["b"]
+    assert all(isinstance(f, str) and len(f) >= 8 for f in fingerprints.values())
     assert list(results["methods"])[:4] == ["full", "ffn", "lora", "adapter"]
     for name, m in results["methods"].items():
         assert CONTRACT_KEYS <= set(m), name

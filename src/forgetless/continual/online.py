@@ -140,6 +140,7 @@ def run_online(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[int]
         **provenance(device), "model": model,
         "domains": {"a": cfg.data.domain_a, "b": cfg.data.domain_b},
         "held_out": {"a": a.val_keys, "b": b.val_keys},
+        "data_fingerprints": {"a": a.fingerprint, "b": b.fingerprint},
         "date": datetime.date.today().isoformat(),
         "config": {**cfg.to_dict(), "online": dataclasses.asdict(cfg.online)},
         "stream": {"chunks": len(chunks), "chunk_tokens": cfg.online.chunk_tokens,
