@@ -48,10 +48,15 @@ run_section() {
                             --out runs/frontier-two-domain                           # reuses the frontier's arms; ~20 min more
                         mkdir -p docs/figures/frontier-two-domain-ewc
                         cp runs/frontier-two-domain/{results.md,frontier.png} docs/figures/frontier-two-domain-ewc/ ;;
-    frontier-two-domain-stdlib) OMP_NUM_THREADS=1 bench frontier-two-domain-stdlib --preset quick --seeds 3 --base-seeds 3 \
-                            --domain-b python-stdlib --methods 'full,lora,adapter,neutral,ewc,apn-retrofit,neutral[mix=0],full[mix=0.1;lr=1e-4],full[mix=0.1],full[mix=0.1;lr=1e-3],ewc[mix=0.1;lr=1e-4],ewc[mix=0.1],ewc[mix=0.1;lr=1e-3]' \
+    frontier-two-domain-stdlib) python -c 'import sys; sys.version_info[:2] == (3, 11) or print("warning: python-stdlib is this interpreter'"'"'s standard library; RESULTS used Python 3.11.7 (another version measures another pair)")'
+                        OMP_NUM_THREADS=1 forgetless bench --preset quick --seeds 3 --base-seeds 3 --domain-b python-stdlib \
+                            --methods 'full,lora,adapter,neutral,ewc,apn-retrofit,neutral[mix=0],full[mix=0.1;lr=1e-4],full[mix=0.1],full[mix=0.1;lr=1e-3],ewc[mix=0.1;lr=1e-4],ewc[mix=0.1],ewc[mix=0.1;lr=1e-3],neutral[alpha=0],neutral[alpha=0;lr=3e-3]' \
                             --sweep full.lr=1e-4,1e-3 --sweep ewc.lr=1e-4,1e-3 --sweep lora.lr=3e-4,3e-3 \
-                            --sweep adapter.lr=3e-4,3e-3 --sweep neutral.lr=3e-4,3e-3 --sweep apn-retrofit.lr=3e-4,3e-3 ;;  # ~2 h
+                            --sweep adapter.lr=3e-4,3e-3 --sweep neutral.lr=3e-4,3e-3 --sweep apn-retrofit.lr=3e-4,3e-3 \
+                            --out runs/frontier-two-domain-stdlib             # ~2 h (26 min of it pretraining three bases)
+                        mkdir -p docs/figures/frontier-two-domain-stdlib
+                        cp runs/frontier-two-domain-stdlib/{results.md,frontier.png,gates.png,routing_overlap.png} \
+                            docs/figures/frontier-two-domain-stdlib/ ;;
     two-domain-quick)   /usr/bin/time -v forgetless bench --preset quick --methods all --out runs/two-domain-quick \
                             2>&1 | tee runs/two-domain-quick.log                                                 # ~25-45 min
                         publish runs/two-domain-quick two-domain-quick ;;
