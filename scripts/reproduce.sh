@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p runs
 
-SECTIONS=(frontier-two-domain frontier-two-domain-mix frontier-two-domain-capacity frontier-two-domain-ewc frontier-two-domain-stdlib two-domain-quick tiny-renamed apn-ablation two-domain-neutral sequence-quick sequence-ablation
+SECTIONS=(frontier-two-domain frontier-two-domain-mix frontier-two-domain-capacity frontier-two-domain-ewc frontier-two-domain-goal frontier-two-domain-stdlib two-domain-quick tiny-renamed apn-ablation two-domain-neutral sequence-quick sequence-ablation
           two-domain-cms sequence-cms optimizers-quick real-standard real-trace real-two-domain
           online-quick hope-two-domain hope-lm hope-needle hope-speed serve first-run benchmarks aunn)
 
@@ -48,6 +48,13 @@ run_section() {
                             --out runs/frontier-two-domain                           # reuses the frontier's arms; ~20 min more
                         mkdir -p docs/figures/frontier-two-domain-ewc
                         cp runs/frontier-two-domain/{results.md,frontier.png} docs/figures/frontier-two-domain-ewc/ ;;
+    frontier-two-domain-goal) OMP_NUM_THREADS=1 forgetless bench --preset quick --seeds 3 --base-seeds 3 \
+                            --methods 'full,neutral,ewc,apn-retrofit,ewc[lam=1e3;lr=1e-4],ewc[lam=1e3],ewc[lam=1e3;lr=1e-3],distill,distill[beta=10],distill[beta=10;lr=1e-3],wise-ft,wise-ft[mix=0.1;lr=1e-3],wise-ft[mix=0.1;lr=3e-3],ewc[lam=1e3;mix=0.1;lr=1e-3],neutral[alpha=0.1;lr=3e-3],distill[lr=3e-3],distill[beta=0.3],distill[beta=0.3;lr=1e-3],distill[beta=0.3;lr=3e-3],distill[beta=0.1;lr=1e-3],distill[beta=0.1;lr=3e-3],distill[beta=0.5],distill[beta=0.5;lr=1e-3],distill[beta=0.3;lr=1e-4],full[mix=0.1;lr=1e-4],full[mix=0.1],full[mix=0.1;lr=1e-3]' \
+                            --sweep full.lr=1e-4,1e-3 --sweep ewc.lr=1e-4,1e-3 --sweep neutral.lr=3e-4,3e-3 \
+                            --sweep apn-retrofit.lr=3e-4,3e-3 --sweep distill.lr=1e-4,1e-3 --sweep wise-ft.lr=1e-3,3e-3 \
+                            --out runs/frontier-two-domain                           # reuses the frontier's arms; ~1 h more
+                        mkdir -p docs/figures/frontier-two-domain-goal
+                        cp runs/frontier-two-domain/{results.md,frontier.png} docs/figures/frontier-two-domain-goal/ ;;
     frontier-two-domain-stdlib) python -c 'import sys; sys.version_info[:2] == (3, 11) or print("warning: python-stdlib is this interpreter'"'"'s standard library; RESULTS used Python 3.11.7 (another version measures another pair)")'
                         OMP_NUM_THREADS=1 forgetless bench --preset quick --seeds 3 --base-seeds 3 --domain-b python-stdlib \
                             --methods 'full,lora,adapter,neutral,ewc,apn-retrofit,neutral[mix=0],full[mix=0.1;lr=1e-4],full[mix=0.1],full[mix=0.1;lr=1e-3],ewc[mix=0.1;lr=1e-4],ewc[mix=0.1],ewc[mix=0.1;lr=1e-3],neutral[alpha=0],neutral[alpha=0;lr=3e-3]' \
