@@ -74,3 +74,42 @@ def test_bad_knobs_fail_in_one_line(spec, message):
     with pytest.raises(ForgetlessError, match=message) as err:
         build_method(spec, bad)
     assert "\n" not in str(err.value)
+
+
+def test_distill_is_kl_from_the_start_to_the_model_on_scored_tokens_only():
+    """KL(p_start || p), not the reverse, averaged over the scored tokens of the mixed rows, through the
+    training loss of a transformers model whose head skips unscored positions (labels -100)."""
+    import torch.nn.functional as F
+    from forgetless.models.gpt import logits_of
+    adapted = attach(tiny("llama"), "distill")
+    adapted.start_task(1)
+    start = tiny("llama").eval()
+    perturb(adapted.model)
+    batch = mixed_batch()
+    y = batch.y.clone()
+    y[:, :5] = -100                                                     # a prompt: unscored, as with answers-only loss
+    batch = Batch(batch.x, y, batch.from_other)
+    adapted.train()
+    total, lm = adapted.losses(batch)
+    kl = (total - lm).item()
+    with torch.no_grad():
+        x = batch.x[batch.from_other]
+        log_p0, log_p = (F.log_softmax(logits_of(m, x).float(), -1) for m in (start, adapted.model.eval()))
+    forward = (log_p0.exp() * (log_p0 - log_p)).sum(-1)[:, 5:].mean().item()
+    reverse = (log_p.exp() * (log_p - log_p0)).sum(-1)[:, 5:].mean().item()
+    assert kl == pytest.approx(forward, rel=1e-4) and abs(forward - reverse) > 1e-3 * forward
+
+
+def test_distill_teacher_survives_save_and_resume():
+    adapted = attach(tiny("gpt"), "distill")
+    adapted.start_task(1)
+    perturb(adapted.model)
+    fresh = build_method("distill")
+    fresh.load_hook_state(adapted.method.hook_state())
+    batch = mixed_batch()
+    torch.testing.assert_close(fresh.extra_loss(adapted.model, batch), adapted.method.extra_loss(adapted.model, batch))
+
+
+def test_distill_without_mixed_rows_is_refused():
+    with pytest.raises(ForgetlessError, match="mix=0 leaves no rows"):
+        build_method("distill", {"mix": 0})

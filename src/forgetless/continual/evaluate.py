@@ -57,7 +57,7 @@ def training_loss(model: nn.Module, batch: Batch, extra=None, token_weights=None
     SmolLM2 with answers-only loss). `token_weights(logits, batch)` may return (B, T) weights for the
     LM loss (None: plain mean); with it, every position's logits are computed.
     """
-    scored = batch.y != -100                                                         # (B, T)
+    whole, scored = batch, batch.y != -100                                           # (B, T)
     keep = None
     if token_weights is None and not scored.all() and takes_logits_to_keep(model):
         keep = scored.any(0).nonzero().flatten()  # (P,) positions some row scores: the head skips the rest
@@ -70,6 +70,6 @@ def training_loss(model: nn.Module, batch: Batch, extra=None, token_weights=None
     if weights is not None:
         weights = weights * scored
     loss = lm if weights is None else (per_token * weights).sum() / weights.sum().clamp_min(1.0)
-    parts = [aux_loss(model), extra(model, batch) if extra else None]
+    parts = [aux_loss(model), extra(model, whole) if extra else None]  # the method sees every position
     parts = [p for p in parts if p is not None]
     return (loss + sum(parts) if parts else loss), lm

@@ -9,7 +9,8 @@ through the model's own forward (`torch.func.functional_call`). In a task sequen
 the earlier tasks' (or the original domain's) and the teacher is the model at the task's start.
 
 Sources: learning without forgetting (Li & Hoiem, 2016) distils on the new task's inputs; dark
-experience replay (Buzzega et al., 2020) on replayed rows, as here.
+experience replay (Buzzega et al., 2020) distils on replayed rows towards logits stored when they were
+seen, close in spirit to this (here the targets come from the model at the task's start).
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ class DistillConfig(MethodConfig):
         super().__post_init__()
         if self.beta < 0:
             raise ForgetlessError(f"distill: beta must not be negative, got {self.beta}")
+        if self.mix == 0:
+            raise ForgetlessError("distill: mix=0 leaves no rows to distil on (plain full fine-tuning); use mix > 0 or method full")
 
 
 @register_method("distill")
@@ -56,8 +59,11 @@ class Distill(Method):
         if not self.teacher or self.cfg.beta == 0 or not batch.from_other.any():
             return None
         x, scored = batch.x[batch.from_other], batch.y[batch.from_other] != -100             # (R, T)
+        was_training = model.training
         with torch.no_grad():
+            model.eval()  # the teacher without dropout
             out = functional_call(model, self.teacher, (x,))
+            model.train(was_training)
             target = F.log_softmax(getattr(out, "logits", out).float(), -1)                   # (R, T, V)
         log_p = F.log_softmax(logits_of(model, x).float(), -1)                                # (R, T, V)
         kl = F.kl_div(log_p, target, log_target=True, reduction="none").sum(-1)              # (R, T)
