@@ -24,6 +24,13 @@ bench() {  # bench SECTION ARGS...: one forgetless bench into runs/SECTION, then
     publish "runs/$section" "$section"
 }
 
+on_frontier() {  # on_frontier SECTION 'FILES' BENCH_ARGS...: more arms beside the frontier's (runs/frontier-two-domain,
+    local section=$1 files=$2; shift 2                             # finished arms reused), then copy FILES to docs/figures/SECTION
+    OMP_NUM_THREADS=1 forgetless bench --preset quick --seeds 3 --base-seeds 3 "$@" --out runs/frontier-two-domain
+    mkdir -p "docs/figures/$section"
+    for f in $files; do cp "runs/frontier-two-domain/$f" "docs/figures/$section/"; done
+}
+
 run_section() {
     case "$1" in
     frontier-two-domain) OMP_NUM_THREADS=1 bench frontier-two-domain --preset quick --seeds 3 --base-seeds 3 \
@@ -33,28 +40,18 @@ run_section() {
     frontier-two-domain-mix) OMP_NUM_THREADS=1 bench frontier-two-domain-mix --preset quick --seeds 3 --base-seeds 3 \
                             --mix 0.1 --methods full,ewc,lora --sweep full.lr=1e-4,1e-3 --sweep ewc.lr=1e-4,1e-3 \
                             --sweep lora.lr=3e-4,3e-3 ;;                                                          # ~30 min
-    frontier-two-domain-capacity) OMP_NUM_THREADS=1 forgetless bench --preset quick --seeds 3 --base-seeds 3 \
+    frontier-two-domain-capacity) on_frontier frontier-two-domain-capacity 'results.md frontier.png routing_overlap.png' \
                             --methods 'full,lora,adapter,neutral,ewc,apn-retrofit,adapter[bottleneck=4287],adapter[bottleneck=4287;lr=3e-4],adapter[bottleneck=4287;lr=1e-4],adapter[bottleneck=4287;lr=3e-5]' \
                             --sweep full.lr=1e-4,1e-3 --sweep ewc.lr=1e-4,1e-3 --sweep lora.lr=3e-4,3e-3 \
-                            --sweep adapter.lr=3e-4,3e-3 --sweep neutral.lr=3e-4,3e-3 --sweep apn-retrofit.lr=3e-4,3e-3 \
-                            --out runs/frontier-two-domain                           # reuses the frontier's arms; ~1 h more
-                        mkdir -p docs/figures/frontier-two-domain-capacity
-                        cp runs/frontier-two-domain/{results.md,frontier.png,routing_overlap.png} \
-                            docs/figures/frontier-two-domain-capacity/ ;;
-    frontier-two-domain-ewc) OMP_NUM_THREADS=1 forgetless bench --preset quick --seeds 3 --base-seeds 3 \
+                            --sweep adapter.lr=3e-4,3e-3 --sweep neutral.lr=3e-4,3e-3 --sweep apn-retrofit.lr=3e-4,3e-3 ;;  # ~1 h more
+    frontier-two-domain-ewc) on_frontier frontier-two-domain-ewc 'results.md frontier.png' \
                             --methods 'full,lora,adapter,neutral,ewc,apn-retrofit,ewc[lr=3e-3],ewc[lam=1e3;lr=1e-4],ewc[lam=1e3],ewc[lam=1e3;lr=1e-3],ewc[lam=1e5;lr=3e-4],ewc[lam=1e5;lr=1e-3],ewc[lam=1e5;lr=3e-3]' \
                             --sweep full.lr=1e-4,1e-3 --sweep ewc.lr=1e-4,1e-3 --sweep lora.lr=3e-4,3e-3 \
-                            --sweep adapter.lr=3e-4,3e-3 --sweep neutral.lr=3e-4,3e-3 --sweep apn-retrofit.lr=3e-4,3e-3 \
-                            --out runs/frontier-two-domain                           # reuses the frontier's arms; ~20 min more
-                        mkdir -p docs/figures/frontier-two-domain-ewc
-                        cp runs/frontier-two-domain/{results.md,frontier.png} docs/figures/frontier-two-domain-ewc/ ;;
-    frontier-two-domain-goal) OMP_NUM_THREADS=1 forgetless bench --preset quick --seeds 3 --base-seeds 3 \
+                            --sweep adapter.lr=3e-4,3e-3 --sweep neutral.lr=3e-4,3e-3 --sweep apn-retrofit.lr=3e-4,3e-3 ;;  # ~20 min more
+    frontier-two-domain-goal) on_frontier frontier-two-domain-goal 'results.md frontier.png' \
                             --methods 'full,neutral,ewc,apn-retrofit,ewc[lam=1e3;lr=1e-4],ewc[lam=1e3],ewc[lam=1e3;lr=1e-3],distill,distill[beta=10],distill[beta=10;lr=1e-3],wise-ft,wise-ft[mix=0.1;lr=1e-3],wise-ft[mix=0.1;lr=3e-3],ewc[lam=1e3;mix=0.1;lr=1e-3],neutral[alpha=0.1;lr=3e-3],distill[lr=3e-3],distill[beta=0.3],distill[beta=0.3;lr=1e-3],distill[beta=0.3;lr=3e-3],distill[beta=0.1;lr=1e-3],distill[beta=0.1;lr=3e-3],distill[beta=0.5],distill[beta=0.5;lr=1e-3],distill[beta=0.3;lr=1e-4],full[mix=0.1;lr=1e-4],full[mix=0.1],full[mix=0.1;lr=1e-3],full[mix=0.3;lr=1e-4],full[mix=0.3],full[mix=0.3;lr=1e-3],full[mix=0.5;lr=1e-4],full[mix=0.5],full[mix=0.5;lr=1e-3]' \
                             --sweep full.lr=1e-4,1e-3 --sweep ewc.lr=1e-4,1e-3 --sweep neutral.lr=3e-4,3e-3 \
-                            --sweep apn-retrofit.lr=3e-4,3e-3 --sweep distill.lr=1e-4,1e-3 --sweep wise-ft.lr=1e-3,3e-3 \
-                            --out runs/frontier-two-domain                           # reuses the frontier's arms; ~1 h more
-                        mkdir -p docs/figures/frontier-two-domain-goal
-                        cp runs/frontier-two-domain/{results.md,frontier.png} docs/figures/frontier-two-domain-goal/ ;;
+                            --sweep apn-retrofit.lr=3e-4,3e-3 --sweep distill.lr=1e-4,1e-3 --sweep wise-ft.lr=1e-3,3e-3 ;;  # ~1 h more
     frontier-two-domain-stdlib) python -c 'import sys; sys.version_info[:2] == (3, 11) or print("warning: python-stdlib is this interpreter'"'"'s standard library; RESULTS used Python 3.11.7 (another version measures another pair)")'
                         OMP_NUM_THREADS=1 forgetless bench --preset quick --seeds 3 --base-seeds 3 --domain-b python-stdlib \
                             --methods 'full,lora,adapter,neutral,ewc,apn-retrofit,neutral[mix=0],full[mix=0.1;lr=1e-4],full[mix=0.1],full[mix=0.1;lr=1e-3],ewc[mix=0.1;lr=1e-4],ewc[mix=0.1],ewc[mix=0.1;lr=1e-3],neutral[alpha=0],neutral[alpha=0;lr=3e-3]' \

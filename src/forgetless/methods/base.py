@@ -245,6 +245,11 @@ class Method(StepHooks):
         return {f.name: getattr(self.cfg, f.name) for f in fields(self.cfg)}
 
 
+def copy_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of every parameter, on its own device (e.g. the weights a task started from)."""
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
 def matches(name: str, rules: list[str]) -> bool:
     """PEFT-style rule: one pattern with regex characters is a full match on the full name;
     otherwise each entry is a suffix (the full name equals it or ends with '.' + it)."""

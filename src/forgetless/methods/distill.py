@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import Method, MethodConfig, register_method
+from forgetless.methods.base import Method, MethodConfig, copy_weights, register_method
 from forgetless.models.gpt import logits_of
 
 
@@ -53,7 +53,7 @@ class Distill(Method):
         return list(model.named_parameters())
 
     def on_task_start(self, model, task):
-        self.teacher = {name: p.detach().clone() for name, p in model.named_parameters()}
+        self.teacher = copy_weights(model)
 
     def extra_loss(self, model, batch):
         if not self.teacher or self.cfg.beta == 0 or not batch.from_other.any():

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import Method, MethodConfig, register_method
+from forgetless.methods.base import Method, MethodConfig, copy_weights, register_method
 
 
 @dataclass
@@ -34,7 +34,7 @@ class DynamicEval(Method):
     default_for = ()
 
     def attach(self, model):
-        self.origin = {name: p.detach().clone() for name, p in model.named_parameters()}  # theta_0, on p's device
+        self.origin = copy_weights(model)  # theta_0
         return model
 
     def trainable_parameters(self, model):

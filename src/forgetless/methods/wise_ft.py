@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import Method, MethodConfig, register_method
+from forgetless.methods.base import Method, MethodConfig, copy_weights, register_method
 
 
 @dataclass
@@ -42,7 +42,7 @@ class WiseFT(Method):
         return list(model.named_parameters())
 
     def on_task_start(self, model, task):
-        self.start = {name: p.detach().clone() for name, p in model.named_parameters()}
+        self.start = copy_weights(model)
 
     @torch.no_grad()
     def on_task_end(self, model, task):
