@@ -3,6 +3,7 @@ import io
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -100,6 +101,19 @@ def test_bench_rerun_reuses_finished_arms(smoke_run):
     assert after["lora"]["ppl_b_after"] == before["lora"]["ppl_b_after"]
     assert after["full"]["wall_s"] == before["full"]["wall_s"]  # not re-run
     assert "other forgetless code" not in again.output
+
+
+def test_seed_start_runs_later_seeds_and_reuses_their_arms(smoke_run, tmp_path):
+    out, _ = smoke_run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    seed1 = (copy / "arms" / "full" / "seed1.json").read_text()
+    again = invoke("bench", "--preset", "smoke", "--seeds", 1, "--seed-start", 1, "--out", copy)
+    assert again.exit_code == 0, again.output
+    assert json.loads((copy / "results.json").read_text())["seeds"] == [1]
+    assert (copy / "arms" / "full" / "seed1.json").read_text() == seed1  # reused, not re-run
+    bad = invoke("bench", "--preset", "smoke", "--seed-start", -1, "--out", tmp_path / "x")
+    assert bad.exit_code == 2 and "--seed-start >= 0" in bad.output, bad.output
 
 
 def test_rerun_with_other_code_warns_and_reuses(smoke_run, monkeypatch):

@@ -66,6 +66,8 @@ def bench(preset: Optional[str] = BENCH_PRESET,
                                       "see `forgetless methods`) or 'default' (the preset's short list, else all); "
                                       "NAME[OPTION=VALUE;...] adds an arm with other options, e.g. 'lora,lora\\[r=16]'"),
           seeds: int = typer.Option(3, help="number of seeds (0..N-1); tables show mean ± std"),
+          seed_start: int = typer.Option(0, "--seed-start", help="first seed: --seeds N runs seeds S..S+N-1 (more "
+                                         "seeds for a run: finished arms of the same --out are reused)"),
           out: Optional[Path] = typer.Option(None, help="output folder (default runs/<protocol>-<preset>)"),
           domain_a: Optional[str] = typer.Option(None, "--domain-a", help="corpus spec or path for domain A"),
           domain_b: Optional[str] = typer.Option(None, "--domain-b", help="corpus spec or path for domain B"),
@@ -111,8 +113,9 @@ def bench(preset: Optional[str] = BENCH_PRESET,
         flags.setdefault("data", {})["tasks"] = tasks
     if mix is not None:
         flags.setdefault("adapt", {})["mix"] = mix
-    if seeds <= 0:
-        raise ForgetlessError(f"--seeds must be positive, got {seeds}")
+    if seeds <= 0 or seed_start < 0:
+        raise ForgetlessError(f"--seeds must be positive and --seed-start >= 0, got {seeds} and {seed_start}")
+    seed_list = list(range(seed_start, seed_start + seeds))
     for key, value in (("domain_a", domain_a), ("domain_b", domain_b)):
         if value:
             flags.setdefault("data", {})[key] = value
@@ -125,7 +128,7 @@ def bench(preset: Optional[str] = BENCH_PRESET,
             raise ForgetlessError("--optimizers runs the two-domain protocol with --pretrain-seeds >= 1")
         names = ["full"] if methods in ("all", "default") else methods.split(",")
         out = writable(out or Path("runs") / f"optimizers-{preset}")
-        results = run_optimizers(cfg, names, optimizers.split(","), list(range(seeds)), out, preset, pretrain_seeds,
+        results = run_optimizers(cfg, names, optimizers.split(","), seed_list, out, preset, pretrain_seeds,
                                  lrs.split(",") if lrs else None, device)
     else:
         methods = default_methods(preset, protocol) if methods == "default" else methods
@@ -144,9 +147,9 @@ def bench(preset: Optional[str] = BENCH_PRESET,
             raise ForgetlessError("--workers runs forgetless's own bases and arms side by side; an instruction stream "
                                   "on a pretrained model runs in one process (use --workers 1)")
         if instructions:
-            results = run_instruction_sequence(cfg, specs, list(range(seeds)), out, preset, device, model)
+            results = run_instruction_sequence(cfg, specs, seed_list, out, preset, device, model)
         else:
-            results = protocols[protocol](cfg, specs, list(range(seeds)), out, preset, device, model, base_seeds,
+            results = protocols[protocol](cfg, specs, seed_list, out, preset, device, model, base_seeds,
                                           workers)
     files = write_report(results, out)
     where = " → ".join(results["tasks"]) if protocol == "sequence" else f"A={cfg.data.domain_a} → B={cfg.data.domain_b}"
