@@ -322,6 +322,15 @@ def test_sequence_protocol(tmp_path):
     assert ppl[1][1] < ppl[0][1] and ppl[2][2] < ppl[1][2]  # each task improves once trained on
     assert (tmp_path / "r_matrix.png").stat().st_size > 1000 and "R matrix of `lora`" in (tmp_path / "results.md").read_text()
     assert results["methods"]["full"]["bwt_drop"]["mean"] == pytest.approx(-full["bwt"]["mean"])
+    dev = full["r_matrix_dev"]  # the same matrix on the tasks' validation windows: where choices are made
+    assert len(dev) == 3 and all(len(row) == 3 for row in dev) and dev != full["r_matrix"]
+    assert full["la_dev"]["mean"] == pytest.approx((dev[1][1] + dev[2][2]) / 2)
+    assert full["bwt_tasks_dev"]["mean"] == pytest.approx(dev[2][1] - dev[1][1])
+    from forgetless.report.frontier import operating_points
+    results["methods"]["full[lr=1e-2]"] = {**full, "la_dev": {"mean": full["la_dev"]["mean"] + 0.5},
+                                           "bwt_tasks_dev": {"mean": full["bwt_tasks_dev"]["mean"] + 1}}
+    point = operating_points(results)["full, lr"]["best_bwt_at_matched_la"]
+    assert point["chosen_on"] == "validation" and point["arm"] == "full[lr=1e-2]"
     (tmp_path / "results.md").unlink()
     again = invoke("report", tmp_path)
     assert again.exit_code == 0, again.output

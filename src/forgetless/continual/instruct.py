@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from forgetless.adapted import architecture_fingerprint, attach, resolve_device
 from forgetless.continual.evaluate import evaluate
-from forgetless.continual.metrics import sequence_metrics
+from forgetless.continual.metrics import DEV_METRICS, dev_metrics, sequence_metrics
 from forgetless.continual.scoring import score_task
 from forgetless.continual.plan import Job, Plan, run_or_reuse_arm, saved_arm
 from forgetless.continual.two_domain import build_arms, fresh, mean_nested, mean_std, provenance
@@ -40,7 +40,6 @@ from forgetless.train import autocast, train
 
 METRICS = ["op", "op_tasks", "bwt", "bwt_drop", "bwt_tasks", "bwt_drop_clipped", "forgetting", "forgetting_tasks",
            "fwt", "la", "general_ppl_change"]
-DEV_METRICS = ["op_tasks_dev", "bwt_tasks_dev", "forgetting_tasks_dev", "la_dev"]  # on validation rows (data.dev_rows)
 
 
 @dataclasses.dataclass
@@ -203,11 +202,6 @@ def metrics(rows: list[list[float]], general_ppl: list[float]) -> dict:
     """The R metrics with general ability as task 0; OP, BWT and forgetting over the tasks alone (the
     TRACE / MoRAM columns; general ability has its own: column 0 and the general PPL change)."""
     return {**sequence_metrics(rows), "general_ppl_change": general_ppl[-1] / general_ppl[0] - 1}
-
-
-def dev_metrics(rows: list[list[float]]) -> dict:
-    """The task metrics of R on validation rows, as `name_dev`."""
-    return {name: sequence_metrics(rows)[name.removesuffix("_dev")] for name in DEV_METRICS}
 
 
 def windows_of(rows: Encoded, block_size: int) -> torch.Tensor:

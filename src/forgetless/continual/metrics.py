@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from forgetless.errors import ForgetlessError
 
+DEV_METRICS = ["op_tasks_dev", "bwt_tasks_dev", "forgetting_tasks_dev", "la_dev"]  # of R on validation data
+
 
 def check(R: list[list[float]]) -> int:
     T = len(R) - 1
@@ -64,3 +66,8 @@ def sequence_metrics(R) -> dict:
             "fwt": forward_transfer(R), "la": learning_accuracy(R), "op_tasks": sum(R[T][1:]) / T,
             "bwt_tasks": backward_transfer(R, 1), "forgetting_tasks": forgetting(R, 1),
             "bwt_drop_clipped": clipped_drop(R, 1)}
+
+
+def dev_metrics(R) -> dict:
+    """The task metrics of R scored on validation data (where choices are made), as `name_dev`."""
+    return {name: sequence_metrics(R)[name.removesuffix("_dev")] for name in DEV_METRICS}

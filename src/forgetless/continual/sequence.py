@@ -2,7 +2,8 @@
 
 R[t][i] = next-token accuracy (%) on task i's held-out windows after training through task t;
 row 0 is the base (with the method attached, before any new task). OP, BWT, forgetting and FWT
-come from R; the PPL matrix is kept beside it. A method's `task_report` after each task t (e.g.
+come from R; the PPL matrix is kept beside it. The same matrix on the tasks' validation windows
+(`r_matrix_dev`, metrics `*_dev`) is where choices (lr, knobs, frontier operating points) are made. A method's `task_report` after each task t (e.g.
 MoRAM's atom-activation map) is kept as `task_reports[t - 1]`.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch.nn as nn
 from forgetless.adapted import attach, resolve_device
 from forgetless.continual.arm import adapt_task
 from forgetless.continual.evaluate import evaluate
-from forgetless.continual.metrics import sequence_metrics
+from forgetless.continual.metrics import DEV_METRICS, dev_metrics, sequence_metrics
 from forgetless.continual.plan import run_arms
 from forgetless.continual.two_domain import (build_arms, fresh, load_pretrained, mean_nested, mean_std,
                                              provenance)
@@ -40,7 +41,10 @@ def run_sequence_arm(model: nn.Module, method: Method, tasks: list[Domain], cfg:
     adapted = attach(model, method)
     model = adapted.model
     windows = [d.windows for d in tasks]
+    dev_windows = [d.dev_windows for d in tasks] if all(d.dev_windows is not None and len(d.dev_windows)
+                                                       for d in tasks) else []
     rows, reports, wall, loss = [[evaluate(model, w) for w in windows]], [], 0.0, []
+    dev_rows = [[100 * evaluate(model, w)["acc"] for w in dev_windows]]
     with PeakRSS() as memory:
         for t, task in enumerate(tasks[1:], start=1):
             t0 = time.perf_counter()
@@ -49,10 +53,12 @@ def run_sequence_arm(model: nn.Module, method: Method, tasks: list[Domain], cfg:
             wall += time.perf_counter() - t0
             loss += [[t, s, v] for s, v in history.loss]
             rows.append([evaluate(model, w) for w in windows])
+            dev_rows.append([100 * evaluate(model, w)["acc"] for w in dev_windows])
             reports.append(method.task_report(model, windows))
     R = [[100 * e["acc"] for e in row] for row in rows]
+    dev = {"r_matrix_dev": dev_rows, **dev_metrics(dev_rows)} if dev_windows else {}
     return {"method": method.name, "seed": seed, "r_matrix": R, "ppl_matrix": [[e["ppl"] for e in row] for row in rows],
-            **sequence_metrics(R), "trainable_params": sum(p.numel() for _, p in params),
+            **sequence_metrics(R), **dev, "trainable_params": sum(p.numel() for _, p in params),
             "total_params": sum(p.numel() for p in model.parameters()), "wall_s": wall,
             "peak_rss_mb": memory.peak_mb, "loss": loss, **({"task_reports": reports} if any(reports) else {})}
 
@@ -95,6 +101,9 @@ def run_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[in
         "config": cfg.to_dict(), "bases": summary, "model": model,
         "methods": {label: {"method": built[label].name,
                             **{m: mean_std([sequence_metrics(r["r_matrix"])[m] for r in runs]) for m in METRICS},
+                            **({m: mean_std([r[m] for r in runs]) for m in DEV_METRICS} |
+                               {"r_matrix_dev": mean_nested([r["r_matrix_dev"] for r in runs])}
+                               if all("r_matrix_dev" in r for r in runs) else {}),
                             "wall_s": mean_std([r["wall_s"] for r in runs]),
                             "r_matrix": mean_nested([r["r_matrix"] for r in runs]),
                             "ppl_matrix": mean_nested([r["ppl_matrix"] for r in runs]),

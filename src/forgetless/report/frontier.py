@@ -3,7 +3,8 @@ lora[lr=1e-4]) is a curve, not a point. Two-domain: forgetting F against adaptat
 BWT against LA (accuracy on each task just after learning it). Beside the figure, each curve's operating
 points: the best G at F <= 5 % and <= 2 %, the best F at G >= 0.9 (two-domain), the best BWT at LA within
 1 point of the best LA of all arms (sequence), so methods are compared at matched adaptation. The arm is
-chosen on the validation windows where the run has them (two-domain) and reported on the held-out ones.
+chosen on validation data where the run has it (windows, or an instruction stream's validation rows) and
+reported on the held-out data.
 """
 from __future__ import annotations
 
