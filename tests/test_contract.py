@@ -308,3 +308,12 @@ def test_retrofits_on_transformers_models_follow_their_size_budget(name, explici
     assert widths == {6 if name == "apn" else 5}
     with pytest.raises(ForgetlessError, match="retrofit_size must be positive"):
         attach(hf_llama(), name, retrofit_size=0)
+
+
+def test_param_matched_on_a_transformers_model_says_it_is_the_retrofit(capsys):
+    """param_matched sizes forgetless's own APN base; on a transformers model it would silently be apn."""
+    matched = attach(hf_llama(), "apn-param-matched", retrofit_size=0.5)
+    plain = attach(hf_llama(), "apn", retrofit_size=0.5)
+    assert "param_matched sizes forgetless's own APN base" in capsys.readouterr().err
+    assert sum(p.numel() for _, p in matched.trainable_parameters()) == \
+        sum(p.numel() for _, p in plain.trainable_parameters())

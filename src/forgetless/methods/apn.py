@@ -30,6 +30,7 @@ from forgetless.methods.base import Method, MethodConfig, find_modules, register
 from forgetless.models.gpt import GPT, GPTConfig
 from forgetless.nn.adapter import Beside, input_width, n_params, width_for
 from forgetless.nn.apn import APN, APNConfig, routing_report
+from forgetless.progress import console
 
 PER_PATCH = ("prototypes", "gate_a", "gate_b", "decoders", "offset_in", "offset_out")  # first dim = K
 DECODERS = ("decoders", "offset_in", "offset_out")
@@ -118,6 +119,9 @@ class APNMethod(Method):
 
     def attach(self, model):
         if self.cfg.retrofit or not isinstance(model, GPT):
+            if self.cfg.param_matched and not isinstance(model, GPT):
+                console.print(f"[yellow]warning:[/yellow] {self.name}: param_matched sizes forgetless's own APN base; "
+                              "on this model the APNs are retrofits sized by retrofit_size, as with apn")
             targets = find_modules(model, self.cfg.target_modules, self.cfg.exclude_modules)
             apn_cfg = self.retrofit_config(model, targets)
             for name, module in targets:
