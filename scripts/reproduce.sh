@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 mkdir -p runs
 
 SECTIONS=(frontier-two-domain frontier-two-domain-mix frontier-two-domain-capacity frontier-two-domain-ewc frontier-two-domain-goal frontier-two-domain-stdlib two-domain-quick tiny-renamed apn-ablation two-domain-neutral sequence-quick sequence-ablation
-          two-domain-cms sequence-cms optimizers-quick real-standard real-trace real-two-domain
+          two-domain-cms sequence-cms optimizers-quick real-standard real-standard-seeds real-trace real-two-domain
           online-quick hope-two-domain hope-lm hope-needle hope-speed serve first-run benchmarks aunn)
 
 publish() {  # publish RUN_DIR SECTION: its tables and figures, next to RESULTS.md
@@ -80,6 +80,12 @@ run_section() {
     real-standard)      bench real-standard --model smollm2-135m --preset real --protocol sequence \
                             --tasks dbpedia,amazon,yahoo,agnews --seeds 1 \
                             --methods 'seq-lora,moram,o-lora,neutral,moram[lr=1e-3],seq-lora[mix=0.2],full,moram[lr=5e-3],ewc,moe-lora' ;;
+    real-standard-seeds) bench real-standard-seeds --model smollm2-135m --preset real --protocol sequence \
+                            --tasks dbpedia,amazon,yahoo,agnews --seeds 3 --methods 'seq-lora,moram[lr=5e-3]'   # ~2.5 h
+                        forgetless bench --model smollm2-135m --preset real --protocol sequence \
+                            --tasks dbpedia,amazon,yahoo,agnews --seeds 1 --methods 'seq-lora[lr=3e-4]' \
+                            --out runs/real-standard-lora-lr                                                     # ~25 min
+                        cp runs/real-standard-lora-lr/results.md docs/figures/real-standard-seeds/results-lora-lr.md ;;
     real-trace)         bench real-trace --model smollm2-135m --preset real --protocol sequence \
                             --tasks FOMC,ScienceQA,NumGLUE-cm,NumGLUE-ds --data-held-out-tasks dbpedia --seeds 1 \
                             --methods 'seq-lora,moram[lr=5e-3],seq-lora[mix=0.2]' ;;
