@@ -24,8 +24,9 @@ import torch.nn as nn
 
 from forgetless.adapted import architecture_fingerprint, attach, resolve_device
 from forgetless.continual.evaluate import evaluate
-from forgetless.continual.metrics import DEV_METRICS, dev_metrics, sequence_metrics
+from forgetless.continual.metrics import dev_metrics, sequence_metrics
 from forgetless.continual.scoring import score_task
+from forgetless.continual.sequence import dev_summary
 from forgetless.continual.plan import Job, Plan, run_or_reuse_arm, saved_arm
 from forgetless.continual.two_domain import build_arms, fresh, mean_nested, mean_std, provenance
 from forgetless.data.domains import Domain, load_domains
@@ -226,11 +227,9 @@ def task_hash(task: InstructionTask) -> str:
 
 def summarize(runs: list[dict], method: Method) -> dict:
     runs = [{**r, **metrics(r["r_matrix"], r["general_ppl"])} for r in runs]  # arms saved before a metric existed
-    scored = METRICS + (DEV_METRICS if all("r_matrix_dev" in r for r in runs) else [])  # arms without: none
-    return {"method": method.name, **{m: mean_std([r[m] for r in runs]) for m in scored},
+    return {"method": method.name, **{m: mean_std([r[m] for r in runs]) for m in METRICS}, **dev_summary(runs),
             "wall_s": mean_std([r["wall_s"] for r in runs]), "r_matrix": mean_nested([r["r_matrix"] for r in runs]),
             "held_out": mean_nested([r["held_out"] for r in runs]),
             "general_ppl": mean_nested([r["general_ppl"] for r in runs]),
-            **({"r_matrix_dev": mean_nested([r["r_matrix_dev"] for r in runs])} if "la_dev" in scored else {}),
             "trainable_params": runs[0]["trainable_params"], "total_params": runs[0]["total_params"],
             "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "options": method.options()}

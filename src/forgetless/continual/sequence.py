@@ -3,8 +3,9 @@
 R[t][i] = next-token accuracy (%) on task i's held-out windows after training through task t;
 row 0 is the base (with the method attached, before any new task). OP, BWT, forgetting and FWT
 come from R; the PPL matrix is kept beside it. The same matrix on the tasks' validation windows
-(`r_matrix_dev`, metrics `*_dev`) is where choices (lr, knobs, frontier operating points) are made. A method's `task_report` after each task t (e.g.
-MoRAM's atom-activation map) is kept as `task_reports[t - 1]`.
+(`r_matrix_dev`, metrics `*_dev`) is where choices (lr, knobs, frontier operating points) are made.
+A method's `task_report` after each task t (e.g. MoRAM's atom-activation map) is kept as
+`task_reports[t - 1]`.
 """
 from __future__ import annotations
 
@@ -101,9 +102,7 @@ def run_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[in
         "config": cfg.to_dict(), "bases": summary, "model": model,
         "methods": {label: {"method": built[label].name,
                             **{m: mean_std([sequence_metrics(r["r_matrix"])[m] for r in runs]) for m in METRICS},
-                            **({m: mean_std([r[m] for r in runs]) for m in DEV_METRICS} |
-                               {"r_matrix_dev": mean_nested([r["r_matrix_dev"] for r in runs])}
-                               if all("r_matrix_dev" in r for r in runs) else {}),
+                            **dev_summary(runs),
                             "wall_s": mean_std([r["wall_s"] for r in runs]),
                             "r_matrix": mean_nested([r["r_matrix"] for r in runs]),
                             "ppl_matrix": mean_nested([r["ppl_matrix"] for r in runs]),
@@ -113,3 +112,11 @@ def run_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[in
                                if "task_reports" in runs[0] else {})}
                     for label, runs in arms.items()},
     }
+
+
+def dev_summary(runs: list[dict]) -> dict:
+    """Seed means of the validation metrics and R (`*_dev`, `r_matrix_dev`) when every run has them, else {}."""
+    if not all("r_matrix_dev" in r for r in runs):
+        return {}
+    return {**{m: mean_std([r[m] for r in runs]) for m in DEV_METRICS},
+            "r_matrix_dev": mean_nested([r["r_matrix_dev"] for r in runs])}
