@@ -8,7 +8,6 @@ directions of small singular values: up to ~8e-4 per element and 2e-4 relative a
 and 5e-4 there.
 """
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -31,17 +30,15 @@ WORKER = str(Path(__file__).parent / "ddp_worker.py")
 pytestmark = pytest.mark.skipif(not os.environ.get("FORGETLESS_TINYSHAKESPEARE"), reason="needs Tiny Shakespeare")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def torchrun(procs: int = 2) -> list[str]:
+    """torchrun with a rendezvous on a port it picks itself (--standalone): no port chosen here that another
+    process could take before torchrun binds it."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)]
 
 
 def run(out: Path, *args: str, procs: int = 1, check: bool = True, worker: str = WORKER) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launch = [sys.executable, worker] if procs == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(procs), "--master_addr", "127.0.0.1",
-        "--master_port", str(free_port()), worker]
+    launch = [sys.executable, worker] if procs == 1 else [*torchrun(procs), worker]
     done = subprocess.run([*launch, str(out), *args], env=env, capture_output=True, text=True, timeout=300)
     if check:
         assert done.returncode == 0, done.stderr[-3000:]
@@ -145,8 +142,7 @@ def test_torchrun_cli_pretrain_matches_one_process(tmp_path):
     """`torchrun -m forgetless pretrain`: one "wrote" line (rank 0), the checkpoint of one process."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cli = ["-m", "forgetless", "pretrain", "--preset", "smoke", "--domain-a", "tinyshakespeare"]
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                          "127.0.0.1", "--master_port", str(free_port()), *cli, "--out", str(tmp_path / "two.st")],
+    two = subprocess.run([*torchrun(), *cli, "--out", str(tmp_path / "two.st")],
                          env=env, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout.count("wrote") == 1

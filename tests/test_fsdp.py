@@ -11,7 +11,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,7 @@ from forgetless.models.hf import load_model
 from forgetless.train import TrainConfig, train
 import fsdp_worker
 from test_cli import invoke
-from test_ddp import free_port, run
+from test_ddp import run, torchrun
 from tiny_models import bpe_tokenizer, gguf_llama, ours
 
 
@@ -55,8 +54,7 @@ def test_fsdp_adapt_matches_one_process_and_saves_a_whole_adapter(tmp_path, adap
     the table and the float rounding of the sharded evaluation)."""
     one = invoke(*adapt_args, "--out", tmp_path / "one")
     assert one.exit_code == 0, one.output
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                          "127.0.0.1", "--master_port", str(free_port()), "-m", "forgetless", *adapt_args, "--fsdp",
+    two = subprocess.run([*torchrun(), "-m", "forgetless", *adapt_args, "--fsdp",
                           "--out", str(tmp_path / "two")],
                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
     assert two.returncode == 0, two.stderr[-3000:]
