@@ -238,6 +238,22 @@ def test_hope_retrofit_recomputes_its_memories_with_the_same_gradients():
         assert (kept is None) == (recomputed is None) and (kept is None or torch.equal(kept, recomputed))
 
 
+def test_hope_retrofit_follows_its_size_budget():
+    """Beside a transformers model's MLPs the HOPE slots have about retrofit_size x its parameters, about half
+    in the memory, whose width (a multiple of heads) is then below the model's; a width given explicitly wins."""
+    from tiny_models import hf_llama
+    total = sum(p.numel() for p in hf_llama().parameters())
+    for size in (0.1, 0.2):
+        adapted = forgetless.attach(hf_llama(), "hope", retrofit_size=size)
+        memories = [m for m in adapted.modules() if isinstance(m, NeuralMemory)]
+        added = sum(p.numel() for _, p in adapted.trainable_parameters())
+        in_memory = sum(p.numel() for m in memories for p in m.parameters())
+        assert added == pytest.approx(size * total, rel=0.1) and 0.4 < in_memory / added < 0.6
+        assert all(0 < m.c_proj.in_features < 32 and m.c_proj.in_features % m.cfg.heads == 0 for m in memories)
+    given = forgetless.attach(hf_llama(), "hope", width=8)
+    assert {m.c_qkv.out_features for m in given.modules() if isinstance(m, NeuralMemory)} == {24}
+
+
 @pytest.mark.parametrize("d", [576, 1152])
 @pytest.mark.parametrize("eta", [0.01, 3.0])
 def test_wide_memory_writes_stay_bounded(d, eta):
@@ -266,7 +282,7 @@ def test_hope_beside_a_wide_llama_gives_finite_loss_and_gradients():
     model = LlamaForCausalLM(LlamaConfig(hidden_size=576, intermediate_size=128, num_hidden_layers=1,
                                          num_attention_heads=9, num_key_value_heads=3, vocab_size=256,
                                          max_position_embeddings=256))
-    adapted = forgetless.attach(model, "hope")
+    adapted = forgetless.attach(model, "hope", width=576)  # the memory at the model's width (a retrofit's is narrower)
     with torch.no_grad():
         for m in adapted.modules():
             if isinstance(m, NeuralMemory):
@@ -281,8 +297,12 @@ def test_hope_beside_a_wide_llama_gives_finite_loss_and_gradients():
 def test_bad_titans_options_are_one_line_errors():
     with pytest.raises(ForgetlessError, match="chunk must be positive"):
         TitansConfig(chunk=0)
-    with pytest.raises(ForgetlessError, match="must divide d_model"):
+    with pytest.raises(ForgetlessError, match="must divide the memory's width"):
         NeuralMemory(10, TitansConfig(heads=4))
+    with pytest.raises(ForgetlessError, match="titans width must be 0"):
+        TitansConfig(width=-1)
+    with pytest.raises(ForgetlessError, match="it needs width = d"):
+        NeuralMemory(8, TitansConfig(heads=2, width=4, self_modify=True))
 
 
 # ---- HOPE as a GPT's FFN slot --------------------------------------------------------------------

@@ -33,8 +33,9 @@ class HopeMethodConfig(MethodConfig, HopeConfig):
     writes: bool = field(default=True, metadata={
         "help": "write the memory inside the forward (test-time memory); false: reads of its initial weights only"})
     retrofit_size: float = field(default=0.05, metadata={
-        "help": "on transformers models: the slots' parameters as a fraction of the model's (sets the CMS level "
-                "width unless level_hidden is given; the memory's own size is fixed by the model's width)"})
+        "help": "on transformers models: the slots' parameters as a fraction of the model's, about half to the "
+                "memory (its width, unless width is given) and the rest to the CMS levels (unless level_hidden "
+                "is given)"})
     checkpoint: bool = field(default=True, metadata={
         "help": "recompute each memory's forward in backward instead of keeping its per-chunk weights: one "
                 "layer's at a time (batch 8 x 200 beside SmolLM2's 30 MLPs: tens of GB otherwise); same values"})
@@ -77,7 +78,9 @@ class HopeMethod(Method):
         return model
 
     def retrofit(self, model):
-        """A HOPE slot beside every target MLP, its memory and levels' output projections at zero."""
+        """A HOPE slot beside every target MLP, its memory and levels' output projections at zero. Each slot gets
+        `retrofit_size` of the model's parameters over the number of slots: about half to the memory (its width,
+        a multiple of heads; the block's width d with self_modify), the rest to the CMS levels."""
         opts = self.hope_options()
         if not opts.attention:
             raise ForgetlessError(f"hope attention=false needs a forgetless GPT; {type(model).__name__} keeps its "
@@ -86,8 +89,10 @@ class HopeMethod(Method):
         budget = self.cfg.retrofit_size * n_params(model) / max(1, len(targets))
         for name, mlp in targets:
             d = input_width(mlp)
-            width = opts.level_hidden or width_for(lambda w: n_params(HOPE(d, w, opts)), budget)
-            replace_module(model, name, Beside(mlp, HOPE(d, width, opts, zero_out=True)))
+            slot = opts if opts.width or opts.self_modify else dataclasses.replace(
+                opts, width=memory_width(d, opts, budget / 2))
+            width = opts.level_hidden or width_for(lambda w: n_params(HOPE(d, w, slot)), budget)
+            replace_module(model, name, Beside(mlp, HOPE(d, width, slot, zero_out=True)))
 
     def trainable_parameters(self, model):
         return [(f"{name}.{n}", p) for name, slot in slots(model) for n, p in slot.named_parameters()]
@@ -102,6 +107,13 @@ class HopeMethod(Method):
                 out[f"memory_gain_{tag}"] = cross_entropy(model, w, writes=False) - cross_entropy(model, w, writes=True)
         set_writes(model, self.cfg.writes)
         return out
+
+
+def memory_width(d: int, opts: HopeConfig, budget: float) -> int:
+    """The memory width (a multiple of heads, at most d) whose memory has about `budget` parameters."""
+    heads = opts.heads
+    n = width_for(lambda n: n_params(NeuralMemory(d, dataclasses.replace(opts, width=n * heads))), budget)
+    return heads * min(n, d // heads)
 
 
 def set_writes(model, writes: bool):

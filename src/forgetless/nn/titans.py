@@ -34,7 +34,10 @@ from forgetless.errors import ForgetlessError
 
 @dataclass
 class TitansConfig:
-    heads: int = field(default=2, metadata={"help": "memory heads (each its own MLP over d_model / heads dims)"})
+    heads: int = field(default=2, metadata={"help": "memory heads (each its own MLP over width / heads dims)"})
+    width: int = field(default=0, metadata={
+        "help": "the memory's width: q, k, v have `width` dims, split over the heads (0: the block's width d; a "
+                "HOPE retrofit on a transformers model sizes it from retrofit_size)"})
     mem_mult: int = field(default=2, metadata={"help": "hidden width of each memory MLP = mem_mult * head dim"})
     chunk: int = field(default=16, metadata={
         "help": "tokens per write: a chunk's gradients are taken together at its starting weights"})
@@ -53,6 +56,8 @@ class TitansConfig:
         for name in ("heads", "mem_mult", "chunk"):
             if getattr(self, name) <= 0:
                 raise ForgetlessError(f"titans {name} must be positive, got {getattr(self, name)}")
+        if self.width < 0:
+            raise ForgetlessError(f"titans width must be 0 (the block's width) or positive, got {self.width}")
         if self.conv < 0:
             raise ForgetlessError(f"titans conv must be 0 (off) or a kernel size, got {self.conv}")
         if not self.eta_init > 0:
@@ -72,13 +77,18 @@ class NeuralMemory(nn.Module):
 
     def __init__(self, d: int, opts: TitansConfig, bias: bool = True):
         super().__init__()
-        if d % opts.heads:
-            raise ForgetlessError(f"titans heads ({opts.heads}) must divide d_model ({d}); choose another heads")
+        w = opts.width or d
+        if w % opts.heads:
+            raise ForgetlessError(f"titans heads ({opts.heads}) must divide the memory's width ({w}); choose "
+                                  "another heads or width")
+        if opts.self_modify and w != d:
+            raise ForgetlessError(f"titans self_modify writes projections of the block's input: it needs width = d "
+                                  f"({d}), got {w}; drop width or self_modify")
         self.cfg, self.writes, self.checkpoint = opts, True, False
-        H, D = opts.heads, d // opts.heads
+        H, D = opts.heads, w // opts.heads
         Fh = opts.mem_mult * D
-        self.c_qkv = nn.Linear(d, 3 * d, bias=bias)
-        self.conv = nn.Conv1d(3 * d, 3 * d, opts.conv, groups=3 * d, padding=opts.conv - 1) if opts.conv else None
+        self.c_qkv = nn.Linear(d, 3 * w, bias=bias)
+        self.conv = nn.Conv1d(3 * w, 3 * w, opts.conv, groups=3 * w, padding=opts.conv - 1) if opts.conv else None
         n_gates = 3 if opts.momentum else 2
         self.c_gates = nn.Linear(d, n_gates * H, bias=False)
         inits = [opts.eta_init, opts.alpha_init, opts.momentum_init][:n_gates]
@@ -86,7 +96,7 @@ class NeuralMemory(nn.Module):
         self.gate_bias = nn.Parameter(torch.tensor(starts).repeat_interleave(H))  # (n_gates * H,)
         self.w1 = nn.Parameter(torch.randn(H, Fh, D) / math.sqrt(D))   # learned initial memory, per head
         self.w2 = nn.Parameter(torch.randn(H, D, Fh) / math.sqrt(Fh))
-        self.c_proj = nn.Linear(d, d, bias=bias)
+        self.c_proj = nn.Linear(w, d, bias=bias)
 
     def forward(self, x):  # (B, T, d)
         if self.checkpoint and self.writes and torch.is_grad_enabled():
@@ -94,19 +104,19 @@ class NeuralMemory(nn.Module):
         return self.run(x)
 
     def run(self, x):  # (B, T, d)
-        B, T, d = x.shape
+        B, T, _ = x.shape
         if self.cfg.self_modify and self.writes:
             return self.c_proj(self.self_modifying(x))
-        qkv = self.c_qkv(x)  # (B, T, 3d)
+        qkv = self.c_qkv(x)  # (B, T, 3w)
         if self.conv is not None:
             qkv = self.conv(qkv.transpose(1, 2))[..., :T].transpose(1, 2)  # causal: left context only
         q, k, v, eta, alpha, mu = self.split(qkv, self.c_gates(x) + self.gate_bias)
         chunk = self.cfg.chunk if self.writes else T
         y = memory_scan(q, k, v, eta, alpha, mu, self.w1, self.w2, chunk, self.cfg.backprop_writes)  # (B, H, T, D)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, d))
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, w) -> (B, T, d)
 
     def split(self, qkv, gates):
-        """(B, T, 3d) after the conv, (B, T, n_gates H) pre-activations -> q, k, v (B, H, T, D), gates (B, H, T)."""
+        """(B, T, 3w) after the conv, (B, T, n_gates H) pre-activations -> q, k, v (B, H, T, D), gates (B, H, T)."""
         B, T, _ = qkv.shape
         H = self.cfg.heads
         q, k, v = F.silu(qkv).view(B, T, 3, H, -1).permute(2, 0, 3, 1, 4)  # each (B, H, T, D)
