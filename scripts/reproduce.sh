@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p runs
 
-SECTIONS=(frontier-two-domain frontier-two-domain-mix frontier-two-domain-capacity frontier-two-domain-ewc frontier-two-domain-goal frontier-two-domain-stdlib two-domain-quick tiny-renamed apn-ablation two-domain-neutral sequence-quick sequence-ablation
+SECTIONS=(frontier-two-domain frontier-sequence frontier-two-domain-mix frontier-two-domain-capacity frontier-two-domain-ewc frontier-two-domain-goal frontier-two-domain-stdlib two-domain-quick tiny-renamed apn-ablation two-domain-neutral sequence-quick sequence-ablation
           two-domain-cms sequence-cms optimizers-quick real-standard real-standard-seeds real-trace real-two-domain
           online-quick hope-two-domain hope-lm hope-needle hope-speed serve first-run benchmarks aunn)
 
@@ -37,6 +37,10 @@ run_section() {
                             --methods full,lora,adapter,neutral,ewc,apn-retrofit --sweep full.lr=1e-4,1e-3 \
                             --sweep ewc.lr=1e-4,1e-3 --sweep lora.lr=3e-4,3e-3 --sweep adapter.lr=3e-4,3e-3 \
                             --sweep neutral.lr=3e-4,3e-3 --sweep apn-retrofit.lr=3e-4,3e-3 ;;                   # ~1.5 h
+    frontier-sequence)  OMP_NUM_THREADS=1 bench frontier-sequence --preset quick --protocol sequence --seeds 3 --base-seeds 3 \
+                            --workers 2 --methods 'full,seq-lora,moram,ewc,full[mix=0.1;lr=1e-4],full[mix=0.1],full[mix=0.1;lr=1e-3]' \
+                            --sweep full.lr=1e-4,1e-3 --sweep ewc.lr=1e-4,1e-3 --sweep seq-lora.lr=3e-4,3e-3 \
+                            --sweep moram.lr=1.5e-4,1.5e-3 ;;                                                     # ~1.5 h
     frontier-two-domain-mix) OMP_NUM_THREADS=1 bench frontier-two-domain-mix --preset quick --seeds 3 --base-seeds 3 \
                             --mix 0.1 --methods full,ewc,lora --sweep full.lr=1e-4,1e-3 --sweep ewc.lr=1e-4,1e-3 \
                             --sweep lora.lr=3e-4,3e-3 ;;                                                          # ~30 min
