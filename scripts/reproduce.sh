@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p runs
 
-SECTIONS=(frontier-two-domain frontier-sequence frontier-two-domain-mix frontier-two-domain-capacity frontier-two-domain-ewc frontier-two-domain-goal frontier-two-domain-stdlib two-domain-quick tiny-renamed apn-ablation two-domain-neutral sequence-quick sequence-ablation
+SECTIONS=(frontier-two-domain frontier-sequence frontier-two-domain-mix frontier-two-domain-capacity frontier-two-domain-ewc frontier-two-domain-goal frontier-two-domain-goal-mix30 frontier-two-domain-stdlib two-domain-quick tiny-renamed apn-ablation two-domain-neutral sequence-quick sequence-ablation
           two-domain-cms sequence-cms optimizers-quick real-standard real-standard-seeds real-trace real-two-domain
           online-quick hope-two-domain hope-lm hope-needle hope-speed serve first-run benchmarks aunn)
 
@@ -39,8 +39,8 @@ run_section() {
                             --sweep neutral.lr=3e-4,3e-3 --sweep apn-retrofit.lr=3e-4,3e-3 ;;                   # ~1.5 h
     frontier-sequence)  OMP_NUM_THREADS=1 bench frontier-sequence --preset quick --protocol sequence --seeds 3 --base-seeds 3 \
                             --workers 2 --methods 'full,seq-lora,moram,ewc,full[mix=0.1;lr=1e-4],full[mix=0.1],full[mix=0.1;lr=1e-3]' \
-                            --sweep full.lr=1e-4,1e-3 --sweep ewc.lr=1e-4,1e-3 --sweep seq-lora.lr=3e-4,3e-3 \
-                            --sweep moram.lr=1.5e-4,1.5e-3 ;;                                                     # ~1.5 h
+                            --sweep full.lr=1e-4,1e-3 --sweep ewc.lr=1e-4,1e-3 --sweep seq-lora.lr=3e-5,1e-4,3e-4,3e-3 \
+                            --sweep moram.lr=1.5e-4,1.5e-3,5e-3 ;;                                               # ~1.5 h
     frontier-two-domain-mix) OMP_NUM_THREADS=1 bench frontier-two-domain-mix --preset quick --seeds 3 --base-seeds 3 \
                             --mix 0.1 --methods full,ewc,lora --sweep full.lr=1e-4,1e-3 --sweep ewc.lr=1e-4,1e-3 \
                             --sweep lora.lr=3e-4,3e-3 ;;                                                          # ~30 min
@@ -56,6 +56,11 @@ run_section() {
                             --methods 'full,neutral,ewc,apn-retrofit,ewc[lam=1e3;lr=1e-4],ewc[lam=1e3],ewc[lam=1e3;lr=1e-3],distill,distill[beta=10],distill[beta=10;lr=1e-3],wise-ft,wise-ft[mix=0.1;lr=1e-3],wise-ft[mix=0.1;lr=3e-3],ewc[lam=1e3;mix=0.1;lr=1e-3],neutral[alpha=0.1;lr=3e-3],distill[lr=3e-3],distill[beta=0.3],distill[beta=0.3;lr=1e-3],distill[beta=0.3;lr=3e-3],distill[beta=0.1;lr=1e-3],distill[beta=0.1;lr=3e-3],distill[beta=0.5],distill[beta=0.5;lr=1e-3],distill[beta=0.3;lr=1e-4],full[mix=0.1;lr=1e-4],full[mix=0.1],full[mix=0.1;lr=1e-3],full[mix=0.3;lr=1e-4],full[mix=0.3],full[mix=0.3;lr=1e-3],full[mix=0.5;lr=1e-4],full[mix=0.5],full[mix=0.5;lr=1e-3]' \
                             --sweep full.lr=1e-4,1e-3 --sweep ewc.lr=1e-4,1e-3 --sweep neutral.lr=3e-4,3e-3 \
                             --sweep apn-retrofit.lr=3e-4,3e-3 --sweep distill.lr=1e-4,1e-3 --sweep wise-ft.lr=1e-3,3e-3 ;;  # ~1 h more
+    frontier-two-domain-goal-mix30) OMP_NUM_THREADS=1 forgetless bench --preset quick --seeds 3 --base-seeds 3 --workers 2 \
+                            --methods 'full,distill[beta=0.5],distill[beta=0.5;mix=0.3],distill[beta=0.5;mix=0.3;lr=1e-3],distill[beta=0.3;mix=0.3],distill[beta=0.3;mix=0.3;lr=1e-3]' \
+                            --out runs/frontier-two-domain-goal-mix30                                     # ~25 min
+                        mkdir -p docs/figures/frontier-two-domain-goal-mix30
+                        cp runs/frontier-two-domain-goal-mix30/{results.md,frontier.png} docs/figures/frontier-two-domain-goal-mix30/ ;;
     frontier-two-domain-stdlib) python -c 'import sys; sys.version_info[:2] == (3, 11) or print("warning: python-stdlib is this interpreter'"'"'s standard library; RESULTS used Python 3.11.7 (another version measures another pair)")'
                         OMP_NUM_THREADS=1 forgetless bench --preset quick --seeds 3 --base-seeds 3 --domain-b python-stdlib \
                             --methods 'full,lora,adapter,neutral,ewc,apn-retrofit,neutral[mix=0],full[mix=0.1;lr=1e-4],full[mix=0.1],full[mix=0.1;lr=1e-3],ewc[mix=0.1;lr=1e-4],ewc[mix=0.1],ewc[mix=0.1;lr=1e-3],neutral[alpha=0],neutral[alpha=0;lr=3e-3]' \
