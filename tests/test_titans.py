@@ -254,6 +254,18 @@ def test_hope_retrofit_follows_its_size_budget():
     assert {m.c_qkv.out_features for m in given.modules() if isinstance(m, NeuralMemory)} == {24}
 
 
+def test_a_saved_retrofit_of_another_width_is_a_one_line_error():
+    """A HOPE retrofit saved at one memory width (e.g. model-wide, before retrofits were sized) does not load into
+    a slot of another width: the error names the tensor, both shapes and the fix, before any tensor is copied."""
+    from tiny_models import hf_llama
+    saved = forgetless.attach(hf_llama(), "hope", width=8).method_state()
+    other = forgetless.attach(hf_llama(), "hope", width=4)
+    before = {k: v.clone() for k, v in other.method_state().items()}
+    with pytest.raises(ForgetlessError, match=r"has shape .* but the attached hope has .*; attach it with the options"):
+        other.method.load_state_dict(other.model, saved)
+    assert all(torch.equal(before[k], v) for k, v in other.method_state().items())
+
+
 @pytest.mark.parametrize("d", [576, 1152])
 @pytest.mark.parametrize("eta", [0.01, 3.0])
 def test_wide_memory_writes_stay_bounded(d, eta):

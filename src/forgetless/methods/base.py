@@ -232,6 +232,11 @@ class Method(StepHooks):
         unknown = sorted(set(tensors) - set(own))
         if unknown:
             raise ForgetlessError(f"method state has tensors the model lacks ({unknown[0]}, ...); attach the method first")
+        for name, t in tensors.items():
+            if t.shape != own[name].shape:
+                raise ForgetlessError(f"method state {name} has shape {tuple(t.shape)} but the attached {self.name} has "
+                                      f"{tuple(own[name].shape)}; attach it with the options it was saved with "
+                                      "(e.g. sizes such as width or retrofit_size)")
         with torch.no_grad():
             for name, t in tensors.items():
                 own[name].copy_(t)

@@ -38,7 +38,8 @@ class HopeMethodConfig(MethodConfig, HopeConfig):
                 "is given)"})
     checkpoint: bool = field(default=True, metadata={
         "help": "recompute each memory's forward in backward instead of keeping its per-chunk weights: one "
-                "layer's at a time (batch 8 x 200 beside SmolLM2's 30 MLPs: tens of GB otherwise); same values"})
+                "layer's at a time (batch 8 x 200 beside SmolLM2's 30 MLPs with model-wide memories, width=576: "
+                "tens of GB otherwise; little at a retrofit's default width); same values"})
 
     def __post_init__(self):
         super().__post_init__()
