@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -53,10 +54,18 @@ def init_from_env():
 
 
 def leave():
-    """Wait for every rank, then close the process group (at exit)."""
+    """Wait for every rank, close the process group, then give gloo's worker threads a moment (at exit).
+
+    A gloo worker thread frees a finished collective only after waking the waiting thread, and a barrier's
+    work holds every collective still in flight when it began (FSDP's all-gathers: tensors with Python
+    objects). Freeing those needs the GIL; if the interpreter is already finalizing, the thread exits mid-
+    destructor and the process aborts ("terminate called without an active exception", 1 run in ~10
+    under load). Sleeping releases the GIL so the threads finish first; destroy_process_group does not
+    join them (FSDP still holds the group)."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+        time.sleep(0.5)
 
 
 def barrier():
