@@ -40,7 +40,7 @@ run_section() {
     frontier-sequence)  OMP_NUM_THREADS=1 bench frontier-sequence --preset quick --protocol sequence --seeds 3 --base-seeds 3 \
                             --workers 2 --methods 'full,seq-lora,moram,ewc,full[mix=0.1;lr=1e-4],full[mix=0.1],full[mix=0.1;lr=1e-3]' \
                             --sweep full.lr=1e-4,1e-3 --sweep ewc.lr=1e-4,1e-3 --sweep seq-lora.lr=3e-5,1e-4,3e-4,3e-3 \
-                            --sweep moram.lr=1.5e-4,1.5e-3,5e-3 ;;                                               # ~1.5 h
+                            --sweep moram.lr=1.5e-4,1.5e-3,5e-3 --data-mix-from shakespeare-modern ;;                                               # ~1.5 h
     frontier-two-domain-mix) OMP_NUM_THREADS=1 bench frontier-two-domain-mix --preset quick --seeds 3 --base-seeds 3 \
                             --mix 0.1 --methods full,ewc,lora --sweep full.lr=1e-4,1e-3 --sweep ewc.lr=1e-4,1e-3 \
                             --sweep lora.lr=3e-4,3e-3 ;;                                                          # ~30 min

@@ -337,6 +337,33 @@ def test_sequence_protocol(tmp_path):
     assert "R matrix of `lora`" in again.output and (tmp_path / "results.md").exists()
 
 
+def test_sequence_replay_comes_from_every_earlier_task_or_a_named_one(tmp_path):
+    """`earlier` (default) replays tasks 0..t-1; naming task 0 is the protocol before the option: the same
+    rows on task 1, other rows on task 2. Neutral's mixed rows are always task 0's; a name outside the
+    sequence is a one-line error before anything is written."""
+    from forgetless.continual.sequence import replay_source
+    from forgetless.data.domains import Domain
+    from forgetless.methods import build_method
+    tasks = [Domain(f"c{i}", torch.full((10 * (i + 1),), i), torch.zeros(1), torch.zeros(1, 2), [], "")
+             for i in range(3)]
+    assert replay_source(tasks, 2, "earlier", build_method("full")).train.tolist() == [0] * 10 + [1] * 20
+    assert replay_source(tasks, 2, "c1", build_method("full")) is tasks[1]
+    assert replay_source(tasks, 2, "earlier", build_method("neutral")) is tasks[0]
+    runs = {}
+    for mix_from in ("earlier", "tinyshakespeare"):
+        out = tmp_path / mix_from
+        result = invoke("bench", "--preset", "smoke", "--protocol", "sequence", "--domain-a", "tinyshakespeare",
+                        "--tasks", "renamed:tinyshakespeare,shakespeare-poems", "--methods", "full[mix=0.5]",
+                        "--adapt-steps", 10, "--adapt-lr", 3e-3, "--data-mix-from", mix_from, "--out", out)
+        assert result.exit_code == 0, result.output
+        runs[mix_from] = json.loads((out / "results.json").read_text())["methods"]["full[mix=0.5]"]["ppl_matrix"]
+    assert runs["earlier"][:2] == runs["tinyshakespeare"][:2] and runs["earlier"][2] != runs["tinyshakespeare"][2]
+    bad = invoke("bench", "--preset", "smoke", "--protocol", "sequence", "--domain-a", "tinyshakespeare",
+                 "--tasks", "shakespeare-poems", "--data-mix-from", "Lima", "--out", tmp_path / "bad")
+    assert bad.exit_code == 2 and "data.mix_from 'Lima' is not a task of this sequence" in bad.output, bad.output
+    assert not (tmp_path / "bad").exists()
+
+
 def test_sequence_protocol_needs_tasks():
     result = invoke("bench", "--preset", "smoke", "--protocol", "sequence", "--tasks", ",")
     assert result.exit_code == 2 and "needs tasks after the base: --tasks" in result.output

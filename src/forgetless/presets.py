@@ -36,7 +36,8 @@ class DataConfig:
         "help": "instruction tasks: validation rows per task, the last ones of its training file (never trained on), "
                 "scored after every task for choices (lr, knobs): the *_dev metrics; 0: none"})
     mix_from: str = field(default="earlier", metadata={
-        "help": "instruction tasks: where mixed-in rows come from: earlier (the tasks before) or a task, e.g. Lima"})
+        "help": "sequence protocol: where mixed-in rows come from: earlier (the tasks before; on a corpus "
+                "sequence from task 0, the base's domain, on) or one task, e.g. Lima or a corpus of the sequence"})
 
     def __post_init__(self):
         if self.tokenizer not in TOKENIZERS:

@@ -36,8 +36,26 @@ METRICS = ["op", "op_tasks", "bwt", "bwt_drop", "bwt_tasks", "bwt_drop_clipped",
            "fwt", "la"]
 
 
-def run_sequence_arm(model: nn.Module, method: Method, tasks: list[Domain], cfg: AdaptConfig, seed: int) -> dict:
-    """Train `method` on tasks[1:] in order; score every task after each."""
+def replay_source(tasks: list[Domain], t: int, mix_from: str, method: Method) -> Domain:
+    """Where task t's mixed-in rows come from: `earlier` (tasks 0..t-1, their training text joined), or
+    the task named `mix_from`; a method whose mixed rows must be original data (Neutral) gets task 0."""
+    if method.mixes_original:
+        return tasks[0]
+    if mix_from == "earlier":
+        return dataclasses.replace(tasks[0], train=torch.cat([d.train for d in tasks[:t]]))
+    return next(d for d in tasks if d.spec == mix_from)
+
+
+def check_mix_from(specs: list[str], mix_from: str):
+    if mix_from != "earlier" and mix_from not in specs:
+        raise ForgetlessError(f"data.mix_from {mix_from!r} is not a task of this sequence ({', '.join(specs)}); "
+                              "give --data-mix-from earlier or one of them")
+
+
+def run_sequence_arm(model: nn.Module, method: Method, tasks: list[Domain], cfg: AdaptConfig, seed: int,
+                     mix_from: str = "earlier") -> dict:
+    """Train `method` on tasks[1:] in order (mixed-in rows, if any, from `replay_source`); score every
+    task after each."""
     torch.manual_seed(seed)
     adapted = attach(model, method)
     model = adapted.model
@@ -49,7 +67,8 @@ def run_sequence_arm(model: nn.Module, method: Method, tasks: list[Domain], cfg:
     with PeakRSS() as memory:
         for t, task in enumerate(tasks[1:], start=1):
             t0 = time.perf_counter()
-            history, params = adapt_task(adapted, task, tasks[0], cfg, t, 1000 * seed + t, learned=tasks[t - 1],
+            history, params = adapt_task(adapted, task, replay_source(tasks, t, mix_from, method), cfg, t,
+                                         1000 * seed + t, learned=tasks[t - 1],
                                          desc=f"{method.name} seed {seed} task {t}")
             wall += time.perf_counter() - t0
             loss += [[t, s, v] for s, v in history.loss]
@@ -76,6 +95,7 @@ def run_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[in
     specs = [cfg.data.domain_a, *cfg.data.tasks]
     if len(specs) < 2:
         raise ForgetlessError("the sequence protocol needs tasks after the base: --tasks CORPUS1,CORPUS2,...")
+    check_mix_from(specs, cfg.data.mix_from)
     built = build_arms(cfg, methods)
     pretrained = load_pretrained(model, device)
     tasks, tokenizer = load_domains(specs, pretrained[1] if pretrained else cfg.data.tokenizer, cfg.model.block_size,
@@ -94,7 +114,8 @@ def run_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[in
 
     arms, summary = run_arms(built, seeds, cfg, tasks[0], tokenizer, device, model, pretrained, out, arm_config,
                              lambda label, method, seed, base_name, load, arm_dir:
-                             run_sequence_arm(load(), fresh(method), tasks, cfg.adapt, seed), arm_seconds, base_seeds, workers)
+                             run_sequence_arm(load(), fresh(method), tasks, cfg.adapt, seed,
+                                                              cfg.data.mix_from), arm_seconds, base_seeds, workers)
     return {
         "protocol": "sequence", "preset": preset, "seeds": list(seeds), "base_seeds": base_seeds, "tasks": specs,
         **provenance(device),
