@@ -76,13 +76,14 @@ run_section() {
     tiny-renamed)       bench tiny-renamed --preset quick --domain-a tinyshakespeare --domain-b renamed:tinyshakespeare \
                             --methods full,ffn,lora,apn,apn-local,apn-param-matched,apn-retrofit ;;
     apn-ablation)       bench apn-ablation --preset quick --seeds 1 --methods 'apn,apn[local=true],apn[local=true;decoders_only=true],apn[norm_cap=0.1],apn[update_rule=gain;lr=0.03],apn[gate_on=router;gate_min=0.3],apn[gate_on=entropy;gate_max=2.0],apn[allocate=true],apn[allocate=true;novelty_threshold=0.34],apn[train_prototypes=false]' ;;
-    two-domain-neutral) bench two-domain-neutral --preset quick --methods 'full,ffn,lora,adapter,neutral,ewc,neutral[gate=none],neutral[gate=sigmoid],neutral[gate=none;alpha=0],neutral[mix=0],neutral[mix=0.01],neutral[mix=0.5],full[mix=0.01],full[mix=0.1],full[mix=0.5],lora[mix=0.1],adapter[mix=0.1]' ;;
-    sequence-quick)     bench sequence-quick --preset quick --protocol sequence --methods all ;;
-    sequence-ablation)  bench sequence-ablation --preset quick --protocol sequence --methods \
+    two-domain-neutral) OMP_NUM_THREADS=1 bench two-domain-neutral --preset quick --seeds 3 --base-seeds 3 --workers 2 --methods 'full,ffn,lora,adapter,neutral,ewc,neutral[gate=none],neutral[gate=sigmoid],neutral[gate=none;alpha=0],neutral[mix=0],neutral[mix=0.01],neutral[mix=0.5],full[mix=0.01],full[mix=0.1],full[mix=0.5],lora[mix=0.1],adapter[mix=0.1]' ;;
+    sequence-quick)     OMP_NUM_THREADS=1 bench sequence-quick --preset quick --protocol sequence --methods all --seeds 3 \
+                            --base-seeds 3 --workers 2 ;;                                                       # ~35 min
+    sequence-ablation)  OMP_NUM_THREADS=1 bench sequence-ablation --preset quick --protocol sequence --seeds 3 --base-seeds 3 --workers 2 --methods \
                             'moram[top_k=0;tau=1;delta=none],moram[tau=1;delta=none],moram[top_k=0;delta=none],moram[top_k=0;tau=1],moram[delta=none],moram' ;;
-    two-domain-cms)     OMP_NUM_THREADS=1 bench two-domain-cms --preset quick --seeds 3 \
+    two-domain-cms)     OMP_NUM_THREADS=1 bench two-domain-cms --preset quick --seeds 3 --base-seeds 3 --workers 2 \
                             --methods 'full,ffn,lora,adapter,cms,cms-fast,cms[periods=1,1,1,1],cms[accumulate=updates]' ;;
-    sequence-cms)       OMP_NUM_THREADS=1 bench sequence-cms --preset quick --protocol sequence --seeds 3 \
+    sequence-cms)       OMP_NUM_THREADS=1 bench sequence-cms --preset quick --protocol sequence --seeds 3 --base-seeds 3 --workers 2 \
                             --methods 'ffn,cms,cms-fast,cms[periods=1,1,1,1]' ;;
     optimizers-quick)   OMP_NUM_THREADS=1 bench optimizers-quick --preset quick --optimizers adamw,muon,delta,deep,l2reg \
                             --lrs 3e-5,1e-4,3e-4,1e-3 --seeds 3 --pretrain-seeds 3 ;;
