@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p runs
 
-SECTIONS=(frontier-two-domain frontier-sequence frontier-two-domain-mix frontier-two-domain-capacity frontier-two-domain-ewc frontier-two-domain-goal frontier-two-domain-goal-mix30 frontier-two-domain-stdlib two-domain-quick tiny-renamed apn-ablation two-domain-neutral sequence-quick sequence-ablation
+SECTIONS=(frontier-two-domain frontier-sequence frontier-two-domain-mix frontier-two-domain-capacity frontier-two-domain-ewc frontier-two-domain-goal frontier-two-domain-goal-mix30 frontier-two-domain-stdlib frontier-sequence-replay two-domain-quick tiny-renamed apn-ablation two-domain-neutral sequence-quick sequence-ablation
           two-domain-cms sequence-cms optimizers-quick real-standard real-standard-seeds real-trace real-two-domain
           online-quick hope-two-domain hope-lm hope-needle hope-speed serve first-run benchmarks aunn)
 
@@ -77,8 +77,10 @@ run_section() {
                             --methods full,ffn,lora,apn,apn-local,apn-param-matched,apn-retrofit ;;
     apn-ablation)       bench apn-ablation --preset quick --seeds 1 --methods 'apn,apn[local=true],apn[local=true;decoders_only=true],apn[norm_cap=0.1],apn[update_rule=gain;lr=0.03],apn[gate_on=router;gate_min=0.3],apn[gate_on=entropy;gate_max=2.0],apn[allocate=true],apn[allocate=true;novelty_threshold=0.34],apn[train_prototypes=false]' ;;
     two-domain-neutral) OMP_NUM_THREADS=1 bench two-domain-neutral --preset quick --seeds 3 --base-seeds 3 --workers 2 --methods 'full,ffn,lora,adapter,neutral,ewc,neutral[gate=none],neutral[gate=sigmoid],neutral[gate=none;alpha=0],neutral[mix=0],neutral[mix=0.01],neutral[mix=0.5],full[mix=0.01],full[mix=0.1],full[mix=0.5],lora[mix=0.1],adapter[mix=0.1]' ;;
-    sequence-quick)     OMP_NUM_THREADS=1 bench sequence-quick --preset quick --protocol sequence --methods all --seeds 3 \
-                            --base-seeds 3 --workers 2 ;;                                                       # ~35 min
+    sequence-quick)     OMP_NUM_THREADS=1 bench sequence-quick --preset quick --protocol sequence --seeds 3 --base-seeds 3 \
+                            --workers 2 --methods full,ffn,lora,adapter,moram,moe-lora,seq-lora ;;              # ~30 min
+    frontier-sequence-replay) OMP_NUM_THREADS=1 bench frontier-sequence-replay --preset quick --protocol sequence --seeds 3 \
+                            --base-seeds 3 --workers 2 --methods 'full[mix=0.1;lr=1e-4],full[mix=0.1],full[mix=0.1;lr=1e-3]' ;;  # ~12 min
     sequence-ablation)  OMP_NUM_THREADS=1 bench sequence-ablation --preset quick --protocol sequence --seeds 3 --base-seeds 3 --workers 2 --methods \
                             'moram[top_k=0;tau=1;delta=none],moram[tau=1;delta=none],moram[top_k=0;delta=none],moram[top_k=0;tau=1],moram[delta=none],moram' ;;
     two-domain-cms)     OMP_NUM_THREADS=1 bench two-domain-cms --preset quick --seeds 3 --base-seeds 3 --workers 2 \
