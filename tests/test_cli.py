@@ -341,7 +341,8 @@ def test_sequence_replay_comes_from_every_earlier_task_or_a_named_one(tmp_path):
     """`earlier` (default) replays tasks 0..t-1; naming task 0 is the protocol before the option: the same
     rows on task 1, other rows on task 2. Neutral's mixed rows are always task 0's; a name outside the
     sequence is a one-line error before anything is written."""
-    from forgetless.continual.sequence import replay_source
+    from forgetless.continual.sequence import replay_source, replay_tag
+    from forgetless.presets import build_config
     from forgetless.data.domains import Domain
     from forgetless.methods import build_method
     tasks = [Domain(f"c{i}", torch.full((10 * (i + 1),), i), torch.zeros(1), torch.zeros(1, 2), [], "")
@@ -349,6 +350,11 @@ def test_sequence_replay_comes_from_every_earlier_task_or_a_named_one(tmp_path):
     assert replay_source(tasks, 2, "earlier", build_method("full")).train.tolist() == [0] * 10 + [1] * 20
     assert replay_source(tasks, 2, "c1", build_method("full")) is tasks[1]
     assert replay_source(tasks, 2, "earlier", build_method("neutral")) is tasks[0]
+    cfg = build_config("smoke")  # arms saved before the option replayed task 0 under this same config: new cache key
+    assert replay_tag(cfg, build_method("full", {"mix": 0.1})) == {"replay": "tasks 0..t-1"}
+    assert replay_tag(cfg, build_method("full")) == replay_tag(cfg, build_method("neutral")) == {}
+    cfg.data.mix_from = "tinyshakespeare"
+    assert replay_tag(cfg, build_method("full", {"mix": 0.1})) == {}
     runs = {}
     for mix_from in ("earlier", "tinyshakespeare"):
         out = tmp_path / mix_from

@@ -46,6 +46,14 @@ def replay_source(tasks: list[Domain], t: int, mix_from: str, method: Method) ->
     return next(d for d in tasks if d.spec == mix_from)
 
 
+def replay_tag(cfg: RunConfig, method: Method) -> dict:
+    """What an arm that replays every earlier task adds to its config (and so its cache key): arms saved
+    before a4102dc replayed task 0 under the same `mix_from: earlier` and must not be reused for it."""
+    mix = cfg.adapt.mix if method.cfg.mix is None else method.cfg.mix
+    replays_earlier = cfg.data.mix_from == "earlier" and mix > 0 and not method.mixes_original
+    return {"replay": "tasks 0..t-1"} if replays_earlier else {}
+
+
 def check_mix_from(specs: list[str], mix_from: str):
     if mix_from != "earlier" and mix_from not in specs:
         raise ForgetlessError(f"data.mix_from {mix_from!r} is not a task of this sequence ({', '.join(specs)}); "
@@ -105,7 +113,7 @@ def run_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[in
 
     def arm_config(label, method, base_name):
         return {"protocol": "sequence", "config": cfg.to_dict(), "method": method.name, "options": method.options(),
-                "base": base_name, "tasks": [t.fingerprint for t in tasks]}
+                "base": base_name, "tasks": [t.fingerprint for t in tasks], **replay_tag(cfg, method)}
 
     def arm_seconds(calibration, method, base_cfg):
         T, windows = len(tasks) - 1, sum(t.windows.shape[0] for t in tasks)
