@@ -107,3 +107,11 @@ def test_frontier_curves_and_operating_points():
     assert seq_points["a, lr"]["best_bwt_at_matched_la"] == {"value": -4.0, "arm": "a[lr=1e-4]", "chosen_value": -4.0,
                                                              "chosen_on": "held-out"}
     assert seq_points["b"]["best_bwt_at_matched_la"] is None  # LA 10 points below the best: not matched
+
+
+def test_seeds_text_counts_the_bases_the_seeds_used():
+    """--seeds 3 --seed-start 3 --base-seeds 6 adapts bases 3-5: three bases, not six; seeds sharing a base say so."""
+    from forgetless.report.tables import seeds_text
+    assert seeds_text([3, 4, 5], 6).endswith("each seed on its own pretrained base: 3 bases, pretraining seeds [3, 4, 5])")
+    assert "on 2 pretrained bases: seed s adapts base s mod 2" in seeds_text([0, 1, 2, 3], 2)
+    assert seeds_text([0, 1], 1) == "seeds [0, 1] (mean ± std over adaptation seeds on one pretrained base)"

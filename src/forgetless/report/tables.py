@@ -70,7 +70,11 @@ def seeds_text(seeds: list[int], base_seeds: int | None = 1) -> str:
     if len(seeds) == 1:
         return f"one seed ({seeds[0]}): no std"
     if base_seeds and base_seeds > 1:
-        return f"seeds {seeds} (mean ± std over seeds, each seed on its own pretrained base: {base_seeds} bases)"
+        bases = sorted({s % base_seeds for s in seeds})  # arm seed s adapts base s mod base_seeds
+        if len(bases) == len(seeds):
+            return (f"seeds {seeds} (mean ± std over seeds, each seed on its own pretrained base: {len(bases)} bases, "
+                    f"pretraining seeds {bases})")
+        return f"seeds {seeds} (mean ± std over seeds on {len(bases)} pretrained bases: seed s adapts base s mod {base_seeds})"
     return f"seeds {seeds} (mean ± std over adaptation seeds on one pretrained base)"
 
 
