@@ -4,6 +4,8 @@ from forgetless import attach
 from forgetless.errors import ForgetlessError
 from forgetless.methods import METHODS, build_method, method_names
 from forgetless.methods.base import find_modules, matches
+from forgetless.presets import AdaptConfig
+from forgetless.train import TrainConfig
 from tiny_models import ours
 
 BASELINES = ["full", "ffn", "lora", "adapter"]
@@ -24,6 +26,16 @@ def test_registry_has_the_baselines_in_design_order():
     assert build_method("lora", {"lr": "0.01", "r": "4"}).cfg.lr == 0.01
     assert build_method("lora", {"lr": "none"}).cfg.lr is None
     assert build_method("adapter", {"target_modules": "mlp,c_fc"}).cfg.target_modules == ["mlp", "c_fc"]
+
+
+def test_a_method_sets_its_own_lr_mix_and_optimizer_over_the_protocols():
+    adapt = AdaptConfig(lr=3e-4, mix=0.1, optimizer="adamw")
+    assert build_method("lora", {"lr": "none"}).training_config(adapt) == adapt  # nothing of its own
+    own = build_method("lora", {"lr": "1e-3", "mix": "0", "optimizer": "muon"}).training_config(adapt)
+    assert (own.lr, own.mix, own.optimizer) == (1e-3, 0.0, "muon")  # mix 0 is an option, not "unset"
+    assert build_method("full", {"mix": "0.3"}).own("mix", 0.1) == 0.3
+    train_cfg = build_method("full", {"lr": "1e-3", "mix": "0.3"}).training_config(TrainConfig(lr=3e-4))
+    assert train_cfg.lr == 1e-3 and not hasattr(train_cfg, "mix")  # a TrainConfig has no mix to set
 
 
 def test_target_rules_suffix_regex_exclude():

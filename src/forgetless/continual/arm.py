@@ -1,7 +1,6 @@
 """One adaptation arm: a method on a pretrained base, trained on domain B, scored on A and B."""
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 
@@ -28,10 +27,9 @@ def adapt_task(adapted: Adapted, task: Domain, replay_from: Domain, cfg: AdaptCo
     method = adapted.method
     adapted.start_task(task_index, learned or replay_from)
     params = adapted.trainable_parameters()
-    mix = cfg.mix if method.cfg.mix is None else method.cfg.mix
-    cfg = dataclasses.replace(cfg, lr=method.cfg.lr or cfg.lr, mix=mix, optimizer=method.cfg.optimizer or cfg.optimizer)
+    cfg = method.training_config(cfg)
     sampler = Sampler(task.train, cfg.batch_size, task.windows.shape[1] - 1, sampler_seed,
-                      other=replay_from.train if mix > 0 else None, p=mix)
+                      other=replay_from.train if cfg.mix > 0 else None, p=cfg.mix)
     history = train(adapted.model, params, sampler, cfg, lambda m, batch: adapted.losses(batch), hooks=method,
                     **train_kwargs)
     adapted.end_task(task_index)

@@ -172,11 +172,10 @@ def learn_task(adapted, t: int, rows: Encoded, stream: Stream, cfg: RunConfig, s
     method = adapted.method
     previous = stream.general if t == 1 else windows_of(stream.train[t - 2], cfg.model.block_size)
     adapted.start_task(t, previous)
-    mix = cfg.adapt.mix if method.cfg.mix is None else method.cfg.mix
     earlier = joined(stream.train[:t - 1]) if t > 1 else None
     other = stream.mix_from or (stream.general_rows if method.mixes_original else earlier)
-    adapt = dataclasses.replace(cfg.adapt, lr=method.cfg.lr or cfg.adapt.lr, mix=mix if other else 0.0,
-                                optimizer=method.cfg.optimizer or cfg.adapt.optimizer)
+    adapt = method.training_config(cfg.adapt)
+    adapt = dataclasses.replace(adapt, mix=adapt.mix if other else 0.0)
     sampler = InstructionSampler(rows, adapt.batch_size, 1000 * seed + t, other if adapt.mix else None, adapt.mix)
     params = adapted.trainable_parameters()
     history = train(adapted.model, params, sampler, adapt, lambda m, batch: adapted.losses(batch), hooks=method,

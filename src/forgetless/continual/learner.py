@@ -7,8 +7,6 @@ original domain when the method or the protocol asks for it.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn as nn
 
@@ -33,13 +31,13 @@ class Learner:
         self.params = self.adapted.trainable_parameters()
         if not self.params:
             raise ForgetlessError(f"method {method.name} selected no parameters to learn; check its target_modules")
-        self.cfg = dataclasses.replace(cfg, lr=method.cfg.lr or cfg.lr, optimizer=method.cfg.optimizer or cfg.optimizer)
+        self.cfg = method.training_config(cfg)
         self.hooks = HookChain([method, *module_hooks(self.model, self.params)])
         self.opt = self.hooks.make_optimizer(self.params, self.cfg) or \
             build_optimizer(self.cfg.optimizer, self.params, self.cfg, self.model)
         for group in self.opt.param_groups:
             group["lr"] = self.cfg.lr
-        self.mix = mix if method.cfg.mix is None else method.cfg.mix
+        self.mix = method.own("mix", mix)
         if self.mix > 0 and mix_from is None:
             raise ForgetlessError(f"method {method.name} mixes in original-domain rows (mix={self.mix}) but none were "
                                   "given; pass mix_from tokens or set mix=0")

@@ -43,7 +43,7 @@ def run_optimizers(cfg: RunConfig, methods: list[str], optimizers: list[str], se
 def arm_spec(cfg: RunConfig, method: str, optimizer: str, lr: str | None) -> MethodSpec:
     """METHOD, or METHOD[optimizer=O;lr=LR] for what differs from the method's defaults in this run."""
     try:
-        own_lr = build_method(method, cfg.methods.get(method)).cfg.lr or cfg.adapt.lr
+        own_lr = build_method(method, cfg.methods.get(method)).own("lr", cfg.adapt.lr)
         other_lr = lr is not None and float(lr) != own_lr
     except ValueError:
         raise ForgetlessError(f"--lrs takes numbers, e.g. 1e-4,3e-4,1e-3; got {lr!r}") from None

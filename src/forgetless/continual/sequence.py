@@ -49,7 +49,7 @@ def replay_source(tasks: list[Domain], t: int, mix_from: str, method: Method) ->
 def replay_tag(cfg: RunConfig, method: Method) -> dict:
     """What an arm that replays every earlier task adds to its config (and so its cache key): arms saved
     before a4102dc replayed task 0 under the same `mix_from: earlier` and must not be reused for it."""
-    mix = cfg.adapt.mix if method.cfg.mix is None else method.cfg.mix
+    mix = method.own("mix", cfg.adapt.mix)
     replays_earlier = cfg.data.mix_from == "earlier" and mix > 0 and not method.mixes_original
     return {"replay": "tasks 0..t-1"} if replays_earlier else {}
 

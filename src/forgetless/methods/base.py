@@ -8,6 +8,7 @@ owns the call order.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -167,6 +168,15 @@ class Method(StepHooks):
 
     def __init__(self, cfg: MethodConfig):
         self.cfg = cfg
+
+    def own(self, option: str, default):
+        """This method's own `option` (lr, mix or optimizer) where its config sets one, else the protocol's `default`."""
+        value = getattr(self.cfg, option)
+        return default if value is None else value
+
+    def training_config(self, cfg):
+        """`cfg` (an AdaptConfig or TrainConfig) with this method's own lr, mix and optimizer where it sets them."""
+        return dataclasses.replace(cfg, **{k: self.own(k, getattr(cfg, k)) for k in ("lr", "mix", "optimizer") if hasattr(cfg, k)})
 
     def base_config(self, model_cfg: GPTConfig) -> GPTConfig:
         """Model config of the pretrained base this method starts from (default: the dense base)."""
