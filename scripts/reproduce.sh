@@ -12,10 +12,12 @@ SECTIONS=(frontier-two-domain frontier-sequence frontier-two-domain-mix frontier
           two-domain-cms sequence-cms optimizers-quick real-standard real-standard-seeds real-trace real-two-domain
           online-quick hope-two-domain hope-lm hope-needle hope-speed serve first-run benchmarks aunn)
 
-publish() {  # publish RUN_DIR SECTION: its tables and figures, next to RESULTS.md
+publish() {  # publish RUN_DIR SECTION: its table and the figures RESULTS.md or README.md show, next to RESULTS.md
     mkdir -p "docs/figures/$2"
-    cp "$1"/results.md "$1"/*.png "docs/figures/$2/" 2>/dev/null || true
-    echo "published $1 -> docs/figures/$2"
+    cp "$1"/results.md "docs/figures/$2/"
+    for f in $(grep -ho "figures/$2/[A-Za-z0-9_.-]*\.png" docs/RESULTS.md README.md | sort -u); do
+        cp "$1/${f##*/}" "docs/figures/$2/"; done
+    echo "published $1 -> docs/figures/$2 (all its figures stay in $1)"
 }
 
 bench() {  # bench SECTION ARGS...: one forgetless bench into runs/SECTION, then publish it
@@ -88,9 +90,11 @@ run_section() {
     sequence-ablation)  OMP_NUM_THREADS=1 bench sequence-ablation --preset quick --protocol sequence --seeds 3 --base-seeds 3 --workers 2 --methods \
                             'moram[top_k=0;tau=1;delta=none],moram[tau=1;delta=none],moram[top_k=0;delta=none],moram[top_k=0;tau=1],moram[delta=none],moram' ;;
     two-domain-cms)     OMP_NUM_THREADS=1 bench two-domain-cms --preset quick --seeds 3 --base-seeds 3 --workers 2 \
-                            --methods 'full,ffn,lora,adapter,cms,cms-fast,cms[periods=1,1,1,1],cms[accumulate=updates]' ;;
+                            --methods 'full,ffn,lora,adapter,cms,cms-fast,cms[periods=1,1,1,1],cms[accumulate=updates],cms[periods=1,1,1,1;lr=1e-4],cms[periods=1,1,1,1;lr=1e-3]' \
+                            --sweep ffn.lr=1e-4,1e-3 --sweep cms.lr=1e-4,1e-3 ;;                      # ~1.2 h (9 CMS bases)
     sequence-cms)       OMP_NUM_THREADS=1 bench sequence-cms --preset quick --protocol sequence --seeds 3 --base-seeds 3 --workers 2 \
-                            --methods 'ffn,cms,cms-fast,cms[periods=1,1,1,1]' ;;
+                            --methods 'ffn,cms,cms-fast,cms[periods=1,1,1,1],cms[periods=1,1,1,1;lr=1e-3]' \
+                            --sweep ffn.lr=1e-3 --sweep cms.lr=1e-3 ;;
     optimizers-quick)   OMP_NUM_THREADS=1 bench optimizers-quick --preset quick --optimizers adamw,muon,delta,deep,l2reg \
                             --lrs 3e-5,1e-4,3e-4,1e-3 --seeds 3 --pretrain-seeds 3 ;;
     real-standard)      bench real-standard --model smollm2-135m --preset real --protocol sequence \

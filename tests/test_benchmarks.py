@@ -35,3 +35,20 @@ def test_reproduce_script_names_its_sections():
     assert listed.returncode == 0 and {"two-domain-quick", "real-standard", "first-run"} <= set(listed.stdout.split())
     bad = subprocess.run(["bash", str(ROOT / "scripts" / "reproduce.sh"), "nope"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown section 'nope'" in bad.stderr
+
+
+def test_reproduce_publishes_the_table_and_only_the_figures_the_docs_show(tmp_path):
+    script = (ROOT / "scripts" / "reproduce.sh").read_text()
+    start = script.index("publish() {")
+    publish = script[start:script.index("\n}\n", start) + 3]
+    run = tmp_path / "runs" / "sec"
+    run.mkdir(parents=True)
+    for name in ("results.md", "shown.png", "readme.png", "unshown.png"):
+        (run / name).write_text(name)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "RESULTS.md").write_text("![a](figures/sec/shown.png) ![b](figures/other/unshown.png)\n")
+    (tmp_path / "README.md").write_text("![c](docs/figures/sec/readme.png)\n")
+    done = subprocess.run(["bash", "-c", f"set -euo pipefail\n{publish}\npublish runs/sec sec"], cwd=tmp_path,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (tmp_path / "docs" / "figures" / "sec").iterdir()) == ["readme.png", "results.md", "shown.png"]
