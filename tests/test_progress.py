@@ -1,6 +1,7 @@
 """Progress off a terminal (logs, pipes, nohup): plain lines with the count, the loop's numbers and the
 time left, throttled, and always one at the end."""
 import re
+import time
 
 from forgetless import progress
 from forgetless.progress import duration, progress_task
@@ -26,6 +27,15 @@ def test_plain_lines_are_throttled_and_a_loop_that_did_nothing_is_silent(capsys)
     with progress_task("resumed", total=5, completed=5):
         pass
     assert capsys.readouterr().err == ""
+
+
+def test_a_loop_whose_steps_take_long_still_logs(capsys, monkeypatch):
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.05)
+    with progress_task("bench", total=2) as advance:
+        time.sleep(0.5)  # the first arm: no advance for ten log intervals
+        advance(1)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) >= 3 and lines[0].startswith("bench: 0/2 · ") and lines[-1].startswith("bench: 1/2 · ")
 
 
 def test_durations_read_like_a_clock():

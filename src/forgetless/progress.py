@@ -1,9 +1,10 @@
 """Progress of every long loop: rich bars on a terminal (nested runs share one live display); on a log
-file or pipe, where bars never show, a plain line per loop every `LOG_EVERY_S` seconds and at its end,
-with the count, the loop's numbers and the time left."""
+file or pipe, where bars never show, a plain line per loop every `LOG_EVERY_S` seconds (also while one
+step takes minutes) and at its end, with the count, the loop's numbers and the time left."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 from rich.console import Console
@@ -78,7 +79,19 @@ def plain_progress(desc: str, total: int, completed: int = 0, percent: bool = Fa
         if time.monotonic() - last["at"] >= LOG_EVERY_S and done < total:
             line()
 
-    yield advance
+    def heartbeat():  # a loop whose steps take minutes (a bench's arms) still logs every LOG_EVERY_S (0: only steps)
+        while not stopped.wait(LOG_EVERY_S or None):
+            if time.monotonic() - last["at"] >= LOG_EVERY_S:
+                line()
+
+    stopped = threading.Event()
+    beat = threading.Thread(target=heartbeat, daemon=True)
+    beat.start()
+    try:
+        yield advance
+    finally:
+        stopped.set()
+        beat.join()
     if done > completed:
         line()
 
