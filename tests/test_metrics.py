@@ -109,6 +109,37 @@ def test_frontier_curves_and_operating_points():
     assert seq_points["b"]["best_bwt_at_matched_la"] is None  # LA 10 points below the best: not matched
 
 
+def test_matched_adaptation_reads_each_seeds_curve_and_pairs_them():
+    """F at G = 0.9 along each seed's own lr curve (linear between the arms around it; past an end it extrapolates
+    and says so); paired differences per seed; BWT at the best LA - 1 on a sequence."""
+    from forgetless.report.frontier import matched, matched_markdown
+
+    def arm(lr, g, f):  # per seed: adaptation gain, forgetting
+        return {"options": {"lr": lr}, "per_seed": {str(s): {"adaptation_gain": g[s], "forgetting": f[s]} for s in (0, 1)}}
+    results = {"protocol": "two-domain", "config": {"adapt": {"lr": 3e-4, "mix": 0.0}}, "methods": {
+        "a[lr=1e-4]": arm(1e-4, (0.7, 0.8), (0.10, 0.12)), "a": arm(3e-4, (0.85, 0.95), (0.15, 0.18)),
+        "a[lr=1e-3]": arm(1e-3, (1.0, 1.05), (0.25, 0.30)),
+        "b": arm(3e-4, (0.6, 0.9), (0.05, 0.10)), "b[lr=1e-3]": arm(1e-3, (0.8, 1.0), (0.10, 0.20)),
+        "c": arm(None, (0.5, 0.5), (0.0, 0.0))}}  # one point: no curve to read
+    held = matched(results)["held_out"]
+    assert held["at"] == 0.9 and set(held["curves"]) == {"a, lr", "b, lr"} and "validation" not in matched(results)
+    a, b = held["curves"]["a, lr"], held["curves"]["b, lr"]
+    assert a["values"] == pytest.approx({"0": 15 + 10 / 3, "1": 16.0}) and a["extrapolated"] == 0
+    assert b["values"] == pytest.approx({"0": 12.5, "1": 10.0}) and b["extrapolated"] == 1  # seed 0 ends at G 0.8
+    assert a["value"]["mean"] == pytest.approx((15 + 10 / 3 + 16) / 2)
+    assert held["paired"]["a, lr − b, lr"]["mean"] == pytest.approx(((15 + 10 / 3 - 12.5) + 6) / 2)
+    text = "\n".join(matched_markdown({**results, "matched": matched(results)}))
+    assert "F % read at G = 0.9 (held-out)" in text and "| b, lr | 11.25 (" in text and ") +1 |" in text
+    assert "| a, lr − b, lr | +5.92 (" in text
+    sequence = {"protocol": "sequence", "config": {"adapt": {"lr": 1e-3}}, "methods": {
+        label: {"options": {}, "la": {"mean": sum(la) / 2}, "bwt": {"mean": sum(bwt) / 2},
+                "per_seed": {str(s): {"la": la[s], "bwt": bwt[s]} for s in (0, 1)}}
+        for label, la, bwt in [("m[lr=1e-4]", (40.0, 42.0), (-2.0, -3.0)), ("m", (50.0, 52.0), (-8.0, -10.0))]}}
+    seq = matched(sequence)["held_out"]
+    assert seq["at"] == 50.0 and seq["curves"]["m, lr"]["values"] == pytest.approx({"0": -8.0, "1": -8.6})
+    assert seq["curves"]["m, lr"]["extrapolated"] == 0 and seq["paired"] == {}
+
+
 def test_seeds_text_counts_the_bases_the_seeds_used():
     """--seeds 3 --seed-start 3 --base-seeds 6 adapts bases 3-5: three bases, not six; seeds sharing a base say so."""
     from forgetless.report.tables import seeds_text

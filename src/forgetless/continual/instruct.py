@@ -24,11 +24,11 @@ import torch.nn as nn
 
 from forgetless.adapted import architecture_fingerprint, attach, resolve_device
 from forgetless.continual.evaluate import evaluate
-from forgetless.continual.metrics import dev_metrics, sequence_metrics
+from forgetless.continual.metrics import DEV_METRICS, dev_metrics, sequence_metrics
 from forgetless.continual.scoring import score_task
 from forgetless.continual.sequence import dev_summary
 from forgetless.continual.plan import Job, Plan, run_or_reuse_arm, saved_arm
-from forgetless.continual.two_domain import build_arms, fresh, mean_nested, mean_std, provenance
+from forgetless.continual.two_domain import build_arms, fresh, mean_nested, mean_std, per_seed, provenance
 from forgetless.data.domains import Domain, load_domains
 from forgetless.data.instructions import IGNORE, Encoded, InstructionSampler, InstructionTask, encode, load_task
 from forgetless.data.splits import eval_windows
@@ -231,4 +231,5 @@ def summarize(runs: list[dict], method: Method) -> dict:
             "held_out": mean_nested([r["held_out"] for r in runs]),
             "general_ppl": mean_nested([r["general_ppl"] for r in runs]),
             "trainable_params": runs[0]["trainable_params"], "total_params": runs[0]["total_params"],
-            "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "options": method.options()}
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "options": method.options(),
+            "per_seed": per_seed(runs, METRICS + DEV_METRICS)}

@@ -23,7 +23,7 @@ from forgetless.continual.evaluate import evaluate
 from forgetless.continual.metrics import DEV_METRICS, dev_metrics, sequence_metrics
 from forgetless.continual.plan import run_arms
 from forgetless.continual.two_domain import (build_arms, fresh, load_pretrained, mean_nested, mean_std,
-                                             provenance)
+                                             per_seed, provenance)
 from forgetless.continual.workers import check_workers
 from forgetless.data.domains import Domain, load_domains
 from forgetless.errors import ForgetlessError
@@ -137,6 +137,8 @@ def run_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[in
                             "ppl_matrix": mean_nested([r["ppl_matrix"] for r in runs]),
                             "trainable_params": runs[0]["trainable_params"], "total_params": runs[0]["total_params"],
                             "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "options": built[label].options(),
+                            "per_seed": per_seed([{**r, **sequence_metrics(r["r_matrix"])} for r in runs],
+                                                 METRICS + DEV_METRICS),
                             **({"task_reports": mean_nested([r["task_reports"] for r in runs])}
                                if "task_reports" in runs[0] else {})}
                     for label, runs in arms.items()},

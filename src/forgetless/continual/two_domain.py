@@ -138,6 +138,12 @@ def mean_std(values: list[float | None]) -> dict:
     return {"mean": statistics.fmean(values), "std": std, "ci95": t * std / math.sqrt(n)}
 
 
+def per_seed(runs: list[dict], metrics: list[str]) -> dict[str, dict]:
+    """{seed: {metric: value}} for the `metrics` a run has: the values behind `mean_std`, kept in results.json so
+    methods can be compared seed by seed (paired), e.g. along their trade-off curves (report/frontier.py)."""
+    return {str(r["seed"]): {m: r[m] for m in metrics if m in r} for r in runs}
+
+
 def band(per_step: list[tuple[float, ...]]) -> dict:
     """Mean and std at every step of a curve, from the values of each seed there."""
     return {"mean": [statistics.fmean(v) for v in per_step],
@@ -154,7 +160,7 @@ def summarize(runs: list[dict], full_runs: list[dict], method) -> dict:
     out.update({m: mean_std([r[m] for r in runs]) for m in DEV_METRICS if all(m in r for r in runs)})
     out.update(method=method.name, trainable_params=runs[0]["trainable_params"], total_params=runs[0]["total_params"],
                peak_rss_mb=max(r["peak_rss_mb"] for r in runs), options=method.options(),
-               curves=mean_curves(runs))
+               curves=mean_curves(runs), per_seed=per_seed(runs, METRICS + DEV_METRICS))
     if "report" in runs[0]:
         out["report"] = {when: mean_nested([r["report"][when] for r in runs]) for when in ("before", "after")}
     return out

@@ -7,7 +7,8 @@ from forgetless import distributed
 from forgetless.checkpoint import write_json
 from forgetless.report.figures import method_figures, r_heatmaps, write_figures
 from forgetless.report.online import online_figure, online_markdown, online_tradeoff, write_online_csv
-from forgetless.report.frontier import curves, frontier_figure, frontier_markdown, operating_points
+from forgetless.report.frontier import (curves, frontier_figure, frontier_markdown, matched, matched_markdown,
+                                        operating_points)
 from forgetless.report.tables import markdown, sequence_markdown, write_csv, write_sequence_csv
 
 
@@ -21,6 +22,8 @@ def write_report(results: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     if results["protocol"] != "online" and curves(results):  # the online protocol has no frontier
         results["frontier"] = operating_points(results)
+        if found := matched(results):
+            results["matched"] = found
     write_json(out / "results.json", results)
     if results["protocol"] == "online":
         write_online_csv(results, out / "results.csv")
@@ -34,6 +37,8 @@ def write_report(results: dict, out: Path) -> list[Path]:
     text = sequence_markdown(results) if sequence else markdown(results)
     if results.get("frontier"):
         text += "\n".join(frontier_markdown(results["frontier"])) + "\n"
+    if results.get("matched"):
+        text += "\n".join(matched_markdown(results)) + "\n"
     (out / "results.md").write_text(text)
     if sequence:
         r_heatmaps(results, out / "r_matrix.png")

@@ -4,15 +4,18 @@ BWT against LA (accuracy on each task just after learning it). Beside the figure
 points: the best G at F <= 5 % and <= 2 %, the best F at G >= 0.9 (two-domain), the best BWT at LA within
 1 point of the best LA of all arms (sequence), so methods are compared at matched adaptation. The arm is
 chosen on validation data where the run has it (windows, or an instruction stream's validation rows) and
-reported on the held-out data.
+reported on the held-out data. And per lr curve, F (BWT) read at G = 0.9 (at the best LA - 1) along each
+seed's own curve, with paired differences between the curves: methods at equal adaptation, no arm chosen.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+from forgetless.continual.two_domain import mean_std
 from forgetless.report.figures import colors, plt, save
 
 F_LIMITS, G_TARGET, LA_MARGIN = (5.0, 2.0), 0.9, 1.0
+MAX_PAIRED = 6  # paired differences between every two lr curves up to this many curves (15 pairs)
 
 
 def axes_of(results: dict) -> tuple[tuple[str, str, float], tuple[str, str, float]]:
@@ -97,6 +100,47 @@ def operating_points(results: dict) -> dict[str, dict]:
     return out
 
 
+def matched(results: dict) -> dict:
+    """Every lr curve's retention read at one adaptation, per seed along that seed's own curve (linear between the
+    two arms around it, extrapolated past an end and counted): F at G = 0.9 (two-domain), BWT at the best arm's
+    LA - 1 (sequence), on held-out and on validation values; with paired differences between curves (up to
+    MAX_PAIRED curves). {} when no curve has per-seed values (runs before they were saved)."""
+    (xk, _, xs), (yk, _, ys) = axes_of(results)
+    two_domain = results["protocol"] == "two-domain"
+    (ak, a_scale), (rk, r_scale) = ((yk, ys), (xk, xs)) if two_domain else ((xk, xs), (yk, ys))  # adaptation, retention
+    lr_curves = {key: [m for _, _, m in points] for key, points in curves(results).items()
+                 if key.endswith(", lr") and all("per_seed" in m for _, _, m in points)}
+    out = {}
+    for split in ("", "_dev"):
+        a, r = ak + split, rk + split
+        arms = [m for ms in lr_curves.values() for m in ms]
+        if not arms or not all(a in v and r in v for m in arms for v in m["per_seed"].values()):
+            continue
+        at = G_TARGET if two_domain else max(a_scale * m[a]["mean"] for m in results["methods"].values() if a in m) - LA_MARGIN
+        readings = {key: read_along(ms, a, r, a_scale, r_scale, at) for key, ms in lr_curves.items()}
+        keys = list(readings)
+        pairs = [(one, other) for i, one in enumerate(keys) for other in keys[i + 1:]] if len(keys) <= MAX_PAIRED else []
+        out["held_out" if not split else "validation"] = {
+            "at": at, "curves": {k: {"value": mean_std(list(v["values"].values())), **v} for k, v in readings.items()},
+            "paired": {f"{one} − {other}": mean_std([readings[one]["values"][s] - readings[other]["values"][s]
+                                                     for s in readings[one]["values"] if s in readings[other]["values"]])
+                       for one, other in pairs}}
+    return out
+
+
+def read_along(arms: list[dict], x: str, y: str, xs: float, ys: float, at: float) -> dict:
+    """{'values': {seed: metric y (times ys) where metric x (times xs) = at}, 'extrapolated': how many seeds'
+    curves do not reach `at`}."""
+    seeds = set.intersection(*(set(m["per_seed"]) for m in arms))
+    values, outside = {}, 0
+    for seed in sorted(seeds):
+        points = sorted((xs * m["per_seed"][seed][x], ys * m["per_seed"][seed][y]) for m in arms)
+        (x0, y0), (x1, y1) = next((pair for pair in zip(points, points[1:]) if at <= pair[1][0]), points[-2:])
+        values[seed] = y0 if x1 == x0 else y0 + (y1 - y0) * (at - x0) / (x1 - x0)
+        outside += not points[0][0] <= at <= points[-1][0]
+    return {"values": values, "extrapolated": outside}
+
+
 def best(candidates: list[tuple[float, float, str]], pick, chosen_on: str) -> dict | None:
     """The best candidate (score on the split choices use, held-out value, arm) by its first entry:
     {'value': held-out value, 'chosen_value', 'chosen_on', 'arm'}; None when no arm qualifies."""
@@ -148,6 +192,41 @@ def frontier_markdown(points: dict[str, dict]) -> list[str]:
         cells = ["—" if row[h] is None else f"{row[h]['value']:.3g} (`{row[h]['arm']}`)" for h in heads]
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
     return lines
+
+
+def matched_markdown(results: dict) -> list[str]:
+    """The readings of `matched` as Markdown: per curve mean ± 95 % interval, then the paired differences."""
+    splits = results["matched"]
+    ylabel = axes_of(results)[1][1]
+    what = "F %" if results["protocol"] == "two-domain" else ylabel.split(" ")[0]
+    x_name = "G" if results["protocol"] == "two-domain" else "LA"
+    ats = ", ".join(f"{x_name} = {v['at']:.3g} ({k.replace('_', '-')})" for k, v in splits.items())
+    heads = list(splits)
+    lines = ["", f"At matched adaptation: {what} read at {ats} along each seed's lr curve (linear between the two "
+             "lrs around it; `+n` = n seeds extrapolated past the curve's end), mean (95 % interval over seeds):", "",
+             "| curve | " + " | ".join(h.replace("_", "-") for h in heads) + " |", "|" + "---|" * (len(heads) + 1)]
+    for key in splits[heads[0]]["curves"]:
+        lines.append(f"| {key} | " + " | ".join(interval(splits[h]["curves"][key]["value"])
+                                                + extrapolated(splits[h]["curves"][key]) for h in heads) + " |")
+    if splits[heads[0]]["paired"]:
+        lines += ["", f"Paired differences of those readings (same seeds, same bases), {what}:", "",
+                  "| curves | " + " | ".join(h.replace("_", "-") for h in heads) + " |", "|" + "---|" * (len(heads) + 1)]
+        for key in splits[heads[0]]["paired"]:
+            lines.append(f"| {key} | " + " | ".join(interval(splits[h]["paired"][key], sign=True) for h in heads) + " |")
+    return lines
+
+
+def interval(stat: dict, sign: bool = False) -> str:
+    """'15.61 (14.35 to 16.87)'; signed for differences: '+5.06 (+3.58 to +6.54)'."""
+    fmt = "{:+.2f}" if sign else "{:.2f}"
+    text = fmt.format(stat["mean"])
+    if stat.get("ci95") is None:
+        return text
+    return f"{text} ({fmt.format(stat['mean'] - stat['ci95'])} to {fmt.format(stat['mean'] + stat['ci95'])})"
+
+
+def extrapolated(reading: dict) -> str:
+    return f" +{reading['extrapolated']}" if reading["extrapolated"] else ""
 
 
 def number(text: str) -> float:
