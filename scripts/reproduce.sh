@@ -91,10 +91,10 @@ run_section() {
                             'moram[top_k=0;tau=1;delta=none],moram[tau=1;delta=none],moram[top_k=0;delta=none],moram[top_k=0;tau=1],moram[delta=none],moram' ;;
     two-domain-cms)     OMP_NUM_THREADS=1 bench two-domain-cms --preset quick --seeds 3 --base-seeds 3 --workers 2 \
                             --methods 'full,ffn,lora,adapter,cms,cms-fast,cms[periods=1,1,1,1],cms[accumulate=updates],cms[periods=1,1,1,1;lr=1e-4],cms[periods=1,1,1,1;lr=1e-3]' \
-                            --sweep ffn.lr=1e-4,1e-3 --sweep cms.lr=1e-4,1e-3 ;;                      # ~1.2 h (9 CMS bases)
+                            --sweep ffn.lr=1e-4,1e-3 --sweep cms.lr=1e-4,1e-3 ;;                      # ~45 min (32 of it 9 CMS bases)
     sequence-cms)       OMP_NUM_THREADS=1 bench sequence-cms --preset quick --protocol sequence --seeds 3 --base-seeds 3 --workers 2 \
                             --methods 'ffn,cms,cms-fast,cms[periods=1,1,1,1],cms[periods=1,1,1,1;lr=1e-3]' \
-                            --sweep ffn.lr=1e-3 --sweep cms.lr=1e-3 ;;
+                            --sweep ffn.lr=1e-3 --sweep cms.lr=1e-3 ;;                                    # ~45 min (6 CMS bases)
     optimizers-quick)   OMP_NUM_THREADS=1 bench optimizers-quick --preset quick --optimizers adamw,muon,delta,deep,l2reg \
                             --lrs 3e-5,1e-4,3e-4,1e-3 --seeds 3 --pretrain-seeds 3 ;;
     real-standard)      bench real-standard --model smollm2-135m --preset real --protocol sequence \
