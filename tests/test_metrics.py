@@ -129,6 +129,7 @@ def test_matched_adaptation_reads_each_seeds_curve_and_pairs_them():
     assert a["value"]["mean"] == pytest.approx((15 + 10 / 3 + 16) / 2)
     assert held["paired"]["a, lr − b, lr"]["mean"] == pytest.approx(((15 + 10 / 3 - 12.5) + 6) / 2)
     text = "\n".join(matched_markdown({**results, "matched": matched(results)}))
+    assert b["beyond"] == pytest.approx({"0": 0.1})  # seed 0's curve ends 0.1 below G 0.9
     assert "F % read at G = 0.9 (held-out)" in text and "| b, lr | 11.25 (" in text and ") +1 |" in text
     assert "| a, lr − b, lr | +5.92 (" in text
     sequence = {"protocol": "sequence", "config": {"adapt": {"lr": 1e-3}}, "methods": {
@@ -136,6 +137,7 @@ def test_matched_adaptation_reads_each_seeds_curve_and_pairs_them():
                 "per_seed": {str(s): {"la": la[s], "bwt": bwt[s]} for s in (0, 1)}}
         for label, la, bwt in [("m[lr=1e-4]", (40.0, 42.0), (-2.0, -3.0)), ("m", (50.0, 52.0), (-8.0, -10.0))]}}
     seq = matched(sequence)["held_out"]
+    assert "LA = 50.00 (held-out)" in "\n".join(matched_markdown({**sequence, "matched": matched(sequence)}))
     assert seq["at"] == 50.0 and seq["curves"]["m, lr"]["values"] == pytest.approx({"0": -8.0, "1": -8.6})
     assert seq["curves"]["m, lr"]["extrapolated"] == 0 and seq["paired"] == {}
 

@@ -104,7 +104,8 @@ def matched(results: dict) -> dict:
     """Every lr curve's retention read at one adaptation, per seed along that seed's own curve (linear between the
     two arms around it, extrapolated past an end and counted): F at G = 0.9 (two-domain), BWT at the best arm's
     LA - 1 (sequence), on held-out and on validation values; with paired differences between curves (up to
-    MAX_PAIRED curves). {} when no curve has per-seed values (runs before they were saved)."""
+    MAX_PAIRED curves). {} when no curve has per-seed values (runs before they were saved). The best LA
+    is over every arm of the run, on a curve or not, as for the operating points."""
     (xk, _, xs), (yk, _, ys) = axes_of(results)
     two_domain = results["protocol"] == "two-domain"
     (ak, a_scale), (rk, r_scale) = ((yk, ys), (xk, xs)) if two_domain else ((xk, xs), (yk, ys))  # adaptation, retention
@@ -130,15 +131,17 @@ def matched(results: dict) -> dict:
 
 def read_along(arms: list[dict], x: str, y: str, xs: float, ys: float, at: float) -> dict:
     """{'values': {seed: metric y (times ys) where metric x (times xs) = at}, 'extrapolated': how many seeds'
-    curves do not reach `at`}."""
+    curves do not reach `at`, 'beyond': {seed: how far `at` lies past that seed's curve}}. A seed's curve is its
+    arms ordered by x (for a curve whose x does not grow with the lr, neighbours in x, not in lr)."""
     seeds = set.intersection(*(set(m["per_seed"]) for m in arms))
-    values, outside = {}, 0
+    values, beyond = {}, {}
     for seed in sorted(seeds):
         points = sorted((xs * m["per_seed"][seed][x], ys * m["per_seed"][seed][y]) for m in arms)
         (x0, y0), (x1, y1) = next((pair for pair in zip(points, points[1:]) if at <= pair[1][0]), points[-2:])
         values[seed] = y0 if x1 == x0 else y0 + (y1 - y0) * (at - x0) / (x1 - x0)
-        outside += not points[0][0] <= at <= points[-1][0]
-    return {"values": values, "extrapolated": outside}
+        if not points[0][0] <= at <= points[-1][0]:
+            beyond[seed] = min(abs(at - points[0][0]), abs(at - points[-1][0]))
+    return {"values": values, "extrapolated": len(beyond), "beyond": beyond}
 
 
 def best(candidates: list[tuple[float, float, str]], pick, chosen_on: str) -> dict | None:
@@ -200,7 +203,8 @@ def matched_markdown(results: dict) -> list[str]:
     ylabel = axes_of(results)[1][1]
     what = "F %" if results["protocol"] == "two-domain" else ylabel.split(" ")[0]
     x_name = "G" if results["protocol"] == "two-domain" else "LA"
-    ats = ", ".join(f"{x_name} = {v['at']:.3g} ({k.replace('_', '-')})" for k, v in splits.items())
+    at_format = "g" if x_name == "G" else ".2f"
+    ats = ", ".join(f"{x_name} = {v['at']:{at_format}} ({k.replace('_', '-')})" for k, v in splits.items())
     heads = list(splits)
     lines = ["", f"At matched adaptation: {what} read at {ats} along each seed's lr curve (linear between the two "
              "lrs around it; `+n` = n seeds extrapolated past the curve's end), mean (95 % interval over seeds):", "",
@@ -209,7 +213,8 @@ def matched_markdown(results: dict) -> list[str]:
         lines.append(f"| {key} | " + " | ".join(interval(splits[h]["curves"][key]["value"])
                                                 + extrapolated(splits[h]["curves"][key]) for h in heads) + " |")
     if splits[heads[0]]["paired"]:
-        lines += ["", f"Paired differences of those readings (same seeds, same bases), {what}:", "",
+        lines += ["", f"Paired differences of those readings, seed by seed (each seed's own bases, one per base kind), "
+                  f"{what}:", "",
                   "| curves | " + " | ".join(h.replace("_", "-") for h in heads) + " |", "|" + "---|" * (len(heads) + 1)]
         for key in splits[heads[0]]["paired"]:
             lines.append(f"| {key} | " + " | ".join(interval(splits[h]["paired"][key], sign=True) for h in heads) + " |")
