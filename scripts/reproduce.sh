@@ -81,7 +81,9 @@ run_section() {
                         publish runs/two-domain-quick two-domain-quick ;;
     tiny-renamed)       bench tiny-renamed --preset quick --domain-a tinyshakespeare --domain-b renamed:tinyshakespeare \
                             --methods full,ffn,lora,apn,apn-local,apn-param-matched,apn-retrofit ;;
-    apn-ablation)       bench apn-ablation --preset quick --seeds 1 --methods 'apn,apn[local=true],apn[local=true;decoders_only=true],apn[norm_cap=0.1],apn[update_rule=gain;lr=0.03],apn[gate_on=router;gate_min=0.3],apn[gate_on=entropy;gate_max=2.0],apn[allocate=true],apn[allocate=true;novelty_threshold=0.34],apn[train_prototypes=false]' ;;
+    apn-ablation)       OMP_NUM_THREADS=1 bench apn-ablation --preset quick --seeds 3 --base-seeds 3 --workers 2 \
+                            --methods 'apn,apn[local=true],apn[local=true;decoders_only=true],apn[norm_cap=0.1],apn[update_rule=gain;lr=0.03],apn[gate_on=router;gate_min=0.3],apn[gate_on=entropy;gate_max=2.0],apn[allocate=true],apn[allocate=true;novelty_threshold=0.34],apn[train_prototypes=false]' \
+                            --sweep apn.lr=1e-4,1e-3 ;;
     two-domain-neutral) OMP_NUM_THREADS=1 bench two-domain-neutral --preset quick --seeds 3 --base-seeds 3 --workers 2 --methods 'full,ffn,lora,adapter,neutral,ewc,neutral[gate=none],neutral[gate=sigmoid],neutral[gate=none;alpha=0],neutral[mix=0],neutral[mix=0.01],neutral[mix=0.5],full[mix=0.01],full[mix=0.1],full[mix=0.5],lora[mix=0.1],adapter[mix=0.1]' ;;
     sequence-quick)     OMP_NUM_THREADS=1 bench sequence-quick --preset quick --protocol sequence --seeds 3 --base-seeds 3 \
                             --workers 2 --methods full,ffn,lora,adapter,moram,moe-lora,seq-lora ;;              # ~30 min
