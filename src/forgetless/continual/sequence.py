@@ -129,20 +129,21 @@ def run_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[in
         **provenance(device),
         "score": "next-token accuracy on held-out windows, %", "date": datetime.date.today().isoformat(),
         "config": cfg.to_dict(), "bases": summary, "model": model,
-        "methods": {label: {"method": built[label].name,
-                            **{m: mean_std([sequence_metrics(r["r_matrix"])[m] for r in runs]) for m in METRICS},
-                            **dev_summary(runs),
-                            "wall_s": mean_std([r["wall_s"] for r in runs]),
-                            "r_matrix": mean_nested([r["r_matrix"] for r in runs]),
-                            "ppl_matrix": mean_nested([r["ppl_matrix"] for r in runs]),
-                            "trainable_params": runs[0]["trainable_params"], "total_params": runs[0]["total_params"],
-                            "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "options": built[label].options(),
-                            "per_seed": per_seed([{**r, **sequence_metrics(r["r_matrix"])} for r in runs],
-                                                 METRICS + DEV_METRICS),
-                            **({"task_reports": mean_nested([r["task_reports"] for r in runs])}
-                               if "task_reports" in runs[0] else {})}
-                    for label, runs in arms.items()},
+        "methods": {label: summarize(runs, built[label]) for label, runs in arms.items()},
     }
+
+
+def summarize(runs: list[dict], method: Method) -> dict:
+    """One arm's method entry: every seed's metrics computed once from its R, then their mean ± std."""
+    runs = [{**r, **sequence_metrics(r["r_matrix"])} for r in runs]
+    return {"method": method.name, **{m: mean_std([r[m] for r in runs]) for m in METRICS}, **dev_summary(runs),
+            "wall_s": mean_std([r["wall_s"] for r in runs]),
+            "r_matrix": mean_nested([r["r_matrix"] for r in runs]),
+            "ppl_matrix": mean_nested([r["ppl_matrix"] for r in runs]),
+            "trainable_params": runs[0]["trainable_params"], "total_params": runs[0]["total_params"],
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "options": method.options(),
+            "per_seed": per_seed(runs, METRICS + DEV_METRICS),
+            **({"task_reports": mean_nested([r["task_reports"] for r in runs])} if "task_reports" in runs[0] else {})}
 
 
 def dev_summary(runs: list[dict]) -> dict:

@@ -206,18 +206,18 @@ def matched_markdown(results: dict) -> list[str]:
     at_format = "g" if x_name == "G" else ".2f"
     ats = ", ".join(f"{x_name} = {v['at']:{at_format}} ({k.replace('_', '-')})" for k, v in splits.items())
     heads = list(splits)
-    lines = ["", f"At matched adaptation: {what} read at {ats} along each seed's lr curve (linear between the two "
-             "lrs around it; `+n` = n seeds extrapolated past the curve's end), mean (95 % interval over seeds):", "",
-             "| curve | " + " | ".join(h.replace("_", "-") for h in heads) + " |", "|" + "---|" * (len(heads) + 1)]
-    for key in splits[heads[0]]["curves"]:
-        lines.append(f"| {key} | " + " | ".join(interval(splits[h]["curves"][key]["value"])
-                                                + extrapolated(splits[h]["curves"][key]) for h in heads) + " |")
+
+    def table(title: str, first: str, part: str, cell) -> list[str]:
+        return ["", title, "", f"| {first} | " + " | ".join(h.replace("_", "-") for h in heads) + " |",
+                "|" + "---|" * (len(heads) + 1)] + \
+            [f"| {key} | " + " | ".join(cell(splits[h][part][key]) for h in heads) + " |" for key in splits[heads[0]][part]]
+
+    lines = table(f"At matched adaptation: {what} read at {ats} along each seed's lr curve (linear between the two lrs "
+                  "around it; `+n` = n seeds extrapolated past the curve's end), mean (95 % interval over seeds):",
+                  "curve", "curves", lambda reading: interval(reading["value"]) + extrapolated(reading))
     if splits[heads[0]]["paired"]:
-        lines += ["", f"Paired differences of those readings, seed by seed (each seed's own bases, one per base kind), "
-                  f"{what}:", "",
-                  "| curves | " + " | ".join(h.replace("_", "-") for h in heads) + " |", "|" + "---|" * (len(heads) + 1)]
-        for key in splits[heads[0]]["paired"]:
-            lines.append(f"| {key} | " + " | ".join(interval(splits[h]["paired"][key], sign=True) for h in heads) + " |")
+        lines += table(f"Paired differences of those readings, seed by seed (each seed's own bases, one per base "
+                       f"kind), {what}:", "curves", "paired", lambda stat: interval(stat, sign=True))
     return lines
 
 
