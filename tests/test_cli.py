@@ -402,6 +402,19 @@ def test_bench_optimizers_across_learning_rates(tmp_path):
     assert (tmp_path / "optimizer_frontier.png").stat().st_size > 1000
 
 
+def test_bench_optimizers_pair_each_seed_with_its_own_base(tmp_path):
+    result = invoke("bench", "--preset", "smoke", "--seeds", 2, "--base-seeds", 2, "--pretrain-seeds", 2,
+                    "--workers", 2, "--optimizers", "adamw,muon", "--out", tmp_path)
+    assert result.exit_code == 0, result.output
+    results = json.loads((tmp_path / "results.json").read_text())
+    bases = [results["bases"][f"dense seed {s}"]["path"] for s in (0, 1)]
+    assert results["base_seeds"] == 2 and results["pretraining"]["adamw"]["bases"] == bases
+    assert len(set(results["pretraining"]["muon"]["bases"]) | set(bases)) == 4   # muon pretrains its own two
+    before = {label: [run["per_seed"][s]["ppl_a_before"] for s in ("0", "1")]
+              for label, run in results["methods"].items()}
+    assert before["full[optimizer=muon]"] == before["full"] and before["full"][0] != before["full"][1]  # AdamW base s
+
+
 @pytest.mark.parametrize("args, message", [
     (["--optimizers", "adamw,adam"], "unknown optimizer 'adam' in --optimizers; valid: adamw"),
     (["--optimizers", "adamw", "--sweep", "full.lr=1e-3,3e-3"], "--sweep does not go with --optimizers"),

@@ -129,7 +129,7 @@ def bench(preset: Optional[str] = BENCH_PRESET,
         names = ["full"] if methods in ("all", "default") else methods.split(",")
         out = writable(out or Path("runs") / f"optimizers-{preset}")
         results = run_optimizers(cfg, names, optimizers.split(","), seed_list, out, preset, pretrain_seeds,
-                                 lrs.split(",") if lrs else None, device)
+                                 lrs.split(",") if lrs else None, device, base_seeds, workers)
     else:
         methods = default_methods(preset, protocol) if methods == "default" else methods
         every = method_names("two-domain" if protocol == "online" else protocol)  # online: two-domain's set

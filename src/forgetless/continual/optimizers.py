@@ -5,7 +5,8 @@
 2. adaptation: the two-domain protocol with one arm per (method, optimizer), all from the default
    base (pretrained with `pretrain.optimizer`), so only the adaptation optimizer differs. The arm
    with the protocol's own optimizer keeps the plain method name; the others are METHOD[optimizer=O]
-   (and METHOD[...;lr=LR] for each learning rate of `--lrs` other than the method's own).
+   (and METHOD[...;lr=LR] for each learning rate of `--lrs` other than the method's own). With
+   `base_seeds` N > 1, arm seed s starts from the default optimizer's base of pretraining seed s mod N.
 """
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import statistics
 from pathlib import Path
 
 from forgetless.adapted import resolve_device
-from forgetless.continual.base_model import cached_base, load_base
+from forgetless.continual.base_model import base_path, cached_base, load_base
 from forgetless.continual.two_domain import band, mean_std, run_two_domain
+from forgetless.continual.workers import run_jobs
 from forgetless.data.domains import load_domains
 from forgetless.errors import ForgetlessError
 from forgetless.methods import MethodSpec, build_method
@@ -24,7 +26,8 @@ from forgetless.presets import RunConfig
 
 
 def run_optimizers(cfg: RunConfig, methods: list[str], optimizers: list[str], seeds: list[int], out: Path,
-                   preset: str, pretrain_seeds: int = 1, lrs: list[str] | None = None, device: str = "auto") -> dict:
+                   preset: str, pretrain_seeds: int = 1, lrs: list[str] | None = None, device: str = "auto",
+                   base_seeds: int = 1, workers: int = 1) -> dict:
     """`lrs` (e.g. ["1e-4", "3e-4"]): adapt with each optimizer at each learning rate, so that the
     optimizers can be compared along their retention/adaptation trade-off rather than at one lr."""
     unknown = [o for o in optimizers if o not in OPTIMIZERS]
@@ -34,9 +37,10 @@ def run_optimizers(cfg: RunConfig, methods: list[str], optimizers: list[str], se
     if any("[" in m for m in methods):
         raise ForgetlessError("--optimizers makes one arm per method and optimizer: give plain method names, e.g. full,ffn")
     specs = [arm_spec(cfg, m, o, lr) for m in methods for o in optimizers for lr in lrs or [None]]
-    results = run_two_domain(cfg, specs, seeds, out, preset, device)
+    results = run_two_domain(cfg, specs, seeds, out, preset, device, base_seeds=base_seeds, workers=workers)
     results["optimizers"] = list(optimizers)
-    results["pretraining"] = pretraining_runs(cfg, optimizers, list(range(pretrain_seeds)), resolve_device(device))
+    results["pretraining"] = pretraining_runs(cfg, optimizers, list(range(pretrain_seeds)), resolve_device(device),
+                                              workers)
     return results
 
 
@@ -51,19 +55,20 @@ def arm_spec(cfg: RunConfig, method: str, optimizer: str, lr: str | None) -> Met
     return MethodSpec(method, options)
 
 
-def pretraining_runs(cfg: RunConfig, optimizers: list[str], seeds: list[int], device=None) -> dict:
+def pretraining_runs(cfg: RunConfig, optimizers: list[str], seeds: list[int], device=None, workers: int = 1) -> dict:
     """Per optimizer: mean ± std over seeds of the pretraining loss and held-out PPL_A curves. A is
     loaded beside B, as the protocol does (works in both are split between them), so the base of the
-    protocol's own optimizer is the one the adaptation arms start from."""
+    protocol's own optimizer is the one the adaptation arms start from. The bases not cached yet are
+    pretrained `workers` at a time."""
     (a, _), tokenizer = load_domains([cfg.data.domain_a, cfg.data.domain_b], cfg.data.tokenizer, cfg.model.block_size,
                                      cfg.data.val_fraction, cfg.data.eval_windows,
                                      cfg.data.dev_fraction)
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
+    pretrain = [dataclasses.replace(cfg.pretrain, optimizer=name, seed=s) for name in optimizers for s in seeds]
+    run_jobs([lambda p=p: cached_base(model_cfg, p, a, tokenizer, device) for p in pretrain], workers, lambda i, _: None)
     out = {}
     for name in optimizers:
-        paths = [cached_base(model_cfg, dataclasses.replace(cfg.pretrain, optimizer=name, seed=s), a, tokenizer,
-                             device)
-                 for s in seeds]
+        paths = [base_path(model_cfg, p, a, tokenizer) for p in pretrain if p.optimizer == name]
         metas = [load_base(path)[2] for path in paths]
         losses = list(zip(*[[v for _, v in m["history"]["loss"]] for m in metas]))
         ppl = list(zip(*[[e["ppl_a"] for e in m["history"]["evals"]] for m in metas]))
