@@ -76,11 +76,11 @@ run_section() {
                         mkdir -p docs/figures/frontier-two-domain-stdlib
                         cp runs/frontier-two-domain-stdlib/{results.md,frontier.png,gates.png,routing_overlap.png} \
                             docs/figures/frontier-two-domain-stdlib/ ;;
-    two-domain-quick)   /usr/bin/time -v forgetless bench --preset quick --methods all --out runs/two-domain-quick \
-                            2>&1 | tee runs/two-domain-quick.log                                                 # ~25-45 min
-                        publish runs/two-domain-quick two-domain-quick ;;
-    tiny-renamed)       bench tiny-renamed --preset quick --domain-a tinyshakespeare --domain-b renamed:tinyshakespeare \
-                            --methods full,ffn,lora,apn,apn-local,apn-param-matched,apn-retrofit ;;
+    two-domain-quick)   OMP_NUM_THREADS=1 bench two-domain-quick --preset quick --methods all --seeds 3 --base-seeds 3 --workers 2 \
+                            --sweep ffn.lr=1e-4,1e-3 --sweep apn-param-matched.lr=1e-4,1e-3 ;;
+    tiny-renamed)       OMP_NUM_THREADS=1 bench tiny-renamed --preset quick --domain-a tinyshakespeare --domain-b renamed:tinyshakespeare \
+                            --seeds 3 --base-seeds 3 --workers 2 --methods full,ffn,lora,apn,apn-local,apn-param-matched,apn-retrofit \
+                            --sweep full.lr=1e-4,1e-3 --sweep ffn.lr=1e-4,1e-3 --sweep apn-param-matched.lr=1e-4,1e-3 --sweep apn.lr=1e-4,1e-3 ;;
     apn-ablation)       OMP_NUM_THREADS=1 bench apn-ablation --preset quick --seeds 3 --base-seeds 3 --workers 2 \
                             --methods 'apn,apn[local=true],apn[local=true;decoders_only=true],apn[norm_cap=0.1],apn[update_rule=gain;lr=0.03],apn[gate_on=router;gate_min=0.3],apn[gate_on=entropy;gate_max=2.0],apn[allocate=true],apn[allocate=true;novelty_threshold=0.34],apn[train_prototypes=false]' \
                             --sweep apn.lr=1e-4,1e-3 ;;
@@ -97,8 +97,8 @@ run_section() {
     sequence-cms)       OMP_NUM_THREADS=1 bench sequence-cms --preset quick --protocol sequence --seeds 3 --base-seeds 3 --workers 2 \
                             --methods 'ffn,cms,cms-fast,cms[periods=1,1,1,1],cms[periods=1,1,1,1;lr=1e-3]' \
                             --sweep ffn.lr=1e-3 --sweep cms.lr=1e-3 ;;                                    # ~45 min (6 CMS bases)
-    optimizers-quick)   OMP_NUM_THREADS=1 bench optimizers-quick --preset quick --optimizers adamw,muon,delta,deep,l2reg \
-                            --lrs 3e-5,1e-4,3e-4,1e-3 --seeds 3 --pretrain-seeds 3 ;;
+    optimizers-quick)   OMP_NUM_THREADS=1 bench optimizers-quick --preset quick --optimizers adamw,muon,delta,deep,l2reg --workers 2 \
+                            --lrs 3e-5,1e-4,3e-4,1e-3 --seeds 3 --pretrain-seeds 3 --base-seeds 3 ;;
     real-standard)      bench real-standard --model smollm2-135m --preset real --protocol sequence \
                             --tasks dbpedia,amazon,yahoo,agnews --seeds 1 \
                             --methods 'seq-lora,moram,o-lora,neutral,moram[lr=1e-3],seq-lora[mix=0.2],full,moram[lr=5e-3],ewc,moe-lora' ;;
