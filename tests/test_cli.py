@@ -527,6 +527,10 @@ def test_plan_counts_and_estimates():
                  Job("arm", "lora seed 1", 0.0, True)], calibration_s=2.0)
     assert plan.seconds == 130.0 and "run 1 of 2 arms (1 saved)" in plan.summary() and "about 2m 10s" in plan.summary()
     assert Plan(plan.jobs, calibrated=False).summary() == "plan: pretrain 1 of 1 base, run 1 of 2 arms (1 saved)"
+    jobs = plan.jobs + [Job("arm", "lora seed 2", 40.0, False), Job("arm", "lora seed 3", 30.0, False)]
+    on_two = Plan(jobs, calibration_s=2.0, workers=2)  # the base alone (100 s), then 100 s of arms split in two
+    assert on_two.seconds == 150.0 and "about 2m 30s on 2 workers" in on_two.summary()
+    assert Plan(jobs[:2], workers=2).seconds == 130.0  # one job per phase: its own time, not half of it
     assert n_evaluations(TrainConfig(steps=200, eval_every=20)) == 11 and n_evaluations(TrainConfig(steps=10, eval_every=4)) == 4
 
 

@@ -21,7 +21,7 @@ from forgetless.checkpoint import write_json
 from forgetless.config import code_fingerprint, stable_hash
 from forgetless.continual.base_model import base_label, base_path, cached_base, load_base, warn_if_other_code
 from forgetless.continual.evaluate import evaluate
-from forgetless.continual.workers import run_jobs
+from forgetless.continual.workers import run_jobs, worker_threads
 from forgetless.errors import ForgetlessError
 from forgetless.methods import Method, build_method
 from forgetless.models.gpt import GPT, GPTConfig
@@ -41,11 +41,14 @@ class Plan:
     jobs: list[Job] = field(default_factory=list)
     calibration_s: float = 0.0
     calibrated: bool = True  # False: no estimate (a pretrained model: each loop shows its own time left)
+    workers: int = 1         # processes side by side: the bases, then the arms, split between them
 
     @property
     def seconds(self) -> float:
-        """Estimated seconds of the work left."""
-        return sum(j.seconds for j in self.jobs if not j.done)
+        """Estimated seconds of the work left: per phase (bases, then arms), its jobs' time over the
+        workers, and never less than its longest job."""
+        left = [[j.seconds for j in self.jobs if j.kind == kind and not j.done] for kind in ("base", "arm")]
+        return sum(max(sum(times) / self.workers, max(times)) for times in left if times)
 
     def summary(self) -> str:
         """One line: 'plan: pretrain 1 of 2 bases (1 cached), run 36 arms (0 saved) · about 9m 10s ...'."""
@@ -58,8 +61,9 @@ class Plan:
                 parts.append(f"{verb} {todo} of {len(jobs)} {noun}" + (f" ({len(jobs) - todo} {kept})" if todo < len(jobs) else ""))
         if not self.calibrated:
             return f"plan: {', '.join(parts)}"
-        threads = torch.get_num_threads()
-        return (f"plan: {', '.join(parts)} · about {duration(self.seconds)} "
+        threads = worker_threads(self.workers)
+        on = f" on {self.workers} workers" if self.workers > 1 else ""
+        return (f"plan: {', '.join(parts)} · about {duration(self.seconds)}{on} "
                 f"(from steps timed here, {threads} thread{'s' if threads > 1 else ''}, in {self.calibration_s:.1f} s)")
 
     def show(self):
@@ -157,7 +161,8 @@ def run_arms(built: dict, seeds: list[int], cfg, domain, tokenizer, device, mode
         (lambda label, seed: base_of[label, seed].parent.name)
     todo = [(seed, label, out / "arms" / label / f"seed{seed}.json", run_config(label, built[label], name_of(label, seed)))
             for seed, label in itertools.product(seeds, built)]
-    plan = make_plan(built, cfg.model, bases, todo, device, arm_seconds, not pretrained, domain.windows.shape[0])
+    plan = make_plan(built, cfg.model, bases, todo, device, arm_seconds, not pretrained, domain.windows.shape[0],
+                     workers)
     plan.show()
     units = {id(j): max(1, round(j.seconds)) if plan.calibrated else 1 for j in plan.jobs}
     results: dict[str, list[dict]] = {label: [] for label in built}
@@ -186,9 +191,22 @@ def run_arms(built: dict, seeds: list[int], cfg, domain, tokenizer, device, mode
 
 
 def make_plan(built: dict, model_cfg: GPTConfig, bases: dict, todo: list, device, arm_seconds, calibrated: bool,
-              n_windows: int) -> Plan:
-    """The jobs of `run_arms`, each marked done (cached base, saved arm) or estimated (when `calibrated`)."""
+              n_windows: int, workers: int = 1) -> Plan:
+    """The jobs of `run_arms`, each marked done (cached base, saved arm) or estimated (when `calibrated`, with
+    the threads each of the `workers` gets)."""
     calibration = Calibration(device) if calibrated else None
+    threads = torch.get_num_threads()
+    torch.set_num_threads(worker_threads(workers))
+    try:
+        jobs = plan_jobs(built, model_cfg, bases, todo, calibration, arm_seconds, n_windows)
+    finally:
+        torch.set_num_threads(threads)
+    return Plan(jobs, calibration.spent if calibration else 0.0, calibrated, workers)
+
+
+def plan_jobs(built: dict, model_cfg: GPTConfig, bases: dict, todo: list, calibration, arm_seconds,
+              n_windows: int) -> list[Job]:
+    """Every base, then every arm, as a Job: done, or its seconds from `calibration` (None: no estimate)."""
     jobs = []
     for path, (base_cfg, pretrain) in bases.items():
         done = path.exists()
@@ -199,7 +217,7 @@ def make_plan(built: dict, model_cfg: GPTConfig, bases: dict, todo: list, device
         method = built[label]
         seconds = 0.0 if done or not calibration else arm_seconds(calibration, method, method.base_config(model_cfg))
         jobs.append(Job("arm", f"{label} seed {seed}", seconds, done))
-    return Plan(jobs, calibration.spent if calibration else 0.0, calibrated)
+    return jobs
 
 
 def pretrain_seconds(calibration: Calibration, model_cfg: GPTConfig, cfg, n_windows: int) -> float:

@@ -41,13 +41,18 @@ def run_jobs(jobs: list[Callable], workers: int, done: Callable[[int, object], N
         return
     global _jobs
     _jobs = jobs
-    threads = max(1, torch.get_num_threads() // workers)
     try:
-        with multiprocessing.get_context("fork").Pool(min(workers, len(jobs)), _start_worker, (threads,)) as pool:
+        with multiprocessing.get_context("fork").Pool(min(workers, len(jobs)), _start_worker,
+                                                      (worker_threads(workers),)) as pool:
             for i, result in pool.imap_unordered(_run, range(len(jobs))):
                 done(i, result)
     finally:
         _jobs = []
+
+
+def worker_threads(workers: int) -> int:
+    """Threads each of `workers` processes gets: this process's share of them."""
+    return max(1, torch.get_num_threads() // workers)
 
 
 def _start_worker(threads: int):
