@@ -36,6 +36,16 @@ def test_a_loop_whose_steps_take_long_still_logs(capsys, monkeypatch):
         advance(1)
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) >= 3 and lines[0].startswith("bench: 0/2 · ") and lines[-1].startswith("bench: 1/2 · ")
+    assert "left" not in lines[0]  # no rate known before the first unit
+
+
+def test_the_planned_rate_gives_time_left_before_the_first_unit(capsys, monkeypatch):
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.05)
+    with progress_task("bench", total=600, percent=True, rate=2.0) as advance:  # planned: 5 minutes
+        time.sleep(0.2)
+        advance(0)
+    first = capsys.readouterr().err.strip().splitlines()[0]
+    assert first.startswith("bench: 0% · ") and re.search(r"~(4m 5\ds|5m 00s) left$", first), first
 
 
 def test_durations_read_like_a_clock():

@@ -19,15 +19,16 @@ LOG_EVERY_S = 30.0
 
 
 @contextlib.contextmanager
-def progress_task(desc: str, total: int, completed: int = 0, percent: bool = False):
+def progress_task(desc: str, total: int, completed: int = 0, percent: bool = False, rate: float | None = None):
     """Yield `advance(n, **fields)`; shows a bar with loss and ETA on stderr (plain lines off a terminal).
     `percent`: the count is in units a user does not read (e.g. estimated seconds): show a percentage.
+    `rate`: the units per second expected, for the time left until the first units are done (log lines).
     Ranks other than 0 of a torchrun show nothing (their console is quiet)."""
     if console.quiet:
         yield lambda n=1, **fields: None
         return
     if not console.is_terminal:
-        with plain_progress(desc, total, completed, percent) as advance:
+        with plain_progress(desc, total, completed, percent, rate) as advance:
             yield advance
         return
     global _live
@@ -59,14 +60,17 @@ class CountColumn(ProgressColumn):
 
 
 @contextlib.contextmanager
-def plain_progress(desc: str, total: int, completed: int = 0, percent: bool = False):
+def plain_progress(desc: str, total: int, completed: int = 0, percent: bool = False, rate: float | None = None):
     """`progress_task` for logs: "desc: 12/32 loss 2.31 · 1m 40s, ~2m 47s left" lines."""
     start, done, last = time.monotonic(), completed, {"at": time.monotonic(), "info": ""}
 
     def line():
         elapsed = time.monotonic() - start
-        rate = (done - completed) / elapsed if elapsed > 0 else 0.0
-        left = f", ~{duration(max(0, total - done) / rate)} left" if rate > 0 and done < total else ""
+        if done > completed and elapsed > 0:
+            left_s = max(0, total - done) * elapsed / (done - completed)
+        else:  # nothing counted yet: the expected rate, if given
+            left_s = max(0.0, (total - completed) / rate - elapsed) if rate else None
+        left = f", ~{duration(left_s)} left" if left_s is not None and done < total else ""
         count = f"{100 * done / max(total, 1):.0f}%" if percent else f"{done}/{total}"
         console.print(f"{desc}: {count} {last['info']}".rstrip() + f" · {duration(elapsed)}{left}",
                       markup=False, highlight=False, soft_wrap=True)

@@ -175,7 +175,9 @@ def run_arms(built: dict, seeds: list[int], cfg, domain, tokenizer, device, mode
             (lambda: load_base(base_of[label, seed])[0].to(device))
         return lambda: run_or_reuse_arm(arm_path, config, lambda arm_dir: run(label, built[label], seed,
                                                                               name_of(label, seed), load, arm_dir))
-    with progress_task("bench", total=sum(units[id(j)] for j in plan.jobs if not j.done), percent=plan.calibrated) as advance:
+    total = sum(units[id(j)] for j in plan.jobs if not j.done)
+    rate = total / plan.seconds if plan.calibrated and plan.seconds > 0 else None  # units per second, as planned
+    with progress_task("bench", total=total, percent=plan.calibrated, rate=rate) as advance:
         def arm_done(i, result):
             by_index[i] = result
             advance(0 if arm_jobs[i].done else units[id(arm_jobs[i])])
