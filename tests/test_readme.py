@@ -28,3 +28,29 @@ def test_readme_python_example_runs(code, expected, folder):
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, run.stderr[-2000:]
     assert re.search(expected, run.stdout, re.M), run.stdout
+
+
+def anchor(heading: str) -> str:
+    """GitHub's id for a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/RESULTS.md", "docs/DESIGN.md"])
+def test_links_to_sections_and_files_resolve(doc):
+    """Every [text](#anchor), [text](FILE#anchor) and relative file link of a doc points at something that exists."""
+    root = Path(__file__).resolve().parent.parent
+    path = root / doc
+    broken = []
+    prose = re.sub(r"```.*?```|`[^`\n]*`", "", path.read_text(), flags=re.S)  # no links in code
+    for target in re.findall(r"\]\(([^)\s]+)\)", prose):
+        if re.match(r"[a-z]+://", target):
+            continue
+        file, _, fragment = target.partition("#")
+        linked = (path.parent / file).resolve() if file else path
+        if not linked.exists():
+            broken.append(target)
+        elif fragment and linked.suffix == ".md":
+            headings = re.findall(r"^#+ (.+)$", linked.read_text(), flags=re.M)
+            if fragment not in {anchor(h) for h in headings}:
+                broken.append(target)
+    assert not broken, f"{doc}: links to nothing: {broken}"
