@@ -406,6 +406,7 @@ def test_bench_optimizers_pair_each_seed_with_its_own_base(tmp_path):
     result = invoke("bench", "--preset", "smoke", "--seeds", 2, "--base-seeds", 2, "--pretrain-seeds", 2,
                     "--workers", 2, "--optimizers", "adamw,muon", "--out", tmp_path)
     assert result.exit_code == 0, result.output
+    assert "pretraining bases" in result.output  # the optimizers' bases are a loop with its own progress
     results = json.loads((tmp_path / "results.json").read_text())
     bases = [results["bases"][f"dense seed {s}"]["path"] for s in (0, 1)]
     assert results["base_seeds"] == 2 and results["pretraining"]["adamw"]["bases"] == bases

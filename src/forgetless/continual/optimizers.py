@@ -23,6 +23,7 @@ from forgetless.errors import ForgetlessError
 from forgetless.methods import MethodSpec, build_method
 from forgetless.optim import OPTIMIZERS
 from forgetless.presets import RunConfig
+from forgetless.progress import progress_task
 
 
 def run_optimizers(cfg: RunConfig, methods: list[str], optimizers: list[str], seeds: list[int], out: Path,
@@ -65,7 +66,10 @@ def pretraining_runs(cfg: RunConfig, optimizers: list[str], seeds: list[int], de
                                      cfg.data.dev_fraction)
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
     pretrain = [dataclasses.replace(cfg.pretrain, optimizer=name, seed=s) for name in optimizers for s in seeds]
-    run_jobs([lambda p=p: cached_base(model_cfg, p, a, tokenizer, device) for p in pretrain], workers, lambda i, _: None)
+    todo = [p for p in pretrain if not base_path(model_cfg, p, a, tokenizer).exists()]
+    with progress_task("pretraining bases", total=len(todo)) as advance:
+        run_jobs([lambda p=p: cached_base(model_cfg, p, a, tokenizer, device) for p in todo], workers,
+                 lambda i, _: advance(1))
     out = {}
     for name in optimizers:
         paths = [base_path(model_cfg, p, a, tokenizer) for p in pretrain if p.optimizer == name]
