@@ -132,6 +132,10 @@ def test_matched_adaptation_reads_each_seeds_curve_and_pairs_them():
     assert b["beyond"] == pytest.approx({"0": 0.1})  # seed 0's curve ends 0.1 below G 0.9
     assert "F % read at G = 0.9 (held-out)" in text and "| b, lr | 11.25 (" in text and ") +1 |" in text
     assert "| a, lr − b, lr | +5.92 (" in text
+    assert a["not_monotone"] == b["not_monotone"] == 0 and "!" not in text.split("\n\n")[-1]
+    results["methods"]["b[lr=3e-3]"] = arm(3e-3, (0.7, 1.1), (0.5, 0.6))  # seed 0's G falls again at 3e-3
+    bent = matched(results)["held_out"]["curves"]["b, lr"]
+    assert bent["not_monotone"] == 1 and ") +1 !1 |" in "\n".join(matched_markdown({**results, "matched": matched(results)}))
     sequence = {"protocol": "sequence", "config": {"adapt": {"lr": 1e-3}}, "methods": {
         label: {"options": {}, "la": {"mean": sum(la) / 2}, "bwt": {"mean": sum(bwt) / 2},
                 "per_seed": {str(s): {"la": la[s], "bwt": bwt[s]} for s in (0, 1)}}

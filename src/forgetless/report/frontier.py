@@ -131,17 +131,22 @@ def matched(results: dict) -> dict:
 
 def read_along(arms: list[dict], x: str, y: str, xs: float, ys: float, at: float) -> dict:
     """{'values': {seed: metric y (times ys) where metric x (times xs) = at}, 'extrapolated': how many seeds'
-    curves do not reach `at`, 'beyond': {seed: how far `at` lies past that seed's curve}}. A seed's curve is its
-    arms ordered by x (for a curve whose x does not grow with the lr, neighbours in x, not in lr)."""
+    curves do not reach `at`, 'beyond': {seed: how far `at` lies past that seed's curve}, 'not_monotone': how
+    many seeds' x does not grow (or fall) steadily along `arms` (in lr order)}. A seed's curve is its arms
+    ordered by x (for a curve whose x does not grow with the lr, neighbours in x, not in lr: such a reading
+    may join two lrs that are not neighbours, hence the count)."""
     seeds = set.intersection(*(set(m["per_seed"]) for m in arms))
-    values, beyond = {}, {}
+    values, beyond, not_monotone = {}, {}, 0
     for seed in sorted(seeds):
+        along = [m["per_seed"][seed][x] for m in arms]
+        steps = [b - a for a, b in zip(along, along[1:])]
+        not_monotone += not (all(d >= 0 for d in steps) or all(d <= 0 for d in steps))
         points = sorted((xs * m["per_seed"][seed][x], ys * m["per_seed"][seed][y]) for m in arms)
         (x0, y0), (x1, y1) = next((pair for pair in zip(points, points[1:]) if at <= pair[1][0]), points[-2:])
         values[seed] = y0 if x1 == x0 else y0 + (y1 - y0) * (at - x0) / (x1 - x0)
         if not points[0][0] <= at <= points[-1][0]:
             beyond[seed] = min(abs(at - points[0][0]), abs(at - points[-1][0]))
-    return {"values": values, "extrapolated": len(beyond), "beyond": beyond}
+    return {"values": values, "extrapolated": len(beyond), "beyond": beyond, "not_monotone": not_monotone}
 
 
 def best(candidates: list[tuple[float, float, str]], pick, chosen_on: str) -> dict | None:
@@ -213,7 +218,9 @@ def matched_markdown(results: dict) -> list[str]:
             [f"| {key} | " + " | ".join(cell(splits[h][part][key]) for h in heads) + " |" for key in splits[heads[0]][part]]
 
     lines = table(f"At matched adaptation: {what} read at {ats} along each seed's lr curve (linear between the two lrs "
-                  "around it; `+n` = n seeds extrapolated past the curve's end), mean (95 % interval over seeds):",
+                  "around it; `+n` = n seeds extrapolated past the curve's end; `!n` = n seeds whose adaptation is not "
+                  "monotone in the lr, so the reading may join lrs that are not neighbours), mean (95 % interval "
+                  "over seeds):",
                   "curve", "curves", lambda reading: interval(reading["value"]) + extrapolated(reading))
     if splits[heads[0]]["paired"]:
         lines += table(f"Paired differences of those readings, seed by seed (each seed's own bases, one per base "
@@ -231,7 +238,8 @@ def interval(stat: dict, sign: bool = False) -> str:
 
 
 def extrapolated(reading: dict) -> str:
-    return f" +{reading['extrapolated']}" if reading["extrapolated"] else ""
+    marks = f" +{reading['extrapolated']}" if reading["extrapolated"] else ""
+    return marks + (f" !{reading['not_monotone']}" if reading.get("not_monotone") else "")
 
 
 def number(text: str) -> float:
