@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p runs
 
-SECTIONS=(frontier-two-domain frontier-sequence frontier-two-domain-mix frontier-two-domain-capacity frontier-two-domain-ewc frontier-two-domain-goal frontier-two-domain-goal-mix30 frontier-two-domain-goal-confirm frontier-two-domain-stdlib frontier-sequence-replay two-domain-quick tiny-renamed apn-ablation two-domain-neutral sequence-quick sequence-ablation
+SECTIONS=(frontier-two-domain frontier-sequence frontier-two-domain-mix frontier-two-domain-capacity frontier-two-domain-ewc frontier-two-domain-goal frontier-two-domain-goal-mix30 frontier-two-domain-goal-confirm frontier-two-domain-goal-more frontier-two-domain-stdlib frontier-sequence-replay two-domain-quick tiny-renamed apn-ablation two-domain-neutral sequence-quick sequence-ablation
           two-domain-cms sequence-cms optimizers-quick real-standard real-standard-seeds real-trace real-two-domain
           online-quick hope-two-domain hope-lm hope-needle hope-speed serve first-run benchmarks aunn)
 
@@ -67,6 +67,8 @@ run_section() {
                             --workers 2 --methods 'full,distill[beta=0.5;mix=0.3;lr=1e-3]' --out runs/goal-confirm   # ~15 min
                         mkdir -p docs/figures/frontier-two-domain-goal-confirm
                         cp runs/goal-confirm/results.md docs/figures/frontier-two-domain-goal-confirm/ ;;
+    frontier-two-domain-goal-more) OMP_NUM_THREADS=1 bench frontier-two-domain-goal-more --preset quick --seeds 3 \
+                            --base-seeds 3 --workers 2 --methods 'full,full[mix=0.3],full[mix=0.3;lr=1e-3],distill[beta=0.5;mix=0.3],distill[beta=0.5;mix=0.3;lr=1e-3],ewc-distill[beta=0.5;mix=0.3],ewc-distill[beta=0.5;mix=0.3;lr=1e-3],apn-local,apn-local[lr=1e-3],apn-local[mix=0.1],apn-local[mix=0.3],apn-local[mix=0.3;lr=1e-3]' ;;  # ~25 min
     frontier-two-domain-stdlib) python -c 'import sys; sys.version_info[:2] == (3, 11) or print("warning: python-stdlib is this interpreter'"'"'s standard library; RESULTS used Python 3.11.7 (another version measures another pair)")'
                         OMP_NUM_THREADS=1 forgetless bench --preset quick --seeds 3 --base-seeds 3 --domain-b python-stdlib \
                             --methods 'full,lora,adapter,neutral,ewc,apn-retrofit,neutral[mix=0],full[mix=0.1;lr=1e-4],full[mix=0.1],full[mix=0.1;lr=1e-3],ewc[mix=0.1;lr=1e-4],ewc[mix=0.1],ewc[mix=0.1;lr=1e-3],neutral[alpha=0],neutral[alpha=0;lr=3e-3]' \

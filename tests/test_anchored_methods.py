@@ -110,6 +110,24 @@ def test_distill_teacher_survives_save_and_resume():
     torch.testing.assert_close(fresh.extra_loss(adapted.model, batch), adapted.method.extra_loss(adapted.model, batch))
 
 
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_ewc_distill_adds_the_fisher_penalty_and_the_kl_term(kind):
+    previous = torch.randint(0, 256, (8, 13), generator=torch.Generator().manual_seed(1))
+    methods = {}
+    for spec in ("ewc-distill[lam=50;beta=2]", "ewc[lam=50]", "distill[beta=2]"):
+        adapted = attach(tiny(kind), spec)
+        adapted.start_task(1, previous=previous)
+        perturb(adapted.model)
+        methods[spec.split("[")[0]] = adapted
+    batch = mixed_batch()
+    both, ewc, kl = (m.method.extra_loss(m.model, batch) for m in methods.values())
+    assert ewc.item() > 1e-4 and kl.item() > 1e-4
+    torch.testing.assert_close(both, ewc + kl)
+    fresh = build_method("ewc-distill", {"lam": 50, "beta": 2})
+    fresh.load_hook_state(methods["ewc-distill"].method.hook_state())
+    torch.testing.assert_close(fresh.extra_loss(methods["ewc-distill"].model, batch), both)
+
+
 def test_distill_without_mixed_rows_is_refused():
     with pytest.raises(ForgetlessError, match="mix=0 leaves no rows"):
         build_method("distill", {"mix": 0})

@@ -19,6 +19,7 @@ from forgetless.data.splits import Batch
 from forgetless.errors import ForgetlessError
 from forgetless.methods import build_method, method_names
 from forgetless.models.gpt import GPTConfig, logits_of
+from forgetless.presets import FULL_WEIGHT_LRS
 from tiny_models import hf_gpt2, hf_llama, ours, tiny
 
 KINDS = ["gpt", "gpt2", "llama"]
@@ -28,8 +29,8 @@ T = 12  # tokens per window (the GPT's context is 16)
 
 SMALL_APN = {"n_patches": 8, "top_k": 2, "rank": 4}
 OWN_BASE = {n for n in NAMES if build_method(n).base_config(GPTConfig()) != GPTConfig()}  # apn, cms, ...
-TRAINS_EVERYTHING = {"full", "ewc", "distill", "wise-ft", "dynamic-eval"}
-NOTHING_INJECTED = {"full", "ffn", "ewc", "distill", "wise-ft", "dynamic-eval"}  # and, on our GPT, the methods with a base of their own
+TRAINS_EVERYTHING = {"full", "ewc", "distill", "ewc-distill", "wise-ft", "dynamic-eval"}
+NOTHING_INJECTED = {"full", "ffn", "ewc", "distill", "ewc-distill", "wise-ft", "dynamic-eval"}  # and, on our GPT, the methods with a base of their own
 FOLDABLE = {"lora", "seq-lora", "o-lora"}  # merge_and_unload folds them into the base weights
 OTHER_ARCHITECTURE = {"gpt": lambda method: ours(d=48, method=method),
                       "gpt2": lambda method: hf_llama(), "llama": lambda method: hf_gpt2()}
@@ -196,6 +197,13 @@ def test_attach_is_output_neutral(kind, name):
 @pytest.mark.parametrize("kind, name", MATRIX)
 def test_only_the_methods_parameters_train(kind, name):
     check_trainable(kind, name, everything=name in TRAINS_EVERYTHING)
+
+
+def test_methods_training_a_pretrained_models_weights_default_to_a_fine_tuning_lr():
+    """On a pretrained model the preset's lr (5e-4, for added modules) wrecks its weights: every method that
+    trains them has its own lr or one in FULL_WEIGHT_LRS."""
+    for name in TRAINS_EVERYTHING | {"ffn"}:
+        assert build_method(name).cfg.lr is not None or name in FULL_WEIGHT_LRS, name
 
 
 @pytest.mark.parametrize("kind, name", MATRIX)
