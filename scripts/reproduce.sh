@@ -68,7 +68,7 @@ run_section() {
                         mkdir -p docs/figures/frontier-two-domain-goal-confirm
                         cp runs/goal-confirm/results.md docs/figures/frontier-two-domain-goal-confirm/ ;;
     frontier-two-domain-goal-more) OMP_NUM_THREADS=1 bench frontier-two-domain-goal-more --preset quick --seeds 3 \
-                            --base-seeds 3 --workers 2 --methods 'full,full[mix=0.3],full[mix=0.3;lr=1e-3],distill[beta=0.5;mix=0.3],distill[beta=0.5;mix=0.3;lr=1e-3],ewc-distill[beta=0.5;mix=0.3],ewc-distill[beta=0.5;mix=0.3;lr=1e-3],apn-local,apn-local[lr=1e-3],apn-local[mix=0.1],apn-local[mix=0.3],apn-local[mix=0.3;lr=1e-3]' ;;  # ~25 min
+                            --base-seeds 3 --workers 2 --methods 'full,full[mix=0.3;lr=1e-4],full[mix=0.3],full[mix=0.3;lr=1e-3],distill[beta=0.5;mix=0.3],distill[beta=0.5;mix=0.3;lr=1e-3],ewc-distill[beta=0.5;mix=0.3],ewc-distill[beta=0.5;mix=0.3;lr=1e-3],ewc-distill[beta=0.5;mix=0.3;lr=2e-3],ewc-distill[beta=0.5;mix=0.3;lr=3e-3],apn-local,apn-local[lr=1e-3],apn-local[mix=0.1],apn-local[mix=0.3],apn-local[mix=0.3;lr=1e-3]' ;;  # ~20 min
     frontier-two-domain-stdlib) python -c 'import sys; sys.version_info[:2] == (3, 11) or print("warning: python-stdlib is this interpreter'"'"'s standard library; RESULTS used Python 3.11.7 (another version measures another pair)")'
                         OMP_NUM_THREADS=1 forgetless bench --preset quick --seeds 3 --base-seeds 3 --domain-b python-stdlib \
                             --methods 'full,lora,adapter,neutral,ewc,apn-retrofit,neutral[mix=0],full[mix=0.1;lr=1e-4],full[mix=0.1],full[mix=0.1;lr=1e-3],ewc[mix=0.1;lr=1e-4],ewc[mix=0.1],ewc[mix=0.1;lr=1e-3],neutral[alpha=0],neutral[alpha=0;lr=3e-3]' \
