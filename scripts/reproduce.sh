@@ -8,8 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p runs
 
-SECTIONS=(frontier-two-domain frontier-sequence frontier-two-domain-mix frontier-two-domain-capacity frontier-two-domain-ewc frontier-two-domain-goal frontier-two-domain-goal-mix30 frontier-two-domain-goal-confirm frontier-two-domain-goal-more frontier-two-domain-stdlib frontier-sequence-replay two-domain-quick tiny-renamed apn-ablation two-domain-neutral sequence-quick sequence-ablation
-          two-domain-cms sequence-cms optimizers-quick real-standard real-standard-seeds real-trace real-two-domain
+SECTIONS=(frontier-two-domain frontier-sequence frontier-two-domain-mix frontier-two-domain-capacity frontier-two-domain-ewc frontier-two-domain-goal frontier-two-domain-goal-mix30 frontier-two-domain-goal-confirm frontier-two-domain-goal-more frontier-two-domain-goal-confirm-ewc frontier-two-domain-stdlib frontier-sequence-replay two-domain-quick tiny-renamed apn-ablation two-domain-neutral sequence-quick sequence-ablation
+          two-domain-cms sequence-cms optimizers-quick real-standard real-standard-seeds real-trace real-two-domain real-two-domain-folio
           online-quick hope-two-domain hope-lm hope-needle hope-speed serve first-run benchmarks aunn)
 
 publish() {  # publish RUN_DIR SECTION: its table and the figures RESULTS.md or README.md show, next to RESULTS.md
@@ -68,7 +68,12 @@ run_section() {
                         mkdir -p docs/figures/frontier-two-domain-goal-confirm
                         cp runs/goal-confirm/results.md docs/figures/frontier-two-domain-goal-confirm/ ;;
     frontier-two-domain-goal-more) OMP_NUM_THREADS=1 bench frontier-two-domain-goal-more --preset quick --seeds 3 \
-                            --base-seeds 3 --workers 2 --methods 'full,full[mix=0.3;lr=1e-4],full[mix=0.3],full[mix=0.3;lr=1e-3],distill[beta=0.5;mix=0.3],distill[beta=0.5;mix=0.3;lr=1e-3],ewc-distill[beta=0.5;mix=0.3],ewc-distill[beta=0.5;mix=0.3;lr=1e-3],ewc-distill[beta=0.5;mix=0.3;lr=2e-3],ewc-distill[beta=0.5;mix=0.3;lr=3e-3],apn-local,apn-local[lr=1e-3],apn-local[mix=0.1],apn-local[mix=0.3],apn-local[mix=0.3;lr=1e-3]' ;;  # ~20 min
+                            --base-seeds 3 --workers 2 --methods 'full,full[mix=0.3;lr=1e-4],full[mix=0.3],full[mix=0.3;lr=1e-3],distill[beta=0.5;mix=0.3],distill[beta=0.5;mix=0.3;lr=1e-3],ewc-distill[beta=0.5;mix=0.3],ewc-distill[beta=0.5;mix=0.3;lr=1e-3],ewc-distill[beta=0.5;mix=0.3;lr=2e-3],ewc-distill[beta=0.5;mix=0.3;lr=3e-3],ewc-distill[beta=0.5;mix=0.3;lam=100;lr=1e-3],ewc-distill[beta=0.5;mix=0.3;lam=300;lr=1e-3],apn-local,apn-local[lr=1e-3],apn-local[mix=0.1],apn-local[mix=0.3],apn-local[mix=0.3;lr=1e-3]' ;;  # ~20 min
+    frontier-two-domain-goal-confirm-ewc) OMP_NUM_THREADS=1 forgetless bench --preset quick --seeds 3 --seed-start 3 \
+                            --base-seeds 6 --workers 2 --methods 'full,ewc-distill[beta=0.5;mix=0.3;lam=300;lr=1e-3]' \
+                            --out runs/goal-confirm-ewc   # ~15 min (~3 with bases 3-5 cached)
+                        mkdir -p docs/figures/frontier-two-domain-goal-confirm-ewc
+                        cp runs/goal-confirm-ewc/results.md docs/figures/frontier-two-domain-goal-confirm-ewc/ ;;
     frontier-two-domain-stdlib) python -c 'import sys; sys.version_info[:2] == (3, 11) or print("warning: python-stdlib is this interpreter'"'"'s standard library; RESULTS used Python 3.11.7 (another version measures another pair)")'
                         OMP_NUM_THREADS=1 forgetless bench --preset quick --seeds 3 --base-seeds 3 --domain-b python-stdlib \
                             --methods 'full,lora,adapter,neutral,ewc,apn-retrofit,neutral[mix=0],full[mix=0.1;lr=1e-4],full[mix=0.1],full[mix=0.1;lr=1e-3],ewc[mix=0.1;lr=1e-4],ewc[mix=0.1],ewc[mix=0.1;lr=1e-3],neutral[alpha=0],neutral[alpha=0;lr=3e-3]' \
@@ -115,6 +120,8 @@ run_section() {
                             --methods 'seq-lora,moram[lr=5e-3],seq-lora[mix=0.2]' ;;
     real-two-domain)    bench real-two-domain --model smollm2-135m --preset real --seeds 1 \
                             --methods full,lora,adapter,neutral,moram,apn,cms ;;
+    real-two-domain-folio) bench real-two-domain-folio --model smollm2-135m --preset real --seeds 1 --domain-a pydoc-topics \
+                            --domain-b shakespeare-folio --methods 'full,full[lr=1e-4],full[lr=2e-4],lora,lora[lr=3e-3],full[mix=0.1;lr=2e-4],distill[lr=2e-4],neutral' ;;  # ~75 min
     online-quick)       OMP_NUM_THREADS=1 bench online-quick --preset quick --protocol online --methods all --seeds 3 \
                             --base-seeds 3                                                                        # ~1.5 h
                         OMP_NUM_THREADS=1 forgetless bench --preset quick --protocol online --methods moram --seeds 3 \
