@@ -121,7 +121,7 @@ run_section() {
     real-two-domain)    bench real-two-domain --model smollm2-135m --preset real --seeds 1 \
                             --methods full,lora,adapter,neutral,moram,apn,cms ;;
     real-two-domain-folio) bench real-two-domain-folio --model smollm2-135m --preset real --seeds 1 --domain-a pydoc-topics \
-                            --domain-b shakespeare-folio --methods 'full,full[lr=1e-4],full[lr=2e-4],lora,lora[lr=3e-3],full[mix=0.1;lr=2e-4],distill[lr=2e-4],neutral' ;;  # ~75 min
+                            --domain-b shakespeare-folio --methods 'full,full[lr=1e-4],full[lr=2e-4],lora,lora[lr=3e-3],full[mix=0.1;lr=2e-4],distill[lr=2e-4],neutral,neutral[lr=3e-3]' ;;  # ~85 min
     online-quick)       OMP_NUM_THREADS=1 bench online-quick --preset quick --protocol online --methods all --seeds 3 \
                             --base-seeds 3                                                                        # ~1.5 h
                         OMP_NUM_THREADS=1 forgetless bench --preset quick --protocol online --methods moram --seeds 3 \
