@@ -66,14 +66,14 @@ def pretraining_runs(cfg: RunConfig, optimizers: list[str], seeds: list[int], de
                                      cfg.data.dev_fraction)
     model_cfg = dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size)
     configs = [dataclasses.replace(cfg.pretrain, optimizer=name, seed=s) for name in optimizers for s in seeds]
-    bases = [(c.optimizer, c, base_path(model_cfg, c, a, tokenizer)) for c in configs]  # each base's path once
-    todo = [pretrain for _, pretrain, path in bases if not path.exists()]
+    bases = [(c, base_path(model_cfg, c, a, tokenizer)) for c in configs]  # each base's path once
+    todo = [pretrain for pretrain, path in bases if not path.exists()]
     with progress_task("pretraining bases", total=len(todo)) as advance:
         run_jobs([lambda p=p: cached_base(model_cfg, p, a, tokenizer, device) for p in todo], workers,
                  lambda i, _: advance(1))
     out = {}
     for name in optimizers:
-        paths = [path for of, _, path in bases if of == name]
+        paths = [path for pretrain, path in bases if pretrain.optimizer == name]
         metas = [load_base(path)[2] for path in paths]
         losses = list(zip(*[[v for _, v in m["history"]["loss"]] for m in metas]))
         ppl = list(zip(*[[e["ppl_a"] for e in m["history"]["evals"]] for m in metas]))

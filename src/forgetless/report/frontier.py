@@ -221,7 +221,7 @@ def matched_markdown(results: dict) -> list[str]:
                   "around it; `+n` = n seeds extrapolated past the curve's end; `!n` = n seeds whose adaptation is not "
                   "monotone in the lr, so the reading may join lrs that are not neighbours), mean (95 % interval "
                   "over seeds):",
-                  "curve", "curves", lambda reading: interval(reading["value"]) + extrapolated(reading))
+                  "curve", "curves", lambda reading: interval(reading["value"]) + reading_marks(reading))
     if splits[heads[0]]["paired"]:
         lines += table(f"Paired differences of those readings, seed by seed (each seed's own bases, one per base "
                        f"kind), {what}:", "curves", "paired", lambda stat: interval(stat, sign=True))
@@ -237,7 +237,8 @@ def interval(stat: dict, sign: bool = False) -> str:
     return f"{text} ({fmt.format(stat['mean'] - stat['ci95'])} to {fmt.format(stat['mean'] + stat['ci95'])})"
 
 
-def extrapolated(reading: dict) -> str:
+def reading_marks(reading: dict) -> str:
+    """' +n' (seeds extrapolated) and ' !n' (seeds not monotone in the lr) after a reading."""
     marks = f" +{reading['extrapolated']}" if reading["extrapolated"] else ""
     return marks + (f" !{reading['not_monotone']}" if reading.get("not_monotone") else "")
 
