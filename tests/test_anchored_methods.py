@@ -128,6 +128,12 @@ def test_ewc_distill_adds_the_fisher_penalty_and_the_kl_term(kind):
     torch.testing.assert_close(fresh.extra_loss(methods["ewc-distill"].model, batch), both)
 
 
-def test_distill_without_mixed_rows_is_refused():
+@pytest.mark.parametrize("name", ["distill", "ewc-distill"])
+def test_distill_without_mixed_rows_is_refused(name):
     with pytest.raises(ForgetlessError, match="mix=0 leaves no rows"):
-        build_method("distill", {"mix": 0})
+        build_method(name, {"mix": 0})
+
+
+def test_ewc_distill_refuses_a_negative_penalty():
+    with pytest.raises(ForgetlessError, match="lam must not be negative"):
+        build_method("ewc-distill", {"lam": -1})
