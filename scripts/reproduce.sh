@@ -116,7 +116,7 @@ run_section() {
                             --out runs/real-standard-lora-lr                                                     # ~25 min
                         cp runs/real-standard-lora-lr/results.md docs/figures/real-standard-seeds/results-lora-lr.md ;;
     real-standard-replay) bench real-standard-replay --model smollm2-135m --preset real --protocol sequence \
-                            --tasks dbpedia,amazon,yahoo,agnews --seeds 3 --methods 'seq-lora[mix=0.2]' ;;      # ~65 min
+                            --tasks dbpedia,amazon,yahoo,agnews --seeds 3 --methods 'seq-lora[mix=0.2]' ;;      # ~52 min
     real-standard-retrofits) bench real-standard-retrofits --model smollm2-135m --preset real --protocol sequence \
                             --tasks dbpedia,amazon,yahoo,agnews --seeds 1 --methods apn,cms ;;                 # ~1 h
     real-trace)         bench real-trace --model smollm2-135m --preset real --protocol sequence \
