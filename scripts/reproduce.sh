@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 mkdir -p runs
 
 SECTIONS=(frontier-two-domain frontier-sequence frontier-two-domain-mix frontier-two-domain-capacity frontier-two-domain-ewc frontier-two-domain-goal frontier-two-domain-goal-mix30 frontier-two-domain-goal-confirm frontier-two-domain-goal-more frontier-two-domain-goal-confirm-ewc frontier-two-domain-stdlib frontier-sequence-replay two-domain-quick tiny-renamed apn-ablation two-domain-neutral sequence-quick sequence-ablation
-          two-domain-cms sequence-cms optimizers-quick real-standard real-standard-seeds real-standard-replay real-standard-retrofits real-trace real-two-domain real-two-domain-folio
+          two-domain-cms sequence-cms optimizers-quick real-standard real-standard-seeds real-standard-replay real-standard-retrofits real-standard-neutral real-trace real-two-domain real-two-domain-folio
           online-quick hope-two-domain hope-lm hope-needle hope-speed serve first-run benchmarks aunn)
 
 publish() {  # publish RUN_DIR SECTION: its table and the figures RESULTS.md or README.md show, next to RESULTS.md
@@ -119,6 +119,8 @@ run_section() {
                             --tasks dbpedia,amazon,yahoo,agnews --seeds 3 --methods 'seq-lora[mix=0.2]' ;;      # ~52 min
     real-standard-retrofits) bench real-standard-retrofits --model smollm2-135m --preset real --protocol sequence \
                             --tasks dbpedia,amazon,yahoo,agnews --seeds 1 --methods apn,cms ;;                 # ~1 h
+    real-standard-neutral) bench real-standard-neutral --model smollm2-135m --preset real --protocol sequence \
+                            --tasks dbpedia,amazon,yahoo,agnews --seeds 1 --seed-start 1 --methods neutral ;;  # ~30 min
     real-trace)         bench real-trace --model smollm2-135m --preset real --protocol sequence \
                             --tasks FOMC,ScienceQA,NumGLUE-cm,NumGLUE-ds --data-held-out-tasks dbpedia --seeds 1 \
                             --methods 'seq-lora,moram[lr=5e-3],seq-lora[mix=0.2]' ;;
