@@ -118,7 +118,7 @@ run_section() {
     real-standard-replay) bench real-standard-replay --model smollm2-135m --preset real --protocol sequence \
                             --tasks dbpedia,amazon,yahoo,agnews --seeds 3 --methods 'seq-lora[mix=0.2]' ;;      # ~52 min
     real-standard-retrofits) bench real-standard-retrofits --model smollm2-135m --preset real --protocol sequence \
-                            --tasks dbpedia,amazon,yahoo,agnews --seeds 1 --methods apn,cms ;;                 # ~1 h
+                            --tasks dbpedia,amazon,yahoo,agnews --seeds 1 --methods apn,cms ;;                 # ~45 min
     real-standard-neutral) bench real-standard-neutral --model smollm2-135m --preset real --protocol sequence \
                             --tasks dbpedia,amazon,yahoo,agnews --seeds 1 --seed-start 1 --methods neutral ;;  # ~30 min
     real-trace)         bench real-trace --model smollm2-135m --preset real --protocol sequence \
