@@ -6,8 +6,9 @@ the method's hooks in the documented order, builds the training loss, saves and 
 own tensors, and keeps every tensor on the model's device and dtype.
 
     adapted = forgetless.attach(model, "lora", r=16)
-    adapted.start_task(1)
-    loss = adapted.loss(windows)        # (B, T+1) token ids, a Batch, or {"input_ids", "labels"}
+    adapted.start_task(1)               # optional for most methods: the first training forward starts task 1
+    out = adapted(input_ids=ids, attention_mask=mask, labels=labels, retained=old_rows)
+    out.loss.backward()                 # in training mode: the LM loss + the method's terms (any loop, Trainer)
     adapted.save_pretrained("out/")
     again = forgetless.from_pretrained(fresh_model, "out/")
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -22,11 +24,12 @@ import torch.nn as nn
 
 from forgetless import __version__, distributed
 from forgetless.checkpoint import load_checkpoint, save_checkpoint, write_json
-from forgetless.continual.evaluate import training_loss
+from forgetless.continual.evaluate import loss_terms, training_loss
 from forgetless.data.splits import Batch
 from forgetless.errors import ForgetlessError
 from forgetless.methods import Method, build_method
 from forgetless.methods.base import MethodSpec, parse_method_specs
+from forgetless.models.gpt import GPT
 
 WEIGHTS, CONFIG = "adapter_model.safetensors", "forgetless_config.json"
 
@@ -64,11 +67,95 @@ class Adapted(nn.Module):
         self.model = model
         self.method = method
         self.task = 1
+        self._started = False  # start_task has run (the first training forward runs it when nobody did)
+        self._said: set[str] = set()  # warnings given once
         self._follow_model()
 
     # ---- the model ------------------------------------------------------------------------
-    def forward(self, *args, **kwargs):
-        return self.model(*args, **kwargs)
+    accepts_loss_kwargs = False  # transformers' Trainer: the loss is a mean per batch; Trainer scales it for accumulation
+
+    def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, retained: torch.Tensor | None = None, **kwargs):
+        """The model's forward on input_ids (B, T), other arguments passed through. With `labels` (B, T)
+        (transformers' convention: aligned with input_ids, -100 = not scored) the output's `.loss` is, in
+        training mode, the whole training loss: the LM loss plus the method's terms (EWC's penalty,
+        distillation's KL and Neutral's l1 on the `retained` (B,) rows of old data, auxiliary losses,
+        token weights), the number `adapted.loss(batch)` gives; in eval mode the LM loss alone."""
+        if input_ids is None:
+            return self.model(attention_mask=attention_mask, labels=labels, **kwargs)
+        self._check_padding(input_ids, attention_mask)
+        if isinstance(self.model, GPT):  # causal and unmasked: right padding is what it reads correctly
+            out = self.model(input_ids, **{k: v for k, v in kwargs.items() if k != "logits_to_keep"})
+        else:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        if labels is None:
+            return out
+        batch = Batch.of_hf(input_ids, attention_mask, labels, retained)
+        if self.model.training:
+            self._check_training(retained is not None)
+            loss, _ = loss_terms(self.model, logits_of_output(out), batch.y, batch, self.method.extra_loss,
+                                 self.method.token_weights)
+        else:
+            _, loss = loss_terms(self.model, logits_of_output(out), batch.y, batch)
+        return with_loss(out, loss)
+
+    def _check_padding(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+        """Refuse padding a model would read wrongly: left padding without a mask (transformers), any
+        padding but on the right (our GPT)."""
+        if attention_mask is not None:
+            if isinstance(self.model, GPT) and (attention_mask.diff(dim=1) > 0).any():
+                raise ForgetlessError("the forgetless GPT takes no attention mask: pad batches on the right "
+                                      "(forgetless.data.Collator does)")
+            return
+        pad = getattr(getattr(self.model, "config", None), "pad_token_id", None)
+        first = input_ids[:, 0] == pad if isinstance(pad, int) and len(input_ids) > 1 else None
+        if first is not None and first.any() and not first.all() and self._once("left padding"):
+            warn(f"rows of input_ids start with the pad token {pad} but no attention_mask was given: left padding "
+                 "without a mask is read as text; pass attention_mask (or pad on the right)")
+
+    def _check_training(self, has_retained: bool):
+        """Start task 1 at the first training forward if nobody did; say once what cannot act."""
+        if not self._started:
+            self.start_task(self.task)  # a method that needs the previous task's data raises here
+        uses = self.method.reads_retained or bool(getattr(self.method.cfg, "mix", None))
+        if uses and not has_retained and self._once("retained"):
+            what = self.method.reads_retained or f"mix={self.method.cfg.mix} (replay)"
+            warn(f"{self.method.name}: {what} acts on rows of old data, but the batches carry no `retained` "
+                 "marker, so it does nothing; mix old rows in with forgetless.data.mix(new, old) and "
+                 "forgetless.data.Collator (or pass retained=(B,) bools)")
+
+    def _once(self, what: str) -> bool:
+        """True the first time `what` is asked about on this Adapted."""
+        first = what not in self._said
+        self._said.add(what)
+        return first
+
+    def state_dict(self, *args, **kwargs):
+        """The module's state_dict with each tied weight once (e.g. lm_head = embed_tokens): safetensors,
+        and so transformers' Trainer checkpoints, refuse aliased tensors; load_state_dict restores them."""
+        out = super().state_dict(*args, **kwargs)
+        for alias in self._aliases(out):
+            out.pop(alias)
+        return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        state_dict = dict(state_dict)
+        for alias, name in self._aliases(super().state_dict(keep_vars=True)).items():
+            if alias not in state_dict and name in state_dict:
+                state_dict[alias] = state_dict[name]
+        return super().load_state_dict(state_dict, strict, assign)
+
+    @staticmethod
+    def _aliases(tensors: dict) -> dict[str, str]:
+        """{name: first name} of entries that share storage with an earlier entry."""
+        first, aliases = {}, {}
+        for name, t in tensors.items():
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.numel() else None
+            if key in first:
+                aliases[name] = first[key]
+            elif key is not None:
+                first[key] = name
+        return aliases
 
     def __getattr__(self, name: str):
         try:
@@ -113,26 +200,33 @@ class Adapted(nn.Module):
 
     # ---- tasks and the loss ---------------------------------------------------------------
     def start_task(self, task: int, previous=None):
-        """Before training task `task` (1, 2, ...): `previous` is what the model learned last (a Domain
-        or (N, T+1) token windows), which methods that protect it need (EWC)."""
+        """Before training task `task` (1, 2, ...): `previous` is what the model learned last, which
+        methods that protect it need (EWC's Fisher): rows of old data (a dataset or list of examples with
+        input_ids and labels, e.g. from forgetless.data.load), (N, T+1) token windows, or a Domain."""
         if task > 1 and distributed.sharded(list(self.model.named_parameters())):
             raise ForgetlessError("a model sharded by --fsdp learns one task (tested so); run task sequences without it")
         if previous is None and self.method.needs_previous:
-            raise ForgetlessError(f"method {self.method.name} protects what was learned before: "
-                                  "call start_task(task, previous=<(N, T+1) token windows of it>)")
+            raise ForgetlessError(f"method {self.method.name} protects what the model knew before: call "
+                                  "adapted.start_task(1, previous=old_rows) before training (rows of old data, e.g. "
+                                  "forgetless.data.load(old_file, tokenizer)), or pass them to "
+                                  "forgetless.ForgetlessCallback(adapted, previous=old_rows) in Trainer")
         if previous is not None:
             self.method.remember(self.model, previous)
         with torch.device(self.device):
             self.method.on_task_start(self.model, task)
-        self.task = task
+        self.task, self._started = task, True
         self._follow_model()
 
     def end_task(self, task: int):
         self.method.on_task_end(self.model, task)
 
     def losses(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(training loss, LM loss alone) of `batch`: LM loss (token-weighted if the method says so)
-        + the modules' auxiliary losses + the method's extra loss."""
+        """(training loss, LM loss alone) of `batch` ((B, T+1) token windows, a Batch, or a dict of
+        input_ids, attention_mask, labels and retained as `forward` takes them): LM loss (token-weighted
+        if the method says so) + the modules' auxiliary losses + the method's extra loss."""
+        if self.model.training:
+            self._check_training(isinstance(batch, Batch) or isinstance(batch, dict) and
+                                 ("retained" in batch or "from_other" in batch))
         batch = Batch.of(batch).to(self.device)
         return training_loss(self.model, batch, self.method.extra_loss, self.method.token_weights)
 
@@ -203,6 +297,28 @@ def from_pretrained(model: nn.Module, folder: str | Path) -> Adapted:
     adapted.method.load_hook_state({k[len("hooks."):]: v for k, v in tensors.items() if k.startswith("hooks.")})
     adapted._follow_model()
     return adapted
+
+
+class ForgetlessWarning(UserWarning):
+    """A method's term that cannot act where it is used (e.g. replay with no rows of old data)."""
+
+
+def warn(message: str):
+    warnings.warn(message, ForgetlessWarning, stacklevel=3)
+
+
+def logits_of_output(out) -> torch.Tensor:
+    """(B, T, V) logits of a transformers output or of our GPT (a tensor)."""
+    return out.logits if hasattr(out, "logits") else out
+
+
+def with_loss(out, loss: torch.Tensor):
+    """The forward's output with `.loss`: a transformers ModelOutput (loss first, as theirs), or for our
+    GPT's logits a CausalLMOutput of loss and logits."""
+    if torch.is_tensor(out):
+        from transformers.modeling_outputs import CausalLMOutput
+        return CausalLMOutput(loss=loss, logits=out)
+    return type(out)(**{**out, "loss": loss})
 
 
 def check_fsdp(model: nn.Module, method: Method):

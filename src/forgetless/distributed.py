@@ -83,7 +83,7 @@ def shard(batch: Batch) -> tuple[Batch, float]:
         raise ForgetlessError(f"batch size {len(batch.x)} is smaller than the {n} processes; "
                               "give a batch size of at least the number of processes")
     rows = torch.arange(len(batch.x), device=batch.x.device).tensor_split(n)[rank()]
-    mine = Batch(batch.x[rows], batch.y[rows], batch.from_other[rows])
+    mine = Batch(batch.x[rows], batch.y[rows], batch.from_other[rows], None if batch.mask is None else batch.mask[rows])
     scored_all, scored_mine = (batch.y != -100).sum().item(), (mine.y != -100).sum().item()
     return mine, n * scored_mine / max(scored_all, 1)
 

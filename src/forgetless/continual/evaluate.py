@@ -61,15 +61,22 @@ def training_loss(model: nn.Module, batch: Batch, extra=None, token_weights=None
     keep = None
     if token_weights is None and not scored.all() and takes_logits_to_keep(model):
         keep = scored.any(0).nonzero().flatten()  # (P,) positions some row scores: the head skips the rest
-        batch = Batch(batch.x, batch.y[:, keep], batch.from_other)
-        scored = scored[:, keep]
-    logits = logits_of(model, batch.x, keep)                                         # (B, T or P, V)
-    per_token = F.cross_entropy(logits.flatten(0, 1).float(), batch.y.flatten(), reduction="none").view_as(batch.y)
+        batch = Batch(batch.x, batch.y[:, keep], batch.from_other, batch.mask)
+    logits = logits_of(model, batch.x, keep, batch.mask)                             # (B, T or P, V)
+    return loss_terms(model, logits, batch.y, whole, extra, token_weights)
+
+
+def loss_terms(model: nn.Module, logits: torch.Tensor, targets: torch.Tensor, batch: Batch, extra=None,
+               token_weights=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(LM loss of `logits` (B, P, V) against `targets` (B, P) + the modules' auxiliary losses left by the
+    forward that made them + `extra(model, batch)`, LM loss alone); the method sees every position of `batch`."""
+    scored = targets != -100                                                         # (B, P)
+    per_token = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="none").view_as(targets)
     lm = per_token.mean() if scored.all() else per_token.sum() / scored.sum().clamp_min(1)
     weights = token_weights(logits, batch) if token_weights else None
     if weights is not None:
         weights = weights * scored
     loss = lm if weights is None else (per_token * weights).sum() / weights.sum().clamp_min(1.0)
-    parts = [aux_loss(model), extra(model, whole) if extra else None]  # the method sees every position
+    parts = [aux_loss(model), extra(model, batch) if extra else None]
     parts = [p for p in parts if p is not None]
     return (loss + sum(parts) if parts else loss), lm

@@ -104,15 +104,18 @@ def eval_windows(tokens: torch.Tensor, block_size: int, max_windows: int) -> tor
 class Batch:
     x: torch.Tensor         # (B, T) inputs
     y: torch.Tensor         # (B, T) next-token targets; -100 = not scored (e.g. prompt tokens)
-    from_other: torch.Tensor  # (B,) bool: row drawn from the mixed-in (original) corpus
+    from_other: torch.Tensor  # (B,) bool: row drawn from the mixed-in (original) corpus: a user's `retained` rows
+    mask: torch.Tensor | None = None  # (B, T) attention mask of x (1 = token, 0 = padding); None: all tokens
 
     def to(self, device: torch.device) -> "Batch":
-        return Batch(self.x.to(device), self.y.to(device), self.from_other.to(device))
+        mask = None if self.mask is None else self.mask.to(device)
+        return Batch(self.x.to(device), self.y.to(device), self.from_other.to(device), mask)
 
     @staticmethod
     def of(data) -> "Batch":
         """A Batch from a Batch, a (B, T+1) tensor of token windows, or a dict with `input_ids` and
-        optional `labels` (Hugging Face style: aligned with input_ids, -100 = ignored)."""
+        optional `attention_mask`, `labels` (Hugging Face style: aligned with input_ids, -100 = ignored;
+        default: input_ids where the mask is 1) and `retained` ((B,) bool: rows of old data)."""
         if isinstance(data, Batch):
             return data
         if torch.is_tensor(data):
@@ -120,12 +123,25 @@ class Batch:
                 raise ForgetlessError(f"a batch tensor holds token windows (B, T+1), got shape {tuple(data.shape)}")
             return Batch(data[:, :-1], data[:, 1:], torch.zeros(len(data), dtype=torch.bool, device=data.device))
         if isinstance(data, dict) and "input_ids" in data:
-            ids = data["input_ids"]
-            labels = data.get("labels", ids)
-            from_other = data.get("from_other", torch.zeros(len(ids), dtype=torch.bool, device=ids.device))
-            return Batch(ids[:, :-1], labels[:, 1:], from_other)
+            return Batch.of_hf(data["input_ids"], data.get("attention_mask"), data.get("labels"),
+                               data.get("retained", data.get("from_other")))
         raise ForgetlessError(f"cannot make a batch of {type(data).__name__}: give a Batch, a (B, T+1) "
                               "LongTensor of windows, or a dict with input_ids (and labels)")
+
+    @staticmethod
+    def of_hf(input_ids: torch.Tensor, attention_mask=None, labels=None, retained=None) -> "Batch":
+        """The model reads all of input_ids (B, T); position t is scored against labels[:, t + 1] (the
+        shift of transformers' causal-LM loss), the last position against nothing."""
+        if input_ids.dim() != 2:
+            raise ForgetlessError(f"input_ids must be (batch, tokens), got shape {tuple(input_ids.shape)}")
+        if labels is None:
+            labels = input_ids if attention_mask is None else input_ids.masked_fill(attention_mask == 0, -100)
+        if labels.shape != input_ids.shape:
+            raise ForgetlessError(f"labels {tuple(labels.shape)} must have the shape of input_ids {tuple(input_ids.shape)}")
+        y = torch.cat([labels[:, 1:], labels.new_full((len(labels), 1), -100)], 1)      # (B, T)
+        if retained is None:
+            retained = torch.zeros(len(input_ids), dtype=torch.bool, device=input_ids.device)
+        return Batch(input_ids, y, torch.as_tensor(retained, device=input_ids.device).bool().view(-1), attention_mask)
 
 
 class Sampler:

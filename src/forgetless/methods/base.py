@@ -161,6 +161,7 @@ class Method(StepHooks):
     default_for: tuple[str, ...] = ("two-domain", "sequence")  # protocols whose `--methods all` runs it
     needs_previous = False  # start_task needs the data learned last (EWC's Fisher)
     mixes_original = False  # its mixed rows must be original-distribution data, never earlier tasks (Neutral's l1)
+    reads_retained = ""  # the term that acts on the batch's retained rows of old data (e.g. a KL term); "": none
     # token_weights(logits (B, T, V), batch) -> (B, T) weights of each token's LM loss (None: all 1), e.g. to gate
     # updates by entropy; a method that defines it gets every position's logits (None here: only scored ones)
     token_weights = None

@@ -44,6 +44,7 @@ class Distill(Method):
     """Full fine-tuning plus a KL term to the task's starting model on the mixed-in original rows."""
     Config = DistillConfig
     default_for = ()  # named only: `--methods all` (and the tables it reproduces) stay as they were
+    reads_retained = "distillation's KL term"
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -59,13 +60,14 @@ class Distill(Method):
         if not self.teacher or self.cfg.beta == 0 or not batch.from_other.any():
             return None
         x, scored = batch.x[batch.from_other], batch.y[batch.from_other] != -100             # (R, T)
+        mask = None if batch.mask is None else batch.mask[batch.from_other]                   # (R, T)
         was_training = model.training
         with torch.no_grad():
             model.eval()  # the teacher without dropout
-            out = functional_call(model, self.teacher, (x,))
+            out = functional_call(model, self.teacher, (x,), {} if mask is None else {"attention_mask": mask})
             model.train(was_training)
             target = F.log_softmax(getattr(out, "logits", out).float(), -1)                   # (R, T, V)
-        log_p = F.log_softmax(logits_of(model, x).float(), -1)                                # (R, T, V)
+        log_p = F.log_softmax(logits_of(model, x, mask=mask).float(), -1)                     # (R, T, V)
         kl = F.kl_div(log_p, target, log_target=True, reduction="none").sum(-1)              # (R, T)
         return self.cfg.beta * (kl * scored).sum() / scored.sum().clamp_min(1)
 

@@ -51,12 +51,10 @@ class EWC(Method):
         return list(model.named_parameters())
 
     def remember(self, model, data):
-        """Add the Fisher of `data` (a Domain, or (N, T+1) token windows) at the current weights and
-        anchor the penalty there."""
+        """Add the Fisher of `data` (rows of old data: examples with input_ids and labels, (N, T+1) token
+        windows, or a Domain) at the current weights and anchor the penalty there."""
         params = dict(model.named_parameters())
-        windows = data if torch.is_tensor(data) else random_windows(data.train, data.windows.shape[1] - 1,
-                                                                      self.cfg.fisher_samples)
-        fisher = empirical_fisher(model, windows[:self.cfg.fisher_samples])
+        fisher = empirical_fisher(model, fisher_rows(data, self.cfg.fisher_samples))
         for name, f in fisher.items():
             self.fisher[name] = self.fisher.get(name, 0) + f
         self.anchor = {name: params[name].detach().clone() for name in fisher}
@@ -83,8 +81,32 @@ def random_windows(tokens: torch.Tensor, block_size: int, samples: int, seed: in
     return torch.stack([tokens[s:s + block_size + 1] for s in starts])
 
 
-def empirical_fisher(model, windows: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Mean over `windows` (N, T+1) of the squared gradient of each window's LM loss."""
+def fisher_rows(data, samples: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """At most `samples` (inputs (T,), targets (T,)) rows of `data`: the first windows of an (N, T+1) tensor,
+    random windows of a Domain's training text, or a seeded random choice of examples (dicts with
+    input_ids and optional labels, as forgetless.data.load gives; targets are the labels shifted by one)."""
+    if torch.is_tensor(data):
+        return [(w[:-1], w[1:]) for w in data[:samples]]
+    if hasattr(data, "train") and hasattr(data, "windows"):  # a Domain
+        return fisher_rows(random_windows(data.train, data.windows.shape[1] - 1, samples), samples)
+    if not hasattr(data, "__len__") or not len(data):
+        raise ForgetlessError(f"previous={type(data).__name__}: give rows of old data (examples with input_ids, "
+                              "e.g. forgetless.data.load(old_file, tokenizer)) or (N, T+1) token windows")
+    picks = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))[:samples].tolist()
+    rows = []
+    for i in sorted(picks):
+        row = data[i]
+        ids = torch.as_tensor(row["input_ids"])
+        labels = torch.as_tensor(row["labels"]) if row.get("labels") is not None else ids
+        rows.append((ids, torch.cat([labels[1:], labels.new_full((1,), -100)])))
+    rows = [(x, y) for x, y in rows if (y != -100).any()]
+    if not rows:
+        raise ForgetlessError("previous: no row of old data has a scored token (every label is -100)")
+    return rows
+
+
+def empirical_fisher(model, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Mean over `rows` (inputs (T,), targets (T,), -100 not scored) of the squared gradient of each row's LM loss."""
     params = {n: p for n, p in model.named_parameters()}
     flags = {n: p.requires_grad for n, p in params.items()}
     for p in params.values():
@@ -93,14 +115,14 @@ def empirical_fisher(model, windows: torch.Tensor) -> dict[str, torch.Tensor]:
     model.eval()
     fisher = {n: torch.zeros_like(p) for n, p in params.items()}
     device = next(iter(params.values())).device
-    with progress_task("EWC Fisher (windows)", len(windows)) as advance:  # minutes on a 100M+ model on a CPU
-        for window in windows.to(device):
-            window = window[None]                                              # (1, T+1)
-            loss = F.cross_entropy(logits_of(model, window[:, :-1]).flatten(0, 1), window[0, 1:])
+    with progress_task("EWC Fisher (rows)", len(rows)) as advance:  # minutes on a 100M+ model on a CPU
+        for x, y in rows:
+            x, y = x.to(device)[None], y.to(device)                            # (1, T), (T,)
+            loss = F.cross_entropy(logits_of(model, x)[0], y, ignore_index=-100)
             grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
             for (n, _), grad in zip(params.items(), grads):
                 if grad is not None:
-                    fisher[n] += grad.square() / len(windows)
+                    fisher[n] += grad.square() / len(rows)
             advance()
     model.train(was_training)
     for n, p in params.items():

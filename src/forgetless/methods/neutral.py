@@ -43,6 +43,7 @@ class Neutral(Method):
     """Gated GLU adapters beside the FFNs, kept silent on original data by an l1 term (base frozen)."""
     Config = NeutralMethodConfig
     mixes_original = True  # the l1 term silences the adapters on the mixed rows: they must not be earlier tasks
+    reads_retained = "the l1 term that keeps its adapters silent on old data"
 
     def attach(self, model):
         base_params = sum(p.numel() for p in model.parameters())
@@ -67,7 +68,9 @@ class Neutral(Method):
             return self.cfg.domain_weight * torch.stack(losses).mean()
         if self.cfg.alpha == 0 or not batch.from_other.any():
             return None
-        l1 = [a.last_out[batch.from_other].abs().sum(-1).mean() / a.last_out.shape[-1] for a in adapters]
+        rows = batch.from_other
+        tokens = None if batch.mask is None else batch.mask[rows].to(adapters[0].last_out.dtype)  # (R, T): no padding
+        l1 = [per_token_mean(a.last_out[rows].abs().sum(-1), tokens) / a.last_out.shape[-1] for a in adapters]
         return self.cfg.alpha * torch.stack(l1).mean()
 
     @torch.no_grad()
@@ -95,6 +98,11 @@ class Neutral(Method):
                 "gate_mean_a": [g.mean().item() for g in ga], "gate_mean_b": [g.mean().item() for g in gb],
                 "gate_closed_a": [(g == 0).float().mean().item() for g in ga],
                 "gate_closed_b": [(g == 0).float().mean().item() for g in gb]}
+
+
+def per_token_mean(values: torch.Tensor, tokens: torch.Tensor | None) -> torch.Tensor:
+    """Mean of `values` (R, T) over the positions where `tokens` (R, T) is 1 (all when None)."""
+    return values.mean() if tokens is None else (values * tokens).sum() / tokens.sum().clamp_min(1)
 
 
 def shown_layers(n_layers: int, most: int = 6) -> list[int]:

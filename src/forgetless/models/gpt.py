@@ -181,10 +181,15 @@ def aux_loss(model: nn.Module) -> torch.Tensor | None:
     return torch.stack(losses).sum() if losses else None
 
 
-def logits_of(model: nn.Module, idx: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+def logits_of(model: nn.Module, idx: torch.Tensor, keep: torch.Tensor | None = None,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
     """Logits (B, T, V) from our GPT or from a Hugging Face causal LM; with `keep` (P,) positions, only
-    those (B, P, V), through the HF model's `logits_to_keep` (see `takes_logits_to_keep`)."""
-    out = model(idx) if keep is None else model(idx, logits_to_keep=keep)
+    those (B, P, V), through the HF model's `logits_to_keep` (see `takes_logits_to_keep`); `mask` (B, T)
+    is the HF model's attention_mask (our GPT is causal and takes none: pad it on the right)."""
+    kwargs = {} if keep is None else {"logits_to_keep": keep}
+    if mask is not None and not isinstance(model, GPT):
+        kwargs["attention_mask"] = mask
+    out = model(idx, **kwargs)
     return out.logits if hasattr(out, "logits") else out
 
 
