@@ -9,12 +9,16 @@ __version__ = "0.1.0"
 
 _LAZY = {"Adapted": "forgetless.adapted", "attach": "forgetless.adapted", "from_pretrained": "forgetless.adapted",
          "resolve_device": "forgetless.adapted", "METHODS": "forgetless.methods", "MethodSpec": "forgetless.methods",
-         "method_names": "forgetless.methods", "register_method": "forgetless.methods"}
-__all__ = [*_LAZY, "__version__"]
+         "method_names": "forgetless.methods", "register_method": "forgetless.methods",
+         "ForgetlessCallback": "forgetless.hf_trainer", "ForgetlessWarning": "forgetless.adapted"}
+__all__ = [*_LAZY, "data", "__version__"]
 
 
 def __getattr__(name: str):
     """The public API, imported on first use (so that `forgetless --help` starts fast)."""
+    if name == "data":
+        import forgetless.data
+        return forgetless.data
     if name not in _LAZY:
         raise AttributeError(f"module 'forgetless' has no attribute {name!r}")
     import importlib
