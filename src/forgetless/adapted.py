@@ -268,6 +268,16 @@ class Adapted(nn.Module):
         write_json(out_dir / CONFIG, {"method": self.method.name, "options": self.method.options(), "task": self.task,
                                       "forgetless_version": __version__, "base": self.base_fingerprint})
 
+    def export(self, out_dir: str | Path, tokenizer=None) -> tuple[str, Path]:
+        """Write the adapted model in the most portable form (forgetless.export): a PEFT adapter naming
+        the local base folder (LoRA), a merged transformers folder (methods that fold into the weights),
+        else the forgetless folder with LOADING.md; with the tokenizer when given. Returns (form, folder)."""
+        from forgetless.export import export_adapted
+        out_dir = Path(out_dir)
+        if out_dir.is_file() or out_dir.is_dir() and any(out_dir.iterdir()):
+            raise ForgetlessError(f"{out_dir} exists and is not an empty folder; choose another one")
+        return export_adapted(self, None, tokenizer, out_dir)
+
     def merge_and_unload(self) -> nn.Module:
         """The plain model with the method folded into its weights (LoRA); methods that inject nothing
         give the model back; other methods raise a clear error."""

@@ -1,7 +1,8 @@
 """`forgetless export RUN --method X --out DIR`: one trained arm of a bench run, in the form an
 inference stack loads (docs/DESIGN.md §7.5).
 
-    LoRA on a transformers model, one task    a PEFT adapter folder (PeftModel.from_pretrained)
+    LoRA on a local transformers folder, one  a PEFT adapter folder whose base_model_name_or_path is that
+    task                                      folder (AutoPeftModelForCausalLM.from_pretrained loads it alone)
     a method that folds exactly into weights  the merged model (transformers save_pretrained, or a
                                               forgetless base file for the byte GPT)
     anything else                             the forgetless folder (forgetless.from_pretrained) and
@@ -39,16 +40,30 @@ def export(run: Path, label: str, out: Path, seed: int = 0) -> tuple[str, Path]:
     return export_adapted(from_pretrained(model, saved), spec, tokenizer, out)
 
 
-def export_adapted(adapted: Adapted, spec: str, tokenizer, out: Path) -> tuple[str, Path]:
-    """Write `adapted` (on the base `spec` names) to `out` in the most portable form it allows."""
+def export_adapted(adapted: Adapted, spec: str | None, tokenizer, out: Path) -> tuple[str, Path]:
+    """Write `adapted` (on the base `spec` names; None: the folder the model was loaded from, if any) to
+    `out` in the most portable form it allows; returns (form, folder)."""
     out = writable_dir(out)
-    if adapted.method.name in PEFT_METHODS and spec != "byte-gpt" and adapted.task == 1:  # later tasks: merged
-        return "peft", save_peft(adapted, out, tokenizer, spec)
+    base = local_base(adapted.model, spec)
+    if adapted.method.name in PEFT_METHODS and base is not None and adapted.task == 1:  # later tasks: merged
+        return "peft", save_peft(adapted, out, tokenizer, str(base))
     if not adapted.injected() or merges(adapted):
         return "merged", save_merged(adapted.merge_and_unload(), out, tokenizer)
     adapted.save_pretrained(out)
-    (out / "LOADING.md").write_text(loading_example(spec, out))
+    (out / "LOADING.md").write_text(loading_example(spec or str(base or "hf:PATH"), out))
     return "forgetless", out
+
+
+def local_base(model: nn.Module, spec: str | None) -> Path | None:
+    """The local transformers folder (config.json and weights) the base was loaded from, or None (a GGUF
+    file, a named model, our GPT): a PEFT adapter must name a base that transformers loads on its own."""
+    if spec is not None:
+        path = Path(spec[3:]) if spec.startswith("hf:") else None
+    else:
+        path = Path(getattr(getattr(model, "config", None), "_name_or_path", "") or ".")
+    if path is None or path.suffix == ".gguf" or not (path / "config.json").is_file():
+        return None
+    return path.resolve()
 
 
 def read_results(run: Path) -> dict:
@@ -97,7 +112,7 @@ def save_peft(adapted: Adapted, out: Path, tokenizer, spec: str) -> Path:
                fan_in_fan_out=any(type(m).__name__ == "Conv1D" for m in adapted.model.modules())).save_pretrained(out)
     tensors = {f"base_model.model.{k}": v.contiguous().cpu() for k, v in adapted.method_state().items()}
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    tokenizer.hf.save_pretrained(out)  # models.hf.TextTokenizer wraps the transformers tokenizer
+    save_tokenizer(tokenizer, out)
     return out
 
 
@@ -108,8 +123,14 @@ def save_merged(model: nn.Module, out: Path, tokenizer) -> Path:
                         {"kind": "base", "model_config": model.config.to_dict(), "tokenizer": tokenizer.to_dict()})
         return out
     model.save_pretrained(out)
-    tokenizer.hf.save_pretrained(out)
+    save_tokenizer(tokenizer, out)
     return out
+
+
+def save_tokenizer(tokenizer, out: Path):
+    """A transformers tokenizer (or forgetless's TextTokenizer around one) beside the weights; None: none."""
+    if tokenizer is not None:
+        getattr(tokenizer, "hf", tokenizer).save_pretrained(out)
 
 
 def loading_example(spec: str, out: Path) -> str:

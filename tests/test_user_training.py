@@ -1,0 +1,338 @@
+"""Training where users train: `adapted(**batch).loss` is the whole training loss in any loop, their data
+through forgetless.data (load, mix, Collator), and transformers' Trainer with ForgetlessCallback:
+the method's terms act, checkpoints resume exactly, and what cannot act says so."""
+import json
+import warnings
+
+import pytest
+import torch
+from tiny_models import SENTENCES, bpe_tokenizer, gguf_llama, tiny
+
+import forgetless
+from forgetless.data.splits import Batch
+from forgetless.errors import ForgetlessError
+from forgetless.methods import build_method, method_names
+
+METHODS = [n for n in method_names() if n != "dynamic-eval"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return bpe_tokenizer()
+
+
+def hf_batch(vocab: int = 256, retained=(False, False, True, True)):
+    """Right-padded rows with prompt tokens unscored and two rows of old data."""
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, vocab, (4, 12), generator=g)                     # (B, T)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = mask[3, 7:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :3] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "retained": torch.tensor(retained)}
+
+
+def attached(kind: str, name: str):
+    method = build_method(name)
+    adapted = forgetless.attach(tiny(kind, method), method)
+    old = torch.randint(0, 256, (4, 13), generator=torch.Generator().manual_seed(1))
+    adapted.start_task(1, old if method.needs_previous else None)
+    return adapted
+
+
+def nudge(adapted):
+    """Move every trainable weight a little, so anchored terms (EWC, distillation) are not zero."""
+    with torch.no_grad():
+        for _, p in adapted.trainable_parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 1e-2)
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+@pytest.mark.parametrize("name", METHODS)
+def test_forward_loss_is_the_training_loss(kind, name):
+    """In training mode `adapted(**batch).loss` is what `adapted.loss(batch)` gives, method terms included;
+    in eval mode it is the LM loss alone."""
+    adapted = attached(kind, name)
+    nudge(adapted)
+    batch = hf_batch()
+    if kind == "gpt":
+        del batch["attention_mask"]  # our GPT is causal: right padding needs no mask
+    adapted.train()
+    torch.manual_seed(0)
+    loss = adapted(**batch).loss
+    torch.manual_seed(0)
+    total, lm = adapted.losses(batch)
+    torch.testing.assert_close(loss, total, rtol=1e-5, atol=1e-6)
+    adapted.eval()
+    torch.testing.assert_close(adapted(**batch).loss, lm, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["ewc", "distill", "neutral", "ewc-distill"])
+def test_the_method_terms_are_in_the_forward_loss(name):
+    """The terms that made these methods plain fine-tuning under Trainer now change the loss."""
+    adapted = attached("llama", name)
+    nudge(adapted)
+    adapted.train()
+    batch = hf_batch()
+    _, lm = adapted.losses(batch)
+    assert adapted(**batch).loss.item() > lm.item() + 1e-6
+
+
+def test_eval_loss_honours_the_attention_mask():
+    """Left padding with a mask: the loss is the model's own, not that of the pad tokens read as text."""
+    model = tiny("llama")
+    adapted = forgetless.attach(model, "lora").eval()
+    batch = hf_batch()
+    ids, mask = batch["input_ids"].clone(), batch["attention_mask"].clone()
+    ids[0, :4], mask[0, :4] = 0, 0
+    labels = ids.masked_fill(mask == 0, -100)
+    expected = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    got = adapted(input_ids=ids, attention_mask=mask, labels=labels).loss
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    adapted.train()
+    torch.testing.assert_close(adapted.loss({"input_ids": ids, "attention_mask": mask, "labels": labels}), expected,
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_ewc_without_old_rows_refuses_at_the_first_training_step():
+    adapted = forgetless.attach(tiny("llama"), "ewc").train()
+    with pytest.raises(ForgetlessError, match="start_task\\(1, previous=old_rows\\)"):
+        adapted(**hf_batch()).loss
+
+
+def test_first_training_forward_starts_the_task():
+    """distill without start_task: its teacher is the model at the first training step, so the KL is 0 there."""
+    adapted = forgetless.attach(tiny("llama"), "distill").train()
+    batch = hf_batch()
+    _, lm = adapted.losses(batch)
+    assert adapted._started
+    torch.testing.assert_close(adapted(**batch).loss, lm, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("spec", ["distill", "neutral", "lora[mix=0.2]"])
+def test_terms_without_retained_rows_warn_once(spec):
+    adapted = forgetless.attach(tiny("llama"), spec).train()
+    batch = hf_batch()
+    del batch["retained"]
+    with pytest.warns(forgetless.ForgetlessWarning, match="no `retained` marker"):
+        adapted(**batch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        adapted(**batch)  # once
+
+
+def test_left_padding_without_a_mask_warns():
+    model = tiny("llama")
+    model.config.pad_token_id = 0
+    adapted = forgetless.attach(model, "lora")
+    ids = hf_batch()["input_ids"]
+    ids[0, :3] = 0
+    with pytest.warns(forgetless.ForgetlessWarning, match="left padding"):
+        adapted(input_ids=ids)
+
+
+def test_our_gpt_refuses_left_padding():
+    adapted = forgetless.attach(tiny("gpt"), "lora")
+    batch = hf_batch()
+    batch["attention_mask"][0, :2] = 0
+    with pytest.raises(ForgetlessError, match="pad batches on the right"):
+        adapted(**batch)
+
+
+def test_batch_of_a_dict_scores_labels_shifted_by_one():
+    batch = Batch.of(hf_batch())
+    ids, labels = hf_batch()["input_ids"], hf_batch()["labels"]
+    assert torch.equal(batch.x, ids) and torch.equal(batch.y[:, :-1], labels[:, 1:])
+    assert (batch.y[:, -1] == -100).all() and batch.from_other.tolist() == [False, False, True, True]
+
+
+# ---- forgetless.data -----------------------------------------------------------------------
+CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def write_jsonl(path, records):
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    return path
+
+
+def test_load_prompt_answer_trains_the_answer_only(tmp_path, tok):
+    data = forgetless.data.load(write_jsonl(tmp_path / "qa.jsonl", [{"prompt": "The capital of", "answer": " Paris."}]),
+                                tok)
+    row = data[0]
+    answer = tok(" Paris.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert row["input_ids"][-len(answer):] == answer
+    assert row["labels"] == [-100] * (len(row["input_ids"]) - len(answer)) + answer
+
+
+def test_load_completion_csv_text_and_lists(tmp_path, tok):
+    completion = forgetless.data.load(write_jsonl(tmp_path / "c.jsonl", [{"prompt": "O speak", "completion": " again"}]), tok)
+    (tmp_path / "qa.csv").write_text("prompt,answer\nTo be,4\n")
+    csv = forgetless.data.load(tmp_path / "qa.csv", tok)
+    assert csv[0]["labels"][-2:] == tok("4", add_special_tokens=False)["input_ids"][-1:] + [tok.eos_token_id]
+    texts = forgetless.data.load(SENTENCES, tok, max_length=8)
+    assert all(len(r["input_ids"]) <= 8 and r["labels"] == r["input_ids"] for r in texts)
+    assert len(texts) > len(SENTENCES)  # long texts become several rows
+    assert len(completion) == 1
+
+
+def test_load_plain_text_and_refuse_json_named_txt(tmp_path, tok):
+    (tmp_path / "old.txt").write_text(" ".join(SENTENCES * 10))
+    rows = forgetless.data.load(tmp_path / "old.txt", tok, max_length=16)
+    assert len(rows) > 3 and all(len(r["input_ids"]) <= 16 for r in rows)
+    (tmp_path / "records.txt").write_text('{"prompt": "a", "answer": "b"}\n')
+    with pytest.raises(ForgetlessError, match="looks like JSON records.*jsonl"):
+        forgetless.data.load(tmp_path / "records.txt", tok)
+
+
+def test_load_chat_messages_trains_assistant_turns(tmp_path, tok):
+    tok = bpe_tokenizer()
+    tok.chat_template = CHAT
+    convo = [{"role": "user", "content": "To be?"}, {"role": "assistant", "content": "Paris."},
+             {"role": "user", "content": "O speak"}, {"role": "assistant", "content": "again"}]
+    row = forgetless.data.load(write_jsonl(tmp_path / "chat.jsonl", [{"messages": convo}]), tok, max_length=200)[0]
+    trained = tok.decode([t for t, y in zip(row["input_ids"], row["labels"]) if y != -100])
+    assert "Paris." in trained and "again" in trained and "To be?" not in trained and "O speak" not in trained
+    tok.chat_template = None
+    with pytest.raises(ForgetlessError, match="no chat template"):
+        forgetless.data.load(tmp_path / "chat.jsonl", tok)
+
+
+def test_load_datasets_folders_and_bad_sources(tmp_path, tok):
+    import datasets
+    ds = datasets.Dataset.from_list([{"text": s} for s in SENTENCES])
+    assert len(forgetless.data.load(ds, tok)) == 4
+    ds.save_to_disk(str(tmp_path / "saved"))
+    assert len(forgetless.data.load(tmp_path / "saved", tok)) == 4
+    files = tmp_path / "files"
+    files.mkdir()
+    write_jsonl(files / "train.jsonl", [{"text": s} for s in SENTENCES])
+    assert len(forgetless.data.load(files, tok)) == 4  # a local folder of data files, read as load_dataset reads a hub name
+    with pytest.raises(ForgetlessError, match="has fields question; give records with text, prompt"):
+        forgetless.data.load(write_jsonl(tmp_path / "q.jsonl", [{"question": "x"}]), tok)
+    with pytest.raises(ForgetlessError, match="no such file or folder"):
+        forgetless.data.load(str(tmp_path / "missing.jsonl"), tok)
+
+
+def test_mix_marks_the_old_rows(tok):
+    new = forgetless.data.load(SENTENCES * 3, tok)
+    old = forgetless.data.load(["An old text of the first domain."] * 2, tok)
+    mixed = forgetless.data.mix(new, old, fraction=0.2)
+    assert len(mixed) == 15 and sum(mixed["retained"]) == 3  # 0.2 of the result, old rows repeated when few
+    with pytest.raises(ForgetlessError, match="needs rows of old data"):
+        forgetless.data.mix(new, None, 0.2)
+    batch = forgetless.data.Collator(tok)([mixed[i] for i in range(4)])
+    assert batch["input_ids"].shape == batch["labels"].shape == batch["attention_mask"].shape
+    assert batch["retained"].dtype == torch.bool and batch["retained"].shape == (4,)
+    pads = batch["attention_mask"] == 0
+    assert (batch["labels"][pads] == -100).all()
+
+
+# ---- transformers' Trainer -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def user_data(tmp_path_factory, tok):
+    folder = tmp_path_factory.mktemp("user")
+    new = forgetless.data.load(write_jsonl(folder / "new.jsonl", [
+        {"prompt": f"Q{i}: {s}", "answer": s[::-1][:12]} for i, s in enumerate(SENTENCES * 4)]), tok, max_length=48)
+    (folder / "old.txt").write_text(" ".join(SENTENCES * 20))
+    old = forgetless.data.load(folder / "old.txt", tok, max_length=24)
+    return new, old
+
+
+def trained(tmp_path, tok, data, name: str, steps: int = 4, resume: bool = False, stop_at: int | None = None):
+    """A tied-embedding Llama trained by Trainer with `name` on the new rows mixed with old ones."""
+    from transformers import Trainer, TrainingArguments
+    new, old = data
+    adapted = forgetless.attach(gguf_llama(len(tok)), name)
+    args = TrainingArguments(output_dir=str(tmp_path / name), max_steps=stop_at or steps, per_device_train_batch_size=4,
+                             save_steps=2, report_to=[], learning_rate=1e-2, use_cpu=True, seed=0,
+                             disable_tqdm=True, logging_steps=1)
+    trainer = Trainer(model=adapted, args=args, train_dataset=forgetless.data.mix(new, old, 0.25),
+                      data_collator=forgetless.data.Collator(tok),
+                      callbacks=[forgetless.ForgetlessCallback(adapted, previous=old)])
+    if stop_at:  # the schedule of a full run, stopped early (as by a crash after a checkpoint)
+        trainer.args.max_steps = steps
+        trainer.add_callback(StopAt(stop_at))
+    trainer.train(resume_from_checkpoint=resume or None)
+    return adapted, trainer
+
+
+class StopAt:
+    def __new__(cls, step):
+        from transformers import TrainerCallback
+
+        class Stop(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                control.should_training_stop = state.global_step >= step
+        return Stop()
+
+
+def weights(adapted):
+    return {n: p.detach().clone() for n, p in adapted.model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, tok, user_data):
+    return trained(tmp_path_factory.mktemp("full"), tok, user_data, "full")[0]
+
+
+@pytest.mark.parametrize("name", ["ewc", "distill", "neutral"])
+def test_trainer_trains_saves_and_resumes_exactly(tmp_path, tok, user_data, full_run, name):
+    """Trainer on a datasets.Dataset with tied embeddings: the loss it logs at step 1 is adapted's training loss
+    (with the method's terms), checkpoints are written, and resuming from step 2 ends where 4 straight steps end."""
+    straight, trainer = trained(tmp_path / "straight", tok, user_data, name)
+    assert (tmp_path / "straight" / name / "checkpoint-2" / "forgetless_state.safetensors").is_file()
+    trained(tmp_path / "resumed", tok, user_data, name, stop_at=2)
+    resumed, _ = trained(tmp_path / "resumed", tok, user_data, name, resume=True)
+    for n, w in weights(straight).items():
+        torch.testing.assert_close(weights(resumed)[n], w, rtol=0, atol=1e-6, msg=n)
+    full = full_run
+    if name != "neutral":  # neutral trains its adapters, not the base: compare its output instead
+        assert any(not torch.allclose(w, weights(full)[n]) for n, w in weights(straight).items())
+    ids = torch.tensor([user_data[0][0]["input_ids"]])
+    assert not torch.allclose(straight.eval()(input_ids=ids).logits, full.eval()(input_ids=ids).logits)
+
+
+def test_trainer_loss_equals_adapted_loss(tmp_path, tok, user_data):
+    """The number Trainer optimises on a batch is `adapted.loss` on that batch."""
+    from transformers import Trainer, TrainingArguments
+    new, old = user_data
+    adapted = forgetless.attach(gguf_llama(len(tok)), "ewc-distill")
+    adapted.start_task(1, old)
+    nudge(adapted)
+    train = forgetless.data.mix(new, old, 0.25)
+    trainer = Trainer(model=adapted, args=TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True),
+                      data_collator=forgetless.data.Collator(tok), train_dataset=train)
+    batch = forgetless.data.Collator(tok)([train[i] for i in range(6)])
+    adapted.train()
+    assert batch["retained"].any()
+    torch.testing.assert_close(trainer.compute_loss(adapted, dict(batch)), adapted.loss(batch), rtol=1e-5, atol=1e-6)
+
+
+def test_export_names_the_local_base_so_peft_loads_it_alone(tmp_path, tok):
+    """LoRA on a model loaded from a local folder exports as a PEFT adapter that AutoPeftModelForCausalLM
+    loads with nothing else given; a method that folds exports merged; others as the forgetless folder."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    from forgetless.models.hf import load_model
+    gguf_llama(len(tok)).save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    ids = torch.tensor([tok("O speak again, bright angel.")["input_ids"]])
+    for name, form in [("lora", "peft"), ("full", "merged"), ("neutral", "forgetless")]:
+        model, tokenizer = load_model(f"hf:{tmp_path / 'base'}")
+        adapted = forgetless.attach(model, name)
+        nudge(adapted)
+        expected = adapted.eval()(input_ids=ids).logits
+        assert adapted.export(tmp_path / name, tokenizer) == (form, tmp_path / name)
+        if form == "peft":
+            assert json.loads((tmp_path / name / "adapter_config.json").read_text())["base_model_name_or_path"] == \
+                str((tmp_path / "base").resolve())
+            alone = AutoPeftModelForCausalLM.from_pretrained(tmp_path / name)
+        elif form == "merged":
+            alone = AutoModelForCausalLM.from_pretrained(tmp_path / name)
+        else:
+            alone = forgetless.from_pretrained(load_model(f"hf:{tmp_path / 'base'}")[0], tmp_path / name)
+        torch.testing.assert_close(alone.eval()(input_ids=ids).logits, expected, rtol=0, atol=1e-5)
+    with pytest.raises(ForgetlessError, match="not an empty folder"):
+        adapted.export(tmp_path / "lora")
