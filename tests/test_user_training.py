@@ -336,3 +336,20 @@ def test_export_names_the_local_base_so_peft_loads_it_alone(tmp_path, tok):
         torch.testing.assert_close(alone.eval()(input_ids=ids).logits, expected, rtol=0, atol=1e-5)
     with pytest.raises(ForgetlessError, match="not an empty folder"):
         adapted.export(tmp_path / "lora")
+
+
+def test_the_method_guide_is_in_the_readme_and_its_evidence_exists():
+    """Every row of `forgetless methods`' guide is in the README, builds, and links to a RESULTS section."""
+    import re
+    from pathlib import Path
+
+    from forgetless.guide import GUIDE, RESULTS
+    from forgetless.methods.base import parse_method_specs
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    anchors = {re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+               for line in (root / RESULTS).read_text().splitlines() if line.startswith("#")}
+    for advice in GUIDE:
+        parse_method_specs(advice.method)[0].build()
+        assert f"`{advice.method}`" in readme and f"{RESULTS}#{advice.anchor}" in readme
+        assert advice.anchor in anchors, advice.anchor

@@ -355,8 +355,11 @@ def corpora(spec: Optional[list[str]] = typer.Argument(None, help="corpus specs 
 @app.command()
 @friendly
 def methods():
-    """List the registered methods and their options."""
+    """Which method to use when (the evidence in docs/RESULTS.md), then every registered method and its options."""
     from forgetless.continual.base_model import base_label
+    from rich.markup import escape
+
+    from forgetless.guide import GUIDE, RESULTS
     from forgetless.methods import METHODS, build_method, method_names
     from forgetless.models.gpt import GPTConfig
 
@@ -371,6 +374,12 @@ def methods():
         about = (cls.__doc__ or "").strip().splitlines()[:1]
         table.add_row(name, base_label(build_method(name).base_config(GPTConfig())), ", ".join(cls.default_for), opts,
                       *about or [""])
+    guide = Table(title="Which method, when", title_justify="left")
+    for head in ("you have", "method", "batches", "evidence"):
+        guide.add_column(head, overflow="fold")
+    for a in GUIDE:
+        guide.add_row(*map(escape, (a.situation, a.method, a.data, f"{a.evidence} ({RESULTS}#{a.anchor})")))
+    out_console.print(guide)
     out_console.print(table)
 
 

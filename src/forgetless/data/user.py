@@ -60,6 +60,11 @@ def mix(new, old=None, fraction: float = 0.2, seed: int = 0):
     `retained` column (True on the old rows): replay, and the rows on which distillation's KL and
     Neutral's l1 term act. Old rows are drawn without replacement while they last."""
     import datasets
+    with quiet_datasets(datasets):
+        return mixed(datasets, new, old, fraction, seed)
+
+
+def mixed(datasets, new, old, fraction: float, seed: int):
     if not 0.0 <= fraction < 1.0:
         raise ForgetlessError(f"fraction must be in [0, 1), got {fraction}")
     new = new.remove_columns([c for c in ("retained",) if c in new.column_names])
