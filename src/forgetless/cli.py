@@ -198,17 +198,27 @@ def pretrain(out: Path = typer.Option(..., help="base checkpoint to write (.safe
 @with_training_flags
 def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `forgetless pretrain` (or --model)"),
           model: Optional[str] = typer.Option(None, "--model", help="a pretrained model instead of --base: "
-                                              "smollm2-135m, hf:PATH or a .gguf file (then --domain-a is needed)"),
-          method: str = typer.Option(..., help="method name (see `forgetless methods`)"),
-          domain_b: str = typer.Option(..., "--domain-b", help="corpus to adapt to"),
+                                              "smollm2-135m, hf:PATH or a .gguf file"),
+          data: Optional[str] = typer.Option(None, "--data", help="your new data with --model: .jsonl/.json/.csv "
+                                             "records (text, prompt/answer, chat messages), .txt, a saved dataset "
+                                             "folder or a hub name (see forgetless.data.load)"),
+          retain: Optional[str] = typer.Option(None, "--retain", help="with --data: old data the model should keep "
+                                               "(same formats): replayed in the batches and scored before and after"),
+          method: Optional[str] = typer.Option(None, help="method name or NAME[OPTION=VALUE;...] (see `forgetless "
+                                               "methods`); default with --data: what the guide there recommends"),
+          domain_b: Optional[str] = typer.Option(None, "--domain-b", help="a text corpus to adapt to (instead of --data)"),
           domain_a: Optional[str] = typer.Option(None, "--domain-a", help="corpus to measure retention on (default: the base's)"),
-          out: Path = typer.Option(..., help="folder for metrics.json and the method (seed<N>/, loaded by "
-                                   "forgetless.from_pretrained or `eval --method-state`)"),
-          seed: int = 0, preset: str = PRESET, device: str = DEVICE, precision: Optional[str] = PRECISION,
+          out: Path = typer.Option(..., help="folder for the report (--data) or metrics.json and the method (seed<N>/, "
+                                   "loaded by forgetless.from_pretrained or `eval --method-state`)"),
+          max_length: int = typer.Option(512, help="with --data: tokens per row (longer prompts lose their start)"),
+          seed: int = 0, preset: Optional[str] = typer.Option(None, help="smoke (seconds), quick, paper (GPU), real "
+                                                               "[default: quick; real with --data]"),
+          device: str = DEVICE, precision: Optional[str] = PRECISION,
           fsdp: bool = typer.Option(False, "--fsdp", help="under torchrun: shard the --model over the processes "
                                     "(FSDP) instead of copying it to each; lora, seq-lora or full, with adamw"),
           config_file: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET, flags: dict = None):
-    """Adapt a base on B with one method (NAME or NAME[OPTION=VALUE;...]); report retention on A and adaptation on B."""
+    """Adapt a pretrained model to your data (--model M --data NEW [--retain OLD]): a report of both sides before
+    and after and a model to serve; or a base to a corpus B (--domain-b), with retention on A."""
     from forgetless.adapted import check_fsdp, resolve_device
     from forgetless.checkpoint import write_json
     from forgetless.continual.arm import run_arm
@@ -217,7 +227,19 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     from forgetless.methods.base import as_specs
 
     set_precision(flags, precision)
-    cfg = run_config(preset, config_file, flags, set_)
+    if data is not None:
+        return adapt_data(model, base, data, retain, method, out, max_length, seed, preset or "real", device,
+                          run_config(preset or "real", config_file, flags, set_), domain_b)
+    if retain is not None:
+        raise ForgetlessError("--retain goes with --data (your new data); with --domain-b, retention is measured on "
+                              "--domain-a")
+    if domain_b is None or method is None:
+        raise ForgetlessError("give --data NEW (your data, with --model) or --domain-b CORPUS with --method")
+    from forgetless.data.instructions import is_task_spec
+    if is_task_spec(domain_b) and Path(domain_b).is_file():
+        raise ForgetlessError(f"--domain-b takes a text corpus, and {domain_b} holds records; give it as --data "
+                              f"{domain_b} (with --model)")
+    cfg = run_config(preset or "quick", config_file, flags, set_)
     if (base is None) == (model is None) or model and not domain_a:
         raise ForgetlessError("give --base (a pretrained forgetless GPT) or --model with --domain-a (the text whose "
                               "retention is measured), not both")
@@ -242,9 +264,45 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
                      fsdp=fsdp)
     write_json(out / "metrics.json", result)
     out_console.print(
-        f"{method}: PPL_A {result['ppl_a_before']:.3f} → {result['ppl_a_after']:.3f} "
+        f"{spec.label}: PPL_A {result['ppl_a_before']:.3f} → {result['ppl_a_after']:.3f} "
         f"(F {result['forgetting']:+.2%}), PPL_B {result['ppl_b_before']:.3f} → {result['ppl_b_after']:.3f}; "
         f"wrote {out}")
+
+
+def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, preset, device, cfg, domain_b):
+    """`adapt --data`: a pretrained model on the user's own data (continual/user_adapt.py)."""
+    from forgetless.continual.user_adapt import adapt_on_data
+    from forgetless.guide import advice_for
+    from forgetless.methods.base import as_specs
+    from forgetless.models.hf import load_model
+    from forgetless.presets import FULL_WEIGHT_LRS
+
+    if model is None or base is not None or domain_b is not None:
+        raise ForgetlessError("--data trains a pretrained --model (smollm2-135m, hf:PATH, a .gguf) on your data; "
+                              "for a forgetless GPT --base or a text corpus use --domain-b")
+    if (writable(out) / "report.json").exists():
+        raise ForgetlessError(f"{out / 'report.json'} exists; choose another --out or delete it")
+    if method is None:
+        advice = advice_for(retain is not None)
+        method = advice.method
+        out_console.print(f"method {method} ({advice.situation}: `forgetless methods`)", highlight=False)
+    (spec,) = as_specs([method])
+    options = {**FULL_WEIGHT_LRS.get(spec.name, {}), **cfg.methods.get(spec.name, {})}  # pretrained weights: 5e-5
+    m = spec.build(options)
+    needs = m.needs_previous and "its Fisher" or m.reads_retained
+    if retain is None and needs:
+        raise ForgetlessError(f"{spec.label} needs rows of old data ({needs}): give --retain OLD (text or records "
+                              "the model should keep), or choose a method for data without them (`forgetless methods`)")
+    adapt_cfg = cfg.adapt if retain is None or cfg.adapt.mix > 0 else dataclasses.replace(cfg.adapt, mix=0.2)  # replay
+    lm, tokenizer = load_model(model, device)
+    m.check_base(lm)
+    report = adapt_on_data(lm, tokenizer, m, data, retain, adapt_cfg, seed, out, max_length, model)
+    b, a = report["before"], report["after"]
+    old = (f", old PPL {b['old_ppl']:.3f} → {a['old_ppl']:.3f} ({a['old_ppl'] / b['old_ppl'] - 1:+.1%})"
+           if "old_ppl" in b else ", no --retain: forgetting not measured")
+    out_console.print(f"{spec.label}: new loss {b['new_loss']:.3f} → {a['new_loss']:.3f}{old}; "
+                      f"{report['export']['form']} model in {report['export']['folder']}; report {out / 'report.md'}",
+                      highlight=False)
 
 
 @app.command("eval")
@@ -357,8 +415,6 @@ def corpora(spec: Optional[list[str]] = typer.Argument(None, help="corpus specs 
 def methods():
     """Which method to use when (the evidence in docs/RESULTS.md), then every registered method and its options."""
     from forgetless.continual.base_model import base_label
-    from rich.markup import escape
-
     from forgetless.guide import GUIDE, RESULTS
     from forgetless.methods import METHODS, build_method, method_names
     from forgetless.models.gpt import GPTConfig
