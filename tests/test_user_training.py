@@ -353,3 +353,65 @@ def test_the_method_guide_is_in_the_readme_and_its_evidence_exists():
         parse_method_specs(advice.method)[0].build()
         assert f"`{advice.method}`" in readme and f"{RESULTS}#{advice.anchor}" in readme
         assert advice.anchor in anchors, advice.anchor
+
+
+# ---- forgetless adapt --data ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def user_files(tmp_path_factory, tok):
+    """A saved tiny Llama with its tokenizer, new prompt/answer records and old text."""
+    root = tmp_path_factory.mktemp("adapt")
+    gguf_llama(len(tok)).save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    write_jsonl(root / "new.jsonl", [{"prompt": f"Q{i}: {s}", "answer": s[::-1][:12]} for i, s in enumerate(SENTENCES * 5)])
+    (root / "old.txt").write_text(" ".join(SENTENCES * 40))
+    return root
+
+
+def adapt(*args):
+    from typer.testing import CliRunner
+
+    from forgetless.cli import app
+    return CliRunner().invoke(app, ["adapt", *map(str, args)])
+
+
+def test_adapt_data_reports_and_exports_a_model_transformers_loads(user_files, tmp_path, tok):
+    from transformers import AutoModelForCausalLM
+
+    from forgetless.continual.user_adapt import held_out, score
+    r = adapt("--model", f"hf:{user_files / 'model'}", "--data", user_files / "new.jsonl", "--retain",
+              user_files / "old.txt", "--method", "ewc-distill", "--preset", "smoke", "--max-length", 32,
+              "--out", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["export"]["form"] == "merged" and report["mix"] == 0.1  # ewc-distill's own mix
+    assert report["after"]["new_loss"] < report["before"]["new_loss"] and "old_ppl" in report["after"]
+    assert (tmp_path / "out" / "report.png").is_file() and "forgetting" in (tmp_path / "out" / "report.md").read_text()
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out" / "model")  # alone: config, weights, tokenizer
+    held = held_out(forgetless.data.load(user_files / "new.jsonl", tok, 32), "--data")[1]
+    assert score(merged, held, tok.eos_token_id, 8)["loss"] == pytest.approx(report["after"]["new_loss"], rel=1e-5)
+
+
+def test_adapt_data_default_is_replay_with_lora_as_a_peft_adapter(user_files, tmp_path):
+    from peft import AutoPeftModelForCausalLM
+    r = adapt("--model", f"hf:{user_files / 'model'}", "--data", user_files / "new.jsonl", "--retain",
+              user_files / "old.txt", "--preset", "smoke", "--max-length", 32, "--out", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    assert "method lora" in r.output
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["method"] == "lora" and report["mix"] == 0.2 and report["export"]["form"] == "peft"
+    AutoPeftModelForCausalLM.from_pretrained(tmp_path / "out" / "model")
+
+
+def test_adapt_refuses_what_cannot_act(user_files, tmp_path):
+    model = f"hf:{user_files / 'model'}"
+    r = adapt("--model", model, "--data", user_files / "new.jsonl", "--method", "ewc", "--out", tmp_path / "a")
+    assert r.exit_code != 0 and "give --retain OLD" in r.output
+    r = adapt("--model", model, "--data", user_files / "new.jsonl", "--method", "neutral", "--out", tmp_path / "b")
+    assert r.exit_code != 0 and "needs rows of old data (the l1 term" in r.output
+    r = adapt("--model", model, "--domain-b", user_files / "new.jsonl", "--domain-a", user_files / "old.txt",
+              "--method", "lora", "--out", tmp_path / "c")
+    assert r.exit_code != 0 and f"--data {user_files / 'new.jsonl'}" in r.output
+    r = adapt("--model", model, "--domain-b", user_files / "old.txt", "--retain", user_files / "old.txt",
+              "--method", "lora", "--out", tmp_path / "d")
+    assert r.exit_code != 0 and "--retain goes with --data" in r.output
+    assert not any((tmp_path / d).exists() and any((tmp_path / d).iterdir()) for d in "abcd")
