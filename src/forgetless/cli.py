@@ -397,21 +397,28 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
                                                     "without either, learning is refused)"),
           host: str = typer.Option("127.0.0.1", help="address to listen on (localhost by default)"),
           port: int = typer.Option(8000, help="port to listen on"),
+          repair: bool = typer.Option(False, "--repair", help="move the damaged lines of --state-dir's write-ahead "
+                                      "log to wal.quarantine beside it, keep every good line, and exit"),
           device: str = DEVICE, flags: dict = None):
     """Serve a model over HTTP (score, streamed generation) while a method learns from /v1/learn, with canary
     checks, automatic rollback, a write-ahead log and snapshots."""
     import os
 
+    from forgetless.serve import wal
+    from forgetless.serve.engine import WAL, Engine, ServeConfig
+    if repair:
+        with wal.lock_folder(state_dir):
+            out_console.print(escape(wal.repair(state_dir / WAL)), highlight=False)
+        return
     from forgetless.adapted import resolve_device
     from forgetless.config import from_dict
     from forgetless.continual.base_model import load_base
     from forgetless.data.domains import load_domains
-    from forgetless.serve.engine import Engine, ServeConfig
 
     try:
         import uvicorn
 
-        from forgetless.serve.app import make_app
+        from forgetless.serve.app import load_token, make_app
     except ImportError:
         raise ForgetlessError("forgetless serve needs FastAPI and uvicorn: pip install 'forgetless[serve]' "
                               "(or bash scripts/setup.sh serve)") from None
@@ -419,12 +426,9 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     if (base is None) == (model is None) or model and not canary:
         raise ForgetlessError("give --base (a forgetless GPT) or --model with --canary (the text whose retention is "
                               "checked), not both")
-    if token_file is not None:
-        if not token_file.is_file():
-            raise ForgetlessError(f"--token-file {token_file} does not exist; write the token into it")
-        token = token_file.read_text().strip()
-    else:
-        token = os.environ.get("FORGETLESS_SERVE_TOKEN", "").strip()
+    token = load_token(token_file, os.environ.get("FORGETLESS_SERVE_TOKEN", ""))
+    wal.check_folder(state_dir)
+    sock = listening(host, port)  # before the state folder is touched
     if model:
         from forgetless.models.hf import load_model
         lm, text_tokenizer = load_model(model, device)
@@ -436,9 +440,23 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     engine = Engine(lm.to(resolve_device(device)), corpus_tokenizer, original.windows, block_size, cfg, state_dir,
                     original.train)
     out_console.print(f"serving {escape(cfg.method)} on http://{host}:{port} (state in {escape(str(state_dir))}: "
-                      f"document {engine.seq}, {engine.counters['replayed']} replayed from the log; learning "
-                      f"{'on' if token else 'off: no token'})", highlight=False)
-    uvicorn.run(make_app(engine, token or None), host=host, port=port, log_level="warning")
+                      f"document {engine.seq}, {engine.counters['replayed']} replayed from the log; "
+                      f"{'learning on' if token else 'learning OFF: no --token-file or $FORGETLESS_SERVE_TOKEN'})",
+                      highlight=False)
+    uvicorn.Server(uvicorn.Config(make_app(engine, token), log_level="warning")).run(sockets=[sock])
+
+
+def listening(host: str, port: int):
+    """A socket listening on host:port; a port out of range or taken is a one-line error."""
+    import socket
+    if not 0 < port < 65536:
+        raise ForgetlessError(f"--port {port} is not a TCP port; give one in 1..65535")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family)
+    except OSError as e:
+        raise ForgetlessError(f"cannot listen on {host}:{port} ({e.strerror or e}); give another --host or --port") \
+            from None
 
 
 def set_precision(flags: dict, precision: Optional[str]):
