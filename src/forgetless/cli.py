@@ -88,6 +88,8 @@ def bench(preset: Optional[str] = BENCH_PRESET,
                                                     "arm per value, e.g. lora.lr=1e-4,1e-3; frontier figure and table"),
           workers: int = typer.Option(1, "--workers", help="processes that pretrain the bases and run the arms side by "
                                       "side on a CPU, one thread share each (Linux)"),
+          force: bool = typer.Option(False, "--force", help="run in an --out folder that holds a run of another "
+                                     "configuration (its results.json is replaced; arms of matching configs reused)"),
           model: str = MODEL, device: str = DEVICE, precision: Optional[str] = PRECISION,
           config_file: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET, flags: dict = None):
     """Pretrain (cached) or load a pretrained model, adapt every method, write results.json/csv/md and figures."""
@@ -127,7 +129,9 @@ def bench(preset: Optional[str] = BENCH_PRESET,
         if protocol != "two-domain" or pretrain_seeds <= 0:
             raise ForgetlessError("--optimizers runs the two-domain protocol with --pretrain-seeds >= 1")
         names = ["full"] if methods in ("all", "default") else methods.split(",")
-        out = writable(out or Path("runs") / f"optimizers-{preset}")
+        out = claim(out or Path("runs") / f"optimizers-{preset}", force, preset=preset, model=model, methods=names,
+                    optimizers=optimizers.split(","), lrs=lrs, pretrain_seeds=pretrain_seeds, base_seeds=base_seeds,
+                    config=cfg.to_dict())
         results = run_optimizers(cfg, names, optimizers.split(","), seed_list, out, preset, pretrain_seeds,
                                  lrs.split(",") if lrs else None, device, base_seeds, workers)
     else:
@@ -135,7 +139,9 @@ def bench(preset: Optional[str] = BENCH_PRESET,
         every = method_names("two-domain" if protocol == "online" else protocol)  # online: two-domain's set
         specs = [MethodSpec(n) for n in every] if methods == "all" else parse_method_specs(methods)
         specs = sweep_specs(specs, sweep, lrs)
-        out = writable(out or Path("runs") / f"{protocol}-{preset}")
+        out = claim(out or Path("runs") / f"{protocol}-{preset}", force, protocol=protocol, preset=preset, model=model,
+                    methods=sorted(spec.label for spec in specs), base_seeds=base_seeds, config=cfg.to_dict(),
+                    online=dataclasses.asdict(cfg.online) if protocol == "online" else None)
         instructions = protocol == "sequence" and any(is_task_spec(t) for t in cfg.data.tasks)
         if instructions and model == "byte-gpt":
             raise ForgetlessError("instruction tasks need a pretrained model: add --model smollm2-135m (or hf:PATH, "
@@ -471,6 +477,28 @@ def writable(folder: Path) -> Path:
     if folder.exists() and not folder.is_dir():
         raise ForgetlessError(f"--out {folder} is a file; give a folder (it is created if missing)")
     return folder
+
+
+def claim(out: Path, force: bool, **configuration) -> Path:
+    """`out` for a bench run of `configuration` (all but the seeds and workers): a new folder, or one of the
+    same configuration (resumed); one holding arms or results of another configuration is refused unless
+    `force`. The configuration is kept in out/run.json (a folder from before it: its results.json's preset
+    and model are compared)."""
+    from forgetless.checkpoint import write_json
+    out, configuration, there = writable(out), json.loads(json.dumps(configuration)), {}
+    if (out / "run.json").is_file() and ((out / "arms").is_dir() or (out / "results.json").is_file()):
+        there = json.loads((out / "run.json").read_text())
+    elif (out / "results.json").is_file():
+        results = json.loads((out / "results.json").read_text())
+        there = {key: results.get(key, "byte-gpt" if key == "model" else None) for key in ("preset", "model")}
+    differ = [key for key in configuration if key in there and there[key] != configuration[key]]
+    if differ and not force:
+        said = "; ".join(f"{key} {there[key]!r} there, {configuration[key]!r} now" if len(repr(there[key])) < 60
+                         else f"{key} differs" for key in differ)
+        raise ForgetlessError(f"--out {out} holds a run of another configuration ({said}); give a new --out "
+                              "folder, or add --force to run there anyway (its results.json is replaced)")
+    write_json(out / "run.json", configuration)
+    return out
 
 
 app.add_typer(aunn_app, name="aunn")
