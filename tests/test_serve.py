@@ -281,13 +281,18 @@ def test_dashboard_in_headless_chromium(trained, tmp_path):
 # ---- durability: a real server killed with SIGKILL --------------------------------------------------
 
 
-def start_server(base, canary, state_dir, token_file):
-    port = free_port()
+def serve_command(base, canary, state_dir, token_file, port) -> list[str]:
     args = [sys.executable, "-m", "forgetless", "serve", "--base", base, "--canary", canary, "--canary-windows", "8",
             "--state-dir", state_dir, "--token-file", token_file, "--port", port, "--serve-method", "full",
             "--serve-lr", "1e-3", "--serve-canary-every", "2", "--serve-snapshot-every", "4"]
-    proc = subprocess.Popen([str(a) for a in args], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return [str(a) for a in args]
+
+
+def start_server(base, canary, state_dir, token_file):
+    port = free_port()
+    proc = subprocess.Popen(serve_command(base, canary, state_dir, token_file, port),
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -312,7 +317,7 @@ def final_state(url, state_dir):
     return load_checkpoint(state_dir / SNAPSHOT)[0]
 
 
-def test_wal_replay_after_kill_9_gives_the_same_weights(trained, tmp_path):
+def test_wal_replay_after_kill_9_gives_the_same_weights_and_a_second_server_is_refused(trained, tmp_path):
     base, canary, token_file = tmp_path / "base.safetensors", tmp_path / "canary.txt", tmp_path / "token"
     save_checkpoint(base, {f"model.{k}": v for k, v in trained.items()},
                     {"kind": "base", "model_config": ours().config.to_dict(), "tokenizer": {"kind": "bytes"},
@@ -329,6 +334,11 @@ def test_wal_replay_after_kill_9_gives_the_same_weights(trained, tmp_path):
         proc.kill()
     proc, url = start_server(base, canary, tmp_path / "killed", token_file)
     learn(url, docs[:5])  # snapshot at document 4; document 5 only in the log
+    log = (tmp_path / "killed" / WAL).read_bytes()
+    second = subprocess.run(serve_command(base, canary, tmp_path / "killed", token_file, free_port()),
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert second.returncode == 2 and "in use by another forgetless serve" in second.stderr, second.stderr
+    assert len(second.stderr.strip().splitlines()) == 1 and (tmp_path / "killed" / WAL).read_bytes() == log
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     proc, url = start_server(base, canary, tmp_path / "killed", token_file)
