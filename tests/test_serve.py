@@ -586,3 +586,5 @@ def test_every_bad_input_is_a_one_line_4xx(trained, tmp_path):
             error = r.json()["error"]
             assert 400 <= r.status_code < 500 and error and "\n" not in error, (path, body, r.status_code, r.text)
     assert c.get("/v1/health").json()["seq"] == 0
+    lone = c.post("/v1/score", content=b'{"text": "\\ud800"}', headers={"Content-Type": "application/json"})
+    assert lone.status_code == 400 and "must be half of a surrogate pair" in lone.json()["error"]

@@ -230,7 +230,9 @@ def validation_reason(errors: list) -> str:
     field = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
     kind = e.get("type", "")
     if kind == "json_invalid":
-        return f"the body is not valid UTF-8 JSON ({e.get('msg', '').removeprefix('Invalid JSON: ')})"
+        detail = e.get("msg", "").removeprefix("Invalid JSON: ")
+        hint = "; a \\ud800-\\udfff escape must be half of a surrogate pair" if "hex escape" in detail else ""
+        return f"the body is not valid UTF-8 JSON ({detail}){hint}"
     if kind == "model_type":
         return "the body is not a JSON object; send {\"field\": value, ...}"
     if kind == "extra_forbidden":
