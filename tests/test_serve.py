@@ -4,6 +4,8 @@ Chromium, a write-ahead-log replay after `kill -9` that ends in the same weights
 log's checksums, refusal of damaged lines and repair, idempotency keys, one server per state folder, token
 files, CLI errors, and a one-line 4xx for every bad body of every endpoint."""
 import contextlib
+import itertools
+import json
 import os
 import random
 import re
@@ -518,6 +520,11 @@ def test_serve_cli_errors_are_one_line_before_anything_is_written(tmp_path):
     assert r.exit_code == 2 and "is a file; give a folder" in r.output, r.output
     r = serve_cli("--base", tmp_path / "base", "--state-dir", tmp_path / "state", "--port", 99999)
     assert r.exit_code == 2 and "--port 99999 is not a TCP port" in r.output and not (tmp_path / "state").exists()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = serve_cli("--base", tmp_path / "base", "--state-dir", tmp_path / "state", "--port", taken.getsockname()[1])
+    assert r.exit_code == 2 and "cannot listen on 127.0.0.1" in r.output and not (tmp_path / "state").exists()
 
 
 def test_serve_repair_cli(tmp_path):
@@ -528,6 +535,9 @@ def test_serve_repair_cli(tmp_path):
     r = serve_cli("--repair", "--state-dir", state)
     assert r.exit_code == 0 and "moved line(s) 4 (not JSON)" in r.output and "kept 7 good records" in r.output
     assert (state / wal.QUARANTINE).read_bytes() == b"garbage\n" and (state / WAL).read_bytes() == b"".join(lines)
+    with wal.lock_folder(state):  # a server holds the folder
+        r = serve_cli("--repair", "--state-dir", state)
+    assert r.exit_code == 2 and "in use by another forgetless serve" in r.output
 
 
 # ---- requests: token before the body, a capped body, every bad input a one-line 4xx -------------------
@@ -576,6 +586,21 @@ BAD_BODIES = {  # endpoint -> bodies that must each get a one-line 4xx
                      '{"prompt": "hi", "temperature": Infinity}', '{"prompt": "hi", "temperature": NaN}',
                      '{"prompt": "hi", "temperature": 1e999}', '{"prompt": ""}', '{"text": "hi"}', "[]"],
 }
+
+
+FIELDS = {"/v1/score": {"text": "a short text"}, "/v1/learn": {"text": "a short text", "key": "k"},
+          "/v1/generate": {"prompt": "ROMEO:", "max_tokens": 2, "temperature": 0.5, "seed": 1}}
+VALUES = [None, True, -1, 0, 2 ** 63, 2 ** 64, -2 ** 70, 1.5, 1e308, "", " ", "x" * 300, "\ud800", [], {}, ["a"]]
+
+
+def test_every_field_of_every_endpoint_with_any_value_is_answered_without_a_5xx(trained, tmp_path):
+    c = TestClient(make_app(engine(trained, tmp_path / "state", max_doc_bytes=200), TOKEN))
+    for path, good in FIELDS.items():
+        for field, value in itertools.product([*good, "other"], VALUES):
+            body = json.dumps({**good, field: value})  # \ud800 as an escape
+            r = c.post(path, content=body, headers={**AUTH, "Content-Type": "application/json"})
+            error = r.json()["error"] if r.status_code != 200 else ""
+            assert r.status_code < 500 and "\n" not in error, (path, field, value, r.status_code, r.text)
 
 
 def test_every_bad_input_is_a_one_line_4xx(trained, tmp_path):
