@@ -36,7 +36,7 @@ from forgetless.data.splits import join
 from forgetless.models.gpt import GPT
 from forgetless.presets import build_config
 
-TOKEN = "bench"
+TOKEN = "bench-token-0123456789"  # serve wants 16 characters or more
 CORPUS = "shakespeare-modern"
 
 
@@ -53,6 +53,7 @@ def start_server(args, folder: Path) -> tuple[subprocess.Popen, str]:
     save_checkpoint(folder / "base.safetensors", {f"model.{k}": v for k, v in GPT(cfg).state_dict().items()},
                     {"kind": "base", "model_config": cfg.to_dict(), "tokenizer": {"kind": "bytes"}, "domain": CORPUS})
     (folder / "token").write_text(TOKEN)
+    (folder / "token").chmod(0o600)  # serve refuses a token file others can read
     port = free_port()
     command = [sys.executable, "-m", "forgetless", "serve", "--base", folder / "base.safetensors", "--state-dir",
                folder / "state", "--token-file", folder / "token", "--port", port, "--serve-method", args.method,

@@ -116,6 +116,24 @@ def test_seed_start_runs_later_seeds_and_reuses_their_arms(smoke_run, tmp_path):
     assert bad.exit_code == 2 and "--seed-start >= 0" in bad.output, bad.output
 
 
+def test_bench_out_of_another_configuration_is_refused_unless_forced(smoke_run, tmp_path):
+    out, _ = smoke_run
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    results = (copy / "results.json").read_text()
+    for args, said in ((("--preset", "first"), "preset 'smoke' there, 'first' now"),
+                       (("--preset", "smoke", "--methods", "lora"), "methods ")):
+        r = invoke("bench", *args, "--seeds", 2, "--out", copy)
+        assert r.exit_code == 2 and "holds a run of another configuration" in r.output and said in r.output, r.output
+        assert "--force" in r.output and (copy / "results.json").read_text() == results
+    (copy / "run.json").unlink()  # a run folder from before run.json: its results.json's preset
+    r = invoke("bench", "--preset", "first", "--out", copy)
+    assert r.exit_code == 2 and "preset 'smoke' there, 'first' now" in r.output, r.output
+    forced = invoke("bench", "--preset", "smoke", "--methods", "lora", "--seeds", 2, "--out", copy, "--force")
+    assert forced.exit_code == 0, forced.output
+    assert set(json.loads((copy / "results.json").read_text())["methods"]) == {"full", "lora"}
+
+
 def test_rerun_with_other_code_warns_and_reuses(smoke_run, monkeypatch):
     out, _ = smoke_run
     before = json.loads((out / "results.json").read_text())["methods"]

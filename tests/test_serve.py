@@ -1,9 +1,14 @@
 """`forgetless serve`: auth, bad input, rate limit, rollback on a poisoned stream, no torn reads under
 concurrent learn + score, streamed generation, metrics, the dashboard's stats and the page itself in headless
-Chromium, and a write-ahead-log replay after `kill -9` that ends in the same weights as an uninterrupted server."""
+Chromium, a write-ahead-log replay after `kill -9` that ends in the same weights as an uninterrupted server; the
+log's checksums, refusal of damaged lines and repair, idempotency keys, one server per state folder, token
+files, CLI errors, and a one-line 4xx for every bad body of every endpoint."""
 import contextlib
+import itertools
+import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -22,11 +27,13 @@ from fastapi.testclient import TestClient  # noqa: E402
 from forgetless.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from forgetless.continual.learner import chunk_windows  # noqa: E402
 from forgetless.data.tokenizers import ByteTokenizer  # noqa: E402
-from forgetless.serve.app import make_app  # noqa: E402
-from forgetless.serve.engine import SNAPSHOT, Engine, ServeConfig  # noqa: E402
+from forgetless.errors import ForgetlessError  # noqa: E402
+from forgetless.serve import wal  # noqa: E402
+from forgetless.serve.app import load_token, make_app  # noqa: E402
+from forgetless.serve.engine import SNAPSHOT, WAL, Engine, ServeConfig  # noqa: E402
 from tiny_models import ours  # noqa: E402
 
-TOKEN = "s3cret"
+TOKEN = "s3cret-s3cret-s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 LINES = [f"{['ROMEO', 'JULIET', 'NURSE'][i % 3]}:\nO speak again, bright angel, line {i}; the night is young.\n"
          for i in range(300)]
@@ -276,13 +283,18 @@ def test_dashboard_in_headless_chromium(trained, tmp_path):
 # ---- durability: a real server killed with SIGKILL --------------------------------------------------
 
 
-def start_server(base, canary, state_dir, token_file):
-    port = free_port()
+def serve_command(base, canary, state_dir, token_file, port) -> list[str]:
     args = [sys.executable, "-m", "forgetless", "serve", "--base", base, "--canary", canary, "--canary-windows", "8",
             "--state-dir", state_dir, "--token-file", token_file, "--port", port, "--serve-method", "full",
             "--serve-lr", "1e-3", "--serve-canary-every", "2", "--serve-snapshot-every", "4"]
-    proc = subprocess.Popen([str(a) for a in args], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return [str(a) for a in args]
+
+
+def start_server(base, canary, state_dir, token_file):
+    port = free_port()
+    proc = subprocess.Popen(serve_command(base, canary, state_dir, token_file, port),
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
@@ -307,13 +319,14 @@ def final_state(url, state_dir):
     return load_checkpoint(state_dir / SNAPSHOT)[0]
 
 
-def test_wal_replay_after_kill_9_gives_the_same_weights(trained, tmp_path):
+def test_wal_replay_after_kill_9_gives_the_same_weights_and_a_second_server_is_refused(trained, tmp_path):
     base, canary, token_file = tmp_path / "base.safetensors", tmp_path / "canary.txt", tmp_path / "token"
     save_checkpoint(base, {f"model.{k}": v for k, v in trained.items()},
                     {"kind": "base", "model_config": ours().config.to_dict(), "tokenizer": {"kind": "bytes"},
                      "domain": str(canary)})
     canary.write_text(TEXT)
     token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
     docs = DOCS[:7]
     proc, url = start_server(base, canary, tmp_path / "whole", token_file)
     try:
@@ -323,6 +336,11 @@ def test_wal_replay_after_kill_9_gives_the_same_weights(trained, tmp_path):
         proc.kill()
     proc, url = start_server(base, canary, tmp_path / "killed", token_file)
     learn(url, docs[:5])  # snapshot at document 4; document 5 only in the log
+    log = (tmp_path / "killed" / WAL).read_bytes()
+    second = subprocess.run(serve_command(base, canary, tmp_path / "killed", token_file, free_port()),
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert second.returncode == 2 and "in use by another forgetless serve" in second.stderr, second.stderr
+    assert len(second.stderr.strip().splitlines()) == 1 and (tmp_path / "killed" / WAL).read_bytes() == log
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     proc, url = start_server(base, canary, tmp_path / "killed", token_file)
@@ -350,3 +368,248 @@ def test_a_torn_last_log_line_is_cut_off(tmp_path):
     again.append(3, "third")
     again.close()
     assert [r["seq"] for r in WriteAheadLog(tmp_path / "wal.jsonl").records] == [1, 2, 3]
+
+
+# ---- the log: checksums, refusal naming the line, repair, legacy lines, idempotency keys -------------
+
+
+def written_log(path, n=7) -> list[bytes]:
+    log = wal.WriteAheadLog(path)
+    for seq in range(1, n + 1):
+        log.append(seq, f"document {seq} é", key=f"k{seq}" if seq % 2 else None)
+    log.close()
+    return path.read_bytes().splitlines(keepends=True)
+
+
+def test_a_damaged_line_stops_the_start_naming_it_and_repair_keeps_every_good_line(tmp_path):
+    path = tmp_path / "wal.jsonl"
+    lines = written_log(path)
+    lines[1] = lines[1].replace(b"document 2", b"document X")  # one byte, still valid JSON
+    path.write_bytes(b"".join(lines))
+    with pytest.raises(ForgetlessError, match=r"line 2 is damaged \(checksum mismatch\); run forgetless serve "
+                                              r"--repair --state-dir") as e:
+        wal.WriteAheadLog(path)
+    assert "\n" not in str(e.value) and path.read_bytes() == b"".join(lines)  # nothing cut
+    assert "moved line(s) 2 (checksum mismatch)" in wal.repair(path)
+    assert (tmp_path / wal.QUARANTINE).read_bytes() == lines[1]
+    assert [r["seq"] for r in wal.WriteAheadLog(path).records] == [1, 3, 4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("line, reason", [
+    (b'{"text": "no seq"}\n', "not a {seq, text, key} record"),
+    (b'{"seq": 3, "text": "no checksum"}\n', "no checksum"),
+    (b'{"seq": 2, "text": "again", "crc": "%s"}\n' % wal.checksum({"seq": 2, "text": "again"}).encode(),
+     "sequence number 2 after 7"),
+    (b"\n", "not JSON"),
+], ids=["no-seq", "no-checksum", "duplicate-seq", "blank"])
+def test_a_well_formed_but_wrong_line_is_refused_too(tmp_path, line, reason):
+    path = tmp_path / "wal.jsonl"
+    path.write_bytes(b"".join(written_log(path)) + line + b'{"seq": 9, "te')
+    with pytest.raises(ForgetlessError, match=f"line 8 is damaged \\({reason}\\)"):
+        wal.WriteAheadLog(path)
+
+
+def test_a_whole_last_record_that_lost_its_newline_is_kept(tmp_path):
+    path = tmp_path / "wal.jsonl"
+    lines = written_log(path)
+    path.write_bytes(b"".join(lines)[:-1])
+    assert [r["seq"] for r in wal.WriteAheadLog(path).records] == list(range(1, 8))
+    assert path.read_bytes() == b"".join(lines)
+
+
+def test_legacy_lines_without_checksums_still_load(tmp_path):
+    path = tmp_path / "wal.jsonl"
+    path.write_bytes(b'{"seq": 1, "text": "old one"}\n{"seq": 2, "text": "old two"}\n')  # the format before checksums
+    log = wal.WriteAheadLog(path)
+    log.append(3, "new")
+    log.close()
+    assert [r["text"] for r in wal.WriteAheadLog(path).records] == ["old one", "old two", "new"]
+
+
+def test_random_corruption_never_loses_an_acknowledged_document(tmp_path):
+    """One byte changed at 10 random places: the log loads whole, or names a damaged line; repair then
+    keeps every record but the one or two lines the byte damaged."""
+    rng, refused = random.Random(0), 0
+    for trial in range(10):
+        path = tmp_path / f"wal{trial}.jsonl"
+        lines = written_log(path)
+        data = bytearray(b"".join(lines))
+        at = rng.randrange(len(data))
+        hit = sum(len(b"".join(lines[:i + 1])) <= at for i in range(7)) + 1  # the line holding byte `at`
+        damaged = {hit, hit + 1} if data[at] == ord("\n") and hit < 7 else {hit}
+        data[at] = (data[at] + rng.randrange(1, 256)) % 256
+        path.write_bytes(bytes(data))
+        try:
+            records = wal.WriteAheadLog(path).records
+        except ForgetlessError as e:
+            assert f"line {hit} is damaged" in str(e) and "--repair" in str(e)
+            refused += 1
+            wal.repair(path)
+            records = wal.WriteAheadLog(path).records
+            assert [r["seq"] for r in records] == [s for s in range(1, 8) if s not in damaged]
+        else:
+            assert [r["seq"] for r in records] == list(range(1, 8))  # whitespace, or the last newline
+        assert all(r["text"] == f"document {r['seq']} é" for r in records)
+    assert refused >= 5
+
+
+def test_a_key_is_learned_once_and_a_retry_gets_the_first_answer_after_a_restart(trained, tmp_path):
+    e = engine(trained, tmp_path / "state")
+    c = TestClient(make_app(e, TOKEN))
+    first = [c.post("/v1/learn", json={"text": d, "key": f"k{i}"}, headers=AUTH).json() for i, d in enumerate(DOCS[:5])]
+    assert c.post("/v1/learn", json={"text": DOCS[1], "key": "k1"}, headers=AUTH).json() == first[1]
+    other = c.post("/v1/learn", json={"text": DOCS[2], "key": "k1"}, headers=AUTH)
+    assert other.status_code == 409 and "another text" in other.json()["error"]
+    assert e.seq == 5
+    e.close()  # snapshot at document 4; document 5 only in the log
+    again = TestClient(make_app(engine(trained, tmp_path / "state"), TOKEN))
+    assert [again.post("/v1/learn", json={"text": DOCS[i], "key": f"k{i}"}, headers=AUTH).json()
+            for i in (1, 4)] == [first[1], first[4]]
+    assert again.get("/v1/health").json()["seq"] == 5
+
+
+# ---- one server per state folder, token file, CLI errors ---------------------------------------------
+
+
+def test_a_second_server_on_the_same_folder_is_refused(trained, tmp_path):
+    first = engine(trained, tmp_path / "state")
+    with pytest.raises(ForgetlessError, match=f"in use by another forgetless serve \\(pid {os.getpid()}\\)"):
+        engine(trained, tmp_path / "state")
+    first.close()
+    engine(trained, tmp_path / "state").close()
+
+
+def token_file(tmp_path, content: bytes, mode=0o600):
+    path = tmp_path / "token"
+    path.write_bytes(content)
+    path.chmod(mode)
+    return path
+
+
+@pytest.mark.parametrize("content, mode, reason", [
+    (TOKEN.encode(), 0o644, "can be read by other users (mode 644); run chmod 600"),
+    (b"abc\n", 0o600, "the token has 3 characters, fewer than 16"),
+    (TOKEN.encode() + b"\n" + TOKEN.encode() + b"\n", 0o600, "holds more than one line"),
+    (b"\xff\xfe" + TOKEN.encode(), 0o600, "is not UTF-8 text"),
+    (b"\n", 0o600, "is empty"),
+    ("s3cret-s3cret-s3crét".encode(), 0o600, "printable ASCII without spaces"),
+], ids=["world-readable", "short", "two-lines", "not-utf8", "empty", "not-ascii"])
+def test_a_bad_token_file_is_refused(tmp_path, content, mode, reason):
+    with pytest.raises(ForgetlessError, match=re.escape(reason)):
+        load_token(token_file(tmp_path, content, mode), "")
+
+
+def test_a_good_token_file_or_variable(tmp_path):
+    assert load_token(token_file(tmp_path, TOKEN.encode() + b"\n"), "") == TOKEN
+    assert load_token(None, f" {TOKEN}\n") == TOKEN and load_token(None, "") is None
+    with pytest.raises(ForgetlessError, match="FORGETLESS_SERVE_TOKEN: the token has 3 characters"):
+        load_token(None, "abc")
+
+
+def serve_cli(*args):
+    from typer.testing import CliRunner
+
+    from forgetless.cli import app
+    env = {k: v for k, v in os.environ.items() if k != "FORGETLESS_SERVE_TOKEN"}
+    return CliRunner().invoke(app, ["serve", *map(str, args)], env=env)
+
+
+def test_serve_cli_errors_are_one_line_before_anything_is_written(tmp_path):
+    (tmp_path / "file").write_text("x")
+    r = serve_cli("--base", tmp_path / "base", "--state-dir", tmp_path / "file")
+    assert r.exit_code == 2 and "is a file; give a folder" in r.output, r.output
+    r = serve_cli("--base", tmp_path / "base", "--state-dir", tmp_path / "state", "--port", 99999)
+    assert r.exit_code == 2 and "--port 99999 is not a TCP port" in r.output and not (tmp_path / "state").exists()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        r = serve_cli("--base", tmp_path / "base", "--state-dir", tmp_path / "state", "--port", taken.getsockname()[1])
+    assert r.exit_code == 2 and "cannot listen on 127.0.0.1" in r.output and not (tmp_path / "state").exists()
+
+
+def test_serve_repair_cli(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    lines = written_log(state / WAL)
+    (state / WAL).write_bytes(b"".join(lines[:3]) + b"garbage\n" + b"".join(lines[3:]))
+    r = serve_cli("--repair", "--state-dir", state)
+    assert r.exit_code == 0 and "moved line(s) 4 (not JSON)" in r.output and "kept 7 good records" in r.output
+    assert (state / wal.QUARANTINE).read_bytes() == b"garbage\n" and (state / WAL).read_bytes() == b"".join(lines)
+    with wal.lock_folder(state):  # a server holds the folder
+        r = serve_cli("--repair", "--state-dir", state)
+    assert r.exit_code == 2 and "in use by another forgetless serve" in r.output
+
+
+# ---- requests: token before the body, a capped body, every bad input a one-line 4xx -------------------
+
+
+def test_the_token_is_checked_before_the_body_is_read(trained, tmp_path):
+    c = client(trained, tmp_path)
+    r = c.post("/v1/learn", content=b"not json at all", headers={"Content-Type": "application/json"})
+    assert r.status_code == 401
+
+
+def test_the_body_is_capped_before_it_is_parsed(trained, tmp_path):
+    c = client(trained, tmp_path, max_doc_bytes=100)  # body limit 6 x 100 + 1024 bytes
+    padded = b'{"text": "a small document"' + b" " * 2000 + b"}"
+    for path, headers in (("/v1/learn", AUTH), ("/v1/score", {})):
+        r = c.post(path, content=padded, headers=headers)
+        assert r.status_code == 413 and r.json()["error"].startswith("the body is over 1624 bytes"), r.text
+    chunked = c.post("/v1/score", content=iter([b'{"text": "', b"a" * 1000, b"a" * 1000, b'"}']))
+    assert chunked.status_code == 413
+    lying = c.post("/v1/score", content=b'{"text": "hi there"}', headers={"Content-Length": "99999999"})
+    assert lying.status_code == 413
+
+
+def test_bearer_is_case_insensitive(trained, tmp_path):
+    c = client(trained, tmp_path)
+    for header in (f"bearer {TOKEN}", f"BEARER  {TOKEN}"):
+        assert c.post("/v1/learn", json={"text": DOCS[0]}, headers={"Authorization": header}).status_code == 200
+    assert c.post("/v1/learn", json={"text": DOCS[0]}, headers={"Authorization": TOKEN}).status_code == 401
+
+
+def test_refused_documents_do_not_use_up_the_rate_limit(trained, tmp_path):
+    c = client(trained, tmp_path, learn_per_minute=2)
+    assert [c.post("/v1/learn", json={"text": "a"}, headers=AUTH).status_code for _ in range(3)] == [422] * 3
+    assert [c.post("/v1/learn", json={"text": d}, headers=AUTH).status_code for d in DOCS[:3]] == [200, 200, 429]
+
+
+BAD_BODIES = {  # endpoint -> bodies that must each get a one-line 4xx
+    "/v1/score": ['{"text": "\\ud800"}', '{"text": "ok \\udfff ok"}', '{"text": 5}', '{"text": null}', "[]", "null",
+                  '"text"', "{}", '{"text": "hi", "x": 1}', '{"text": ["a"]}', "{", ""],
+    "/v1/learn": ['{"text": "\\ud800"}', '{"text": 5}', '{"text": "a"}', '{"text": "hi", "key": ""}',
+                  '{"text": "hi there", "key": 5}', '{"text": "hi there", "key": "%s"}' % ("k" * 201), "[]", "{}"],
+    "/v1/generate": ['{"prompt": "\\ud800"}', '{"prompt": "hi", "seed": 18446744073709551616}',
+                     '{"prompt": "hi", "seed": -1}', '{"prompt": "hi", "seed": 1.5}',
+                     '{"prompt": "hi", "max_tokens": 0}',
+                     '{"prompt": "hi", "max_tokens": "many"}', '{"prompt": "hi", "temperature": -1}',
+                     '{"prompt": "hi", "temperature": Infinity}', '{"prompt": "hi", "temperature": NaN}',
+                     '{"prompt": "hi", "temperature": 1e999}', '{"prompt": ""}', '{"text": "hi"}', "[]"],
+}
+
+
+FIELDS = {"/v1/score": {"text": "a short text"}, "/v1/learn": {"text": "a short text", "key": "k"},
+          "/v1/generate": {"prompt": "ROMEO:", "max_tokens": 2, "temperature": 0.5, "seed": 1}}
+VALUES = [None, True, -1, 0, 2 ** 63, 2 ** 64, -2 ** 70, 1.5, 1e308, "", " ", "x" * 300, "\ud800", [], {}, ["a"]]
+
+
+def test_every_field_of_every_endpoint_with_any_value_is_answered_without_a_5xx(trained, tmp_path):
+    c = TestClient(make_app(engine(trained, tmp_path / "state", max_doc_bytes=200), TOKEN))
+    for path, good in FIELDS.items():
+        for field, value in itertools.product([*good, "other"], VALUES):
+            body = json.dumps({**good, field: value})  # \ud800 as an escape
+            r = c.post(path, content=body, headers={**AUTH, "Content-Type": "application/json"})
+            error = r.json()["error"] if r.status_code != 200 else ""
+            assert r.status_code < 500 and "\n" not in error, (path, field, value, r.status_code, r.text)
+
+
+def test_every_bad_input_is_a_one_line_4xx(trained, tmp_path):
+    c = client(trained, tmp_path)
+    for path, bodies in BAD_BODIES.items():
+        for body in bodies:
+            r = c.post(path, content=body.encode(), headers={**AUTH, "Content-Type": "application/json"})
+            error = r.json()["error"]
+            assert 400 <= r.status_code < 500 and error and "\n" not in error, (path, body, r.status_code, r.text)
+    assert c.get("/v1/health").json()["seq"] == 0
+    lone = c.post("/v1/score", content=b'{"text": "\\ud800"}', headers={"Content-Type": "application/json"})
+    assert lone.status_code == 400 and "must be half of a surrogate pair" in lone.json()["error"]

@@ -88,6 +88,8 @@ def bench(preset: Optional[str] = BENCH_PRESET,
                                                     "arm per value, e.g. lora.lr=1e-4,1e-3; frontier figure and table"),
           workers: int = typer.Option(1, "--workers", help="processes that pretrain the bases and run the arms side by "
                                       "side on a CPU, one thread share each (Linux)"),
+          force: bool = typer.Option(False, "--force", help="run in an --out folder that holds a run of another "
+                                     "configuration (its results.json is replaced; arms of matching configs reused)"),
           model: str = MODEL, device: str = DEVICE, precision: Optional[str] = PRECISION,
           config_file: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET, flags: dict = None):
     """Pretrain (cached) or load a pretrained model, adapt every method, write results.json/csv/md and figures."""
@@ -127,7 +129,9 @@ def bench(preset: Optional[str] = BENCH_PRESET,
         if protocol != "two-domain" or pretrain_seeds <= 0:
             raise ForgetlessError("--optimizers runs the two-domain protocol with --pretrain-seeds >= 1")
         names = ["full"] if methods in ("all", "default") else methods.split(",")
-        out = writable(out or Path("runs") / f"optimizers-{preset}")
+        out = claim(out or Path("runs") / f"optimizers-{preset}", force, preset=preset, model=model, methods=names,
+                    optimizers=optimizers.split(","), lrs=lrs, pretrain_seeds=pretrain_seeds, base_seeds=base_seeds,
+                    config=cfg.to_dict())
         results = run_optimizers(cfg, names, optimizers.split(","), seed_list, out, preset, pretrain_seeds,
                                  lrs.split(",") if lrs else None, device, base_seeds, workers)
     else:
@@ -135,7 +139,9 @@ def bench(preset: Optional[str] = BENCH_PRESET,
         every = method_names("two-domain" if protocol == "online" else protocol)  # online: two-domain's set
         specs = [MethodSpec(n) for n in every] if methods == "all" else parse_method_specs(methods)
         specs = sweep_specs(specs, sweep, lrs)
-        out = writable(out or Path("runs") / f"{protocol}-{preset}")
+        out = claim(out or Path("runs") / f"{protocol}-{preset}", force, protocol=protocol, preset=preset, model=model,
+                    methods=sorted(spec.label for spec in specs), base_seeds=base_seeds, config=cfg.to_dict(),
+                    online=dataclasses.asdict(cfg.online) if protocol == "online" else None)
         instructions = protocol == "sequence" and any(is_task_spec(t) for t in cfg.data.tasks)
         if instructions and model == "byte-gpt":
             raise ForgetlessError("instruction tasks need a pretrained model: add --model smollm2-135m (or hf:PATH, "
@@ -462,21 +468,28 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
                                                     "without either, learning is refused)"),
           host: str = typer.Option("127.0.0.1", help="address to listen on (localhost by default)"),
           port: int = typer.Option(8000, help="port to listen on"),
+          repair: bool = typer.Option(False, "--repair", help="move the damaged lines of --state-dir's write-ahead "
+                                      "log to wal.quarantine beside it, keep every good line, and exit"),
           device: str = DEVICE, flags: dict = None):
     """Serve a model over HTTP (score, streamed generation) while a method learns from /v1/learn, with canary
     checks, automatic rollback, a write-ahead log and snapshots."""
     import os
 
+    from forgetless.serve import wal
+    from forgetless.serve.engine import WAL, Engine, ServeConfig
+    if repair:
+        with wal.lock_folder(state_dir):
+            out_console.print(escape(wal.repair(state_dir / WAL)), highlight=False)
+        return
     from forgetless.adapted import resolve_device
     from forgetless.config import from_dict
     from forgetless.continual.base_model import load_base
     from forgetless.data.domains import load_domains
-    from forgetless.serve.engine import Engine, ServeConfig
 
     try:
         import uvicorn
 
-        from forgetless.serve.app import make_app
+        from forgetless.serve.app import load_token, make_app
     except ImportError:
         raise ForgetlessError("forgetless serve needs FastAPI and uvicorn: pip install 'forgetless[serve]' "
                               "(or bash scripts/setup.sh serve)") from None
@@ -484,12 +497,9 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     if (base is None) == (model is None) or model and not canary:
         raise ForgetlessError("give --base (a forgetless GPT) or --model with --canary (the text whose retention is "
                               "checked), not both")
-    if token_file is not None:
-        if not token_file.is_file():
-            raise ForgetlessError(f"--token-file {token_file} does not exist; write the token into it")
-        token = token_file.read_text().strip()
-    else:
-        token = os.environ.get("FORGETLESS_SERVE_TOKEN", "").strip()
+    token = load_token(token_file, os.environ.get("FORGETLESS_SERVE_TOKEN", ""))
+    wal.check_folder(state_dir)
+    sock = listening(host, port)  # before the state folder is touched
     if model:
         from forgetless.models.hf import load_model
         lm, text_tokenizer = load_model(model, device)
@@ -501,9 +511,23 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     engine = Engine(lm.to(resolve_device(device)), corpus_tokenizer, original.windows, block_size, cfg, state_dir,
                     original.train)
     out_console.print(f"serving {escape(cfg.method)} on http://{host}:{port} (state in {escape(str(state_dir))}: "
-                      f"document {engine.seq}, {engine.counters['replayed']} replayed from the log; learning "
-                      f"{'on' if token else 'off: no token'})", highlight=False)
-    uvicorn.run(make_app(engine, token or None), host=host, port=port, log_level="warning")
+                      f"document {engine.seq}, {engine.counters['replayed']} replayed from the log; "
+                      f"{'learning on' if token else 'learning OFF: no --token-file or $FORGETLESS_SERVE_TOKEN'})",
+                      highlight=False)
+    uvicorn.Server(uvicorn.Config(make_app(engine, token), log_level="warning")).run(sockets=[sock])
+
+
+def listening(host: str, port: int):
+    """A socket listening on host:port; a port out of range or taken is a one-line error."""
+    import socket
+    if not 0 < port < 65536:
+        raise ForgetlessError(f"--port {port} is not a TCP port; give one in 1..65535")
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family)
+    except OSError as e:
+        raise ForgetlessError(f"cannot listen on {host}:{port} ({e.strerror or e}); give another --host or --port") \
+            from None
 
 
 def set_precision(flags: dict, precision: Optional[str]):
@@ -518,6 +542,28 @@ def writable(folder: Path) -> Path:
     if folder.exists() and not folder.is_dir():
         raise ForgetlessError(f"--out {folder} is a file; give a folder (it is created if missing)")
     return folder
+
+
+def claim(out: Path, force: bool, **configuration) -> Path:
+    """`out` for a bench run of `configuration` (all but the seeds and workers): a new folder, or one of the
+    same configuration (resumed); one holding arms or results of another configuration is refused unless
+    `force`. The configuration is kept in out/run.json (a folder from before it: its results.json's preset
+    and model are compared)."""
+    from forgetless.checkpoint import write_json
+    out, configuration, there = writable(out), json.loads(json.dumps(configuration)), {}
+    if (out / "run.json").is_file() and ((out / "arms").is_dir() or (out / "results.json").is_file()):
+        there = json.loads((out / "run.json").read_text())
+    elif (out / "results.json").is_file():
+        results = json.loads((out / "results.json").read_text())
+        there = {key: results.get(key, "byte-gpt" if key == "model" else None) for key in ("preset", "model")}
+    differ = [key for key in configuration if key in there and there[key] != configuration[key]]
+    if differ and not force:
+        said = "; ".join(f"{key} {there[key]!r} there, {configuration[key]!r} now" if len(repr(there[key])) < 60
+                         else f"{key} differs" for key in differ)
+        raise ForgetlessError(f"--out {out} holds a run of another configuration ({said}); give a new --out "
+                              "folder, or add --force to run there anyway (its results.json is replaced)")
+    write_json(out / "run.json", configuration)
+    return out
 
 
 app.add_typer(aunn_app, name="aunn")

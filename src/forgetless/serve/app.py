@@ -1,25 +1,61 @@
 """The HTTP API of `forgetless serve` (FastAPI): score, generate (streamed), learn (bearer token), metrics
 (Prometheus text), stats (JSON) and the dashboard page that draws them, health, snapshot, rollback. Bad
-input gets a 4xx with a one-line reason, as JSON `{"error": "..."}`."""
+input gets a 4xx with a one-line reason, as JSON `{"error": "..."}`: the token is checked before the body
+is read, and the body is capped while it is read, before it is parsed."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import hmac
 import math
+import re
 import threading
 import time
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from forgetless.errors import ForgetlessError
-from forgetless.serve.engine import Engine
+from forgetless.serve.engine import Engine, KeyReused
 
 DASHBOARD = Path(__file__).with_name("dashboard.html")
+MIN_TOKEN = 16  # characters
+
+
+def load_token(token_file: Path | None, environment: str) -> str | None:
+    """The bearer token of the learning endpoints: the one line of `token_file` (readable by its owner only,
+    UTF-8), else `environment` ($FORGETLESS_SERVE_TOKEN); None (learning off) when neither is given."""
+    if token_file is None:
+        where, token = "$FORGETLESS_SERVE_TOKEN", environment.strip()
+        if not token:
+            return None
+    else:
+        where = f"--token-file {token_file}"
+        if not token_file.is_file():
+            raise ForgetlessError(f"{where} does not exist; write the token into it")
+        if token_file.stat().st_mode & 0o077:
+            raise ForgetlessError(f"{where} can be read by other users (mode {token_file.stat().st_mode & 0o777:o}); "
+                                  f"run chmod 600 {token_file}")
+        try:
+            token = token_file.read_bytes().decode().strip()
+        except UnicodeDecodeError:
+            raise ForgetlessError(f"{where} is not UTF-8 text; write the token alone on one line") from None
+        if not token:
+            raise ForgetlessError(f"{where} is empty; write the token into it (or leave --token-file out to serve "
+                                  "without learning)")
+        if "\n" in token or "\r" in token:
+            raise ForgetlessError(f"{where} holds more than one line; write the token alone on one line")
+    if not re.fullmatch(r"[\x21-\x7e]+", token):
+        raise ForgetlessError(f"{where}: the token must be printable ASCII without spaces (it is sent in a header)")
+    if len(token) < MIN_TOKEN:
+        raise ForgetlessError(f"{where}: the token has {len(token)} characters, fewer than {MIN_TOKEN}; make a "
+                              "longer one, e.g. python -c 'import secrets; print(secrets.token_urlsafe())'")
+    return token
+
 
 
 class Strict(BaseModel):
@@ -30,11 +66,16 @@ class TextIn(Strict):
     text: str
 
 
+class LearnIn(Strict):
+    text: str
+    key: str | None = Field(default=None, min_length=1, max_length=200)
+
+
 class GenerateIn(Strict):
     prompt: str
     max_tokens: int = Field(default=64, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0)
-    seed: int = 0
+    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+    seed: int = Field(default=0, ge=0, lt=2 ** 64)
 
 
 class Refused(Exception):
@@ -47,6 +88,7 @@ def make_app(engine: Engine, token: str | None) -> FastAPI:
     app = FastAPI(title="forgetless serve", docs_url=None, redoc_url=None)
     recent: collections.deque = collections.deque()  # times of accepted /v1/learn calls in the last minute
     rate_lock = threading.Lock()
+    body_limit = 6 * engine.cfg.max_doc_bytes + 1024  # the largest document, every byte escaped (\u00XX), and fields
 
     def refuse(status: int, reason: str, count: str | None = None, headers: dict | None = None):
         if count:
@@ -57,10 +99,26 @@ def make_app(engine: Engine, token: str | None) -> FastAPI:
         if token is None:
             refuse(403, f"{what} is disabled: start the server with --token-file FILE or FORGETLESS_SERVE_TOKEN set",
                    "auth")
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip(" ").encode(), token.encode()):
             refuse(401, f"{what} needs the header 'Authorization: Bearer <token>' with the server's token", "auth",
                    {"WWW-Authenticate": "Bearer"})
+
+    async def parsed(request: Request, model: type[Strict], counted: bool = False):
+        """The body as `model`, refused (413) as soon as more than the body limit has been read."""
+        declared, body = request.headers.get("content-length", ""), bytearray()
+        if not (declared.isdigit() and int(declared) > body_limit):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > body_limit:
+                    break
+        if len(body) > body_limit or declared.isdigit() and int(declared) > body_limit:
+            refuse(413, f"the body is over {body_limit} bytes (6 x --serve-max-doc-bytes + 1 KiB); send a smaller "
+                        "document", "oversize" if counted else None)
+        try:
+            return model.model_validate_json(bytes(body))
+        except ValidationError as e:
+            refuse(400 if is_body_error(e.errors()) else 422, validation_reason(e.errors()))
 
     def checked(text: str, what: str, counted: bool = False) -> str:
         """`text` when it is neither empty nor over the size limit (refusals of /v1/learn are counted)."""
@@ -71,7 +129,9 @@ def make_app(engine: Engine, token: str | None) -> FastAPI:
                         "(--serve-max-doc-bytes); split it", "oversize" if counted else None)
         return text
 
-    def rate_limit():
+    @contextlib.contextmanager
+    def rate_slot():
+        """One of the minute's `learn_per_minute` slots, given back when the document is refused after all."""
         limit = engine.cfg.learn_per_minute
         with rate_lock:
             now = time.monotonic()
@@ -82,6 +142,13 @@ def make_app(engine: Engine, token: str | None) -> FastAPI:
                 refuse(429, f"rate limit: at most {limit} documents per minute; retry in {wait} s", "rate",
                        {"Retry-After": str(wait)})
             recent.append(now)
+        try:
+            yield
+        except Exception:
+            with rate_lock:
+                if now in recent:
+                    recent.remove(now)
+            raise
 
     @app.exception_handler(Refused)
     async def refused(request: Request, e: Refused):
@@ -89,16 +156,11 @@ def make_app(engine: Engine, token: str | None) -> FastAPI:
 
     @app.exception_handler(ForgetlessError)
     async def bad_input(request: Request, e: ForgetlessError):
-        return JSONResponse({"error": str(e)}, 422)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, e: RequestValidationError):
-        return JSONResponse({"error": validation_reason(e.errors())}, 400 if is_body_error(e.errors()) else 422)
+        return JSONResponse({"error": str(e)}, 409 if isinstance(e, KeyReused) else 422)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
-        reason = "the body is not valid UTF-8 JSON" if e.status_code == 400 else str(e.detail)
-        return JSONResponse({"error": reason}, e.status_code, headers=getattr(e, "headers", None))
+        return JSONResponse({"error": str(e.detail)}, e.status_code, headers=getattr(e, "headers", None))
 
     @app.get("/v1/health")
     def health():
@@ -106,21 +168,24 @@ def make_app(engine: Engine, token: str | None) -> FastAPI:
                 "serving": engine.serving[0], "snapshot_seq": engine.snapshot_seq}
 
     @app.post("/v1/score")
-    def score(body: TextIn):
-        return engine.score(checked(body.text, "text"))
+    async def score(request: Request):
+        body = await parsed(request, TextIn)
+        return await run_in_threadpool(engine.score, checked(body.text, "text"))
 
     @app.post("/v1/generate")
-    def generate(body: GenerateIn):
+    async def generate(request: Request):
+        body = await parsed(request, GenerateIn)
         pieces = engine.generate(checked(body.prompt, "prompt"), body.max_tokens, body.temperature, body.seed)
-        first = next(pieces, "")  # bad input fails here, before the stream starts
+        first = await run_in_threadpool(next, pieces, "")  # bad input fails here, before the stream starts
         return StreamingResponse(chain(first, pieces), media_type="text/plain; charset=utf-8")
 
     @app.post("/v1/learn")
-    def learn(body: TextIn, request: Request):
-        authorize(request, "learning")
+    async def learn(request: Request):
+        authorize(request, "learning")  # before the body is read
+        body = await parsed(request, LearnIn, counted=True)
         text = checked(body.text, "text", counted=True)
-        rate_limit()
-        return engine.learn(text)
+        with rate_slot():
+            return await run_in_threadpool(engine.learn, text, body.key)
 
     @app.post("/v1/snapshot")
     def snapshot(request: Request):
@@ -155,7 +220,7 @@ def chain(first: str, rest):
 
 
 def is_body_error(errors: list) -> bool:
-    return any(e.get("type") in ("json_invalid", "model_attributes_type", "dict_type") for e in errors)
+    return any(e.get("type") in ("json_invalid", "model_type") for e in errors)
 
 
 def validation_reason(errors: list) -> str:
@@ -165,7 +230,11 @@ def validation_reason(errors: list) -> str:
     field = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
     kind = e.get("type", "")
     if kind == "json_invalid":
-        return "the body is not valid UTF-8 JSON"
+        detail = e.get("msg", "").removeprefix("Invalid JSON: ")
+        hint = "; a \\ud800-\\udfff escape must be half of a surrogate pair" if "hex escape" in detail else ""
+        return f"the body is not valid UTF-8 JSON ({detail}){hint}"
+    if kind == "model_type":
+        return "the body is not a JSON object; send {\"field\": value, ...}"
     if kind == "extra_forbidden":
         return f"unknown field {field!r}; send only the documented fields"
     if kind == "missing":

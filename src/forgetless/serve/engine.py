@@ -8,10 +8,11 @@ learns from accepted documents (docs/DESIGN.md §3.6).
   text) is scored; a loss more than `max_canary_rise` nats/token above the reference (the model's at
   first start) rolls the learner back to the last good state (logged with the documents undone);
   otherwise the state becomes the last good one.
-- **Durability.** A document is appended to the write-ahead log (fsync) before it is learned and
-  acknowledged. Every `snapshot_every` documents, a good state (weights, optimizer, hook state, RNG) is
-  written as safetensors. A restart loads the snapshot and replays the log after it: the same updates,
-  checks and rollbacks, so the same weights bit for bit.
+- **Durability.** One server holds the state folder (an OS lock). A document is appended to the
+  write-ahead log (checksummed, fsync) before it is learned and acknowledged. Every `snapshot_every`
+  documents, a good state (weights, optimizer, hook state, RNG) is written as safetensors. A restart
+  loads the snapshot and replays the log after it: the same updates, checks and rollbacks, so the same
+  weights bit for bit. A document sent with a key is learned once: a retry gets the first answer.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import logging
 import math
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,12 +37,17 @@ from forgetless.errors import ForgetlessError
 from forgetless.methods.base import as_specs
 from forgetless.models.gpt import logits_of
 from forgetless.nn.apn import APN, routing
-from forgetless.serve.wal import WriteAheadLog
+from forgetless.serve.wal import WriteAheadLog, lock_folder
 from forgetless.train import TrainConfig, TrainingDiverged
 
 log = logging.getLogger("forgetless.serve")
 SNAPSHOT, WAL = "snapshot.safetensors", "wal.jsonl"
 HISTORY = 2000  # points of each dashboard curve kept (the latest)
+KEYS = 1000  # idempotency keys remembered (the latest), with their first answers
+
+
+class KeyReused(ForgetlessError):
+    """An idempotency key sent again with another text."""
 
 
 @dataclass
@@ -78,6 +85,12 @@ class Engine:
                  mix_from: torch.Tensor | None = None):
         self.cfg, self.tokenizer, self.canary, self.block_size = cfg, tokenizer, canary, block_size
         self.state_dir = Path(state_dir)
+        self.folder_lock = lock_folder(self.state_dir)
+        try:
+            self.wal = WriteAheadLog(self.state_dir / WAL)
+        except ForgetlessError:
+            self.folder_lock.close()
+            raise
         torch.manual_seed(cfg.seed)
         (spec,) = as_specs([cfg.method])
         self.learner = Learner(model, spec.build(), TrainConfig(lr=cfg.lr, warmup=0), canary, mix_from, cfg.seed)
@@ -86,6 +99,7 @@ class Engine:
         self.seq, self.snapshot_seq, self.good, self.undone_to = 0, 0, None, 0
         self.counters = {"accepted": 0, "rollbacks": 0, "undone": 0, "score": 0, "generate": 0, "replayed": 0}
         self.rejected: dict[str, int] = {}
+        self.answers: collections.OrderedDict = collections.OrderedDict()  # key -> (text checksum, first answer)
         self.last_prequential, self.prequential_sum = float("nan"), 0.0
         # the dashboard's curves: (seq, prequential loss), (seq, canary loss), (seq, documents undone)
         self.history = {k: collections.deque(maxlen=HISTORY) for k in ("prequential", "canary", "rollbacks")}
@@ -94,15 +108,17 @@ class Engine:
         self.started = time.time()
         path = self.state_dir / SNAPSHOT
         if path.exists():
-            self.restore(self.read_snapshot(path))
+            snapshot = self.read_snapshot(path)
+            self.restore(snapshot)
+            for key, crc, answer in snapshot["meta"].get("answers", []):
+                self.answers[key] = (crc, answer)
         else:
             self.reference = self.canary_loss()
             self.canary_last = self.reference
             self.good = self.capture()
             self.write_snapshot()
-        self.wal = WriteAheadLog(self.state_dir / WAL)
         for record in self.wal.after(self.seq):  # what the snapshot lacks: the same updates, checks, rollbacks
-            self.apply(record["seq"], record["text"])
+            self.remember(record.get("key"), record["text"], self.apply(record["seq"], record["text"]))
             self.counters["replayed"] += 1
         self.publish()
 
@@ -149,15 +165,32 @@ class Engine:
                 sent = text
 
     # ---- learning --------------------------------------------------------------------------------
-    def learn(self, text: str) -> dict:
-        """Log `text` (fsync), learn it, check the canary when due; returns what happened."""
+    def learn(self, text: str, key: str | None = None) -> dict:
+        """Log `text` (fsync), learn it, check the canary when due; returns what happened. A `key` seen before
+        returns the first answer instead (KeyReused when it came with another text)."""
         windows = self.windows(text)
         with self.lock:
+            if key is not None and key in self.answers:
+                return self.answered(key, text)
             seq = self.seq + 1
-            self.wal.append(seq, text)
+            self.wal.append(seq, text, key)
             result = self.apply(seq, text, windows)
+            self.remember(key, text, result)
             self.publish()
         return result
+
+    def answered(self, key: str, text: str) -> dict:
+        """The first answer to `key`, which must have come with the same `text`."""
+        crc, answer = self.answers[key]
+        if crc != text_checksum(text):
+            raise KeyReused(f"key {key!r} was already sent with another text; send a new key for each document")
+        return answer
+
+    def remember(self, key: str | None, text: str, answer: dict):
+        if key is not None:
+            self.answers[key] = (text_checksum(text), answer)
+            while len(self.answers) > KEYS:
+                self.answers.popitem(last=False)
 
     def apply(self, seq: int, text: str, windows: torch.Tensor | None = None) -> dict:
         """Learn document `seq` (also on replay): prequential loss, updates, the canary when due."""
@@ -270,7 +303,8 @@ class Engine:
 
     def write_snapshot(self):
         state = self.capture()
-        save_checkpoint(self.state_dir / SNAPSHOT, state["tensors"], state["meta"])
+        answers = [[key, crc, answer] for key, (crc, answer) in self.answers.items()]
+        save_checkpoint(self.state_dir / SNAPSHOT, state["tensors"], {**state["meta"], "answers": answers})
         self.snapshot_seq = self.seq
 
     def read_snapshot(self, path: Path) -> dict:
@@ -279,6 +313,11 @@ class Engine:
             raise ForgetlessError(f"{path} is not a snapshot of this server's method ({meta.get('method')} vs "
                                   f"{self.cfg.method}); give another --state-dir or the same --serve-method")
         return {"tensors": tensors, "meta": meta}
+
+    def close(self):
+        """Close the log and release the state folder."""
+        self.wal.close()
+        self.folder_lock.close()
 
     def prequential_mean(self) -> float:
         """Mean prequential loss of the accepted documents (NaN before the first)."""
@@ -313,6 +352,10 @@ class Engine:
                 "canary_loss": self.canary_last, "prequential_mean": mean, "uptime_seconds": time.time() - self.started,
                 **{k: [list(p) for p in list(v)] for k, v in self.history.items()},  # list(deque): one C call
                 "usage": self.usage}
+
+
+def text_checksum(text: str) -> str:
+    return f"{zlib.crc32(text.encode()):08x}"
 
 
 def graph_free(model) -> dict:
