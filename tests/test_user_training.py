@@ -415,3 +415,33 @@ def test_adapt_refuses_what_cannot_act(user_files, tmp_path):
               "--method", "lora", "--out", tmp_path / "d")
     assert r.exit_code != 0 and "--retain goes with --data" in r.output
     assert not any((tmp_path / d).exists() and any((tmp_path / d).iterdir()) for d in "abcd")
+
+
+@pytest.mark.parametrize("name", ["ewc", "distill", "ewc-distill", "wise-ft"])
+def test_start_copies_of_the_base_are_not_saved_but_restored(tmp_path, name):
+    """EWC's anchor and distillation's teacher at task 1 are the base's weights: the saved folder holds
+    neither, and from_pretrained on a fresh base gives the same loss, penalty included."""
+    from safetensors import safe_open
+    adapted = attached("llama", name)
+    adapted.train()
+    opt = torch.optim.SGD([p for _, p in adapted.trainable_parameters()], lr=0.05)
+    adapted(**hf_batch()).loss.backward()
+    opt.step()
+    adapted.save_pretrained(tmp_path / "saved")
+    with safe_open(str(tmp_path / "saved" / "adapter_model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    prefixes = tuple(f"hooks.{p}" for p in build_method(name).start_copies)
+    assert keys and not any(k.startswith(prefixes) for k in keys)
+    again = forgetless.from_pretrained(tiny("llama"), tmp_path / "saved").train()
+    torch.testing.assert_close(again.losses(hf_batch())[0], adapted.losses(hf_batch())[0], rtol=1e-6, atol=1e-7)
+
+
+def test_start_copies_are_saved_when_the_task_started_on_trained_weights(tmp_path):
+    adapted = attached("llama", "ewc")
+    adapted.train()
+    adapted(**hf_batch()).loss.backward()
+    adapted.start_task(2, torch.randint(0, 256, (4, 13), generator=torch.Generator().manual_seed(2)))
+    adapted.save_pretrained(tmp_path / "saved")
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "saved" / "adapter_model.safetensors"), "pt") as f:
+        assert any(k.startswith("hooks.anchor.") for k in f.keys())

@@ -68,6 +68,8 @@ class Adapted(nn.Module):
         self.method = method
         self.task = 1
         self._started = False  # start_task has run (the first training forward runs it when nobody did)
+        self._trained = False  # a training forward has run
+        self._start_is_base = False  # task 1 started on the attached weights: start copies need not be saved
         self._said: set[str] = set()  # warnings given once
         self._follow_model()
 
@@ -123,6 +125,7 @@ class Adapted(nn.Module):
             warn(f"{self.method.name}: {what} acts on rows of old data, but the batches carry no `retained` "
                  "marker, so it does nothing; mix old rows in with forgetless.data.mix(new, old) and "
                  "forgetless.data.Collator (or pass retained=(B,) bools)")
+        self._trained = True
 
     def _once(self, what: str) -> bool:
         """True the first time `what` is asked about on this Adapted."""
@@ -215,6 +218,7 @@ class Adapted(nn.Module):
         with torch.device(self.device):
             self.method.on_task_start(self.model, task)
         self.task, self._started = task, True
+        self._start_is_base = task == 1 and not self._trained
         self._follow_model()
 
     def end_task(self, task: int):
@@ -261,12 +265,19 @@ class Adapted(nn.Module):
 
     def save_pretrained(self, out_dir: str | Path):
         """Write the method's tensors (and loop state, e.g. EWC's Fisher) as safetensors plus a JSON
-        config: method, options, task, forgetless version and the base architecture's fingerprint."""
+        config: method, options, task, forgetless version and the base architecture's fingerprint. Copies
+        of the weights at the start of task 1 (EWC's anchor, distillation's teacher) are the base's and are
+        not written: from_pretrained takes them from the base it loads onto."""
         out_dir = writable_dir(out_dir)
-        tensors = {**self.method_state(), **{f"hooks.{k}": v for k, v in self.method.hook_state().items()}}
+        hooks = self.method.hook_state()
+        from_base = [p for p in self.method.start_copies if self.task == 1 and self._start_is_base
+                     and any(k.startswith(p) for k in hooks)]
+        hooks = {k: v for k, v in hooks.items() if not k.startswith(tuple(from_base))}
+        tensors = {**self.method_state(), **{f"hooks.{k}": v for k, v in hooks.items()}}
         save_checkpoint(out_dir / WEIGHTS, tensors, {"kind": "method", "method": self.method.name})
         write_json(out_dir / CONFIG, {"method": self.method.name, "options": self.method.options(), "task": self.task,
-                                      "forgetless_version": __version__, "base": self.base_fingerprint})
+                                      "forgetless_version": __version__, "base": self.base_fingerprint,
+                                      **({"from_base": from_base} if from_base else {})})
 
     def export(self, out_dir: str | Path, tokenizer=None) -> tuple[str, Path]:
         """Write the adapted model in the most portable form (forgetless.export): a PEFT adapter naming
@@ -302,9 +313,12 @@ def from_pretrained(model: nn.Module, folder: str | Path) -> Adapted:
         with torch.device(adapted.device):
             adapted.method.on_task_start(adapted.model, task)
     adapted.task = config["task"]
+    start = {f"{prefix}{n}": p.detach().clone() for prefix in config.get("from_base", [])
+             for n, p in adapted.model.named_parameters()}  # the base's weights, before the method's are loaded
+    adapted._start_is_base, adapted._started = bool(start), True
     tensors, _ = load_checkpoint(folder / WEIGHTS)
     adapted.method.load_state_dict(adapted.model, {k: v for k, v in tensors.items() if not k.startswith("hooks.")})
-    adapted.method.load_hook_state({k[len("hooks."):]: v for k, v in tensors.items() if k.startswith("hooks.")})
+    adapted.method.load_hook_state({**start, **{k[len("hooks."):]: v for k, v in tensors.items() if k.startswith("hooks.")}})
     adapted._follow_model()
     return adapted
 

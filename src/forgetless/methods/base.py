@@ -162,6 +162,8 @@ class Method(StepHooks):
     needs_previous = False  # start_task needs the data learned last (EWC's Fisher)
     mixes_original = False  # its mixed rows must be original-distribution data, never earlier tasks (Neutral's l1)
     reads_retained = ""  # the term that acts on the batch's retained rows of old data (e.g. a KL term); "": none
+    start_copies: tuple[str, ...] = ()  # hook_state prefixes holding the weights at the task's start (EWC's anchor):
+    # not saved for task 1 when they are the base's, which from_pretrained gets from the base it loads onto
     # token_weights(logits (B, T, V), batch) -> (B, T) weights of each token's LM loss (None: all 1), e.g. to gate
     # updates by entropy; a method that defines it gets every position's logits (None here: only scored ones)
     token_weights = None

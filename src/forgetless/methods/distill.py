@@ -43,6 +43,7 @@ class DistillConfig(MethodConfig):
 class Distill(Method):
     """Full fine-tuning plus a KL term to the task's starting model on the mixed-in original rows."""
     Config = DistillConfig
+    start_copies = ("teacher.",)  # copies of the weights at the task's start
     default_for = ()  # named only: `--methods all` (and the tables it reproduces) stay as they were
     reads_retained = "distillation's KL term"
 

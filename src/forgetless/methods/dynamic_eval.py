@@ -31,6 +31,7 @@ class DynamicEvalConfig(MethodConfig):
 class DynamicEval(Method):
     """Dynamic evaluation: SGD on every weight, decaying toward the original weights."""
     Config = DynamicEvalConfig
+    start_copies = ("origin.",)  # copies of the weights at the task's start
     default_for = ()
 
     def attach(self, model):

@@ -39,6 +39,7 @@ class EWCConfig(MethodConfig):
 class EWC(Method):
     """Full fine-tuning plus a diagonal-Fisher penalty towards the weights of the learned domains."""
     Config = EWCConfig
+    start_copies = ("anchor.",)  # copies of the weights at the task's start
 
     needs_previous = True
 

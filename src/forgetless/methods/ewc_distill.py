@@ -29,6 +29,7 @@ class EWCDistill(EWC, Distill):
     """Full fine-tuning plus a KL term on mixed-in original rows and a diagonal-Fisher penalty."""
     Config = EWCDistillConfig
     default_for = ()  # named only, like distill
+    start_copies = (*EWC.start_copies, *Distill.start_copies)
 
     def extra_loss(self, model, batch):
         terms = [t for t in (EWC.extra_loss(self, model, batch), Distill.extra_loss(self, model, batch)) if t is not None]

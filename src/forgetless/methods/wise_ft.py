@@ -32,6 +32,7 @@ class WiseFTConfig(MethodConfig):
 class WiseFT(Method):
     """Full fine-tuning whose task change is scaled by `weight` at the end of every task."""
     Config = WiseFTConfig
+    start_copies = ("start.",)  # copies of the weights at the task's start
     default_for = ()  # named only: `--methods all` (and the tables it reproduces) stay as they were
 
     def __init__(self, cfg):
