@@ -5,8 +5,10 @@ a YAML/JSON `--config` file takes the same sections. Precedence: preset < file <
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 from typing import Optional
 
@@ -123,40 +125,43 @@ def bench(preset: Optional[str] = BENCH_PRESET,
             flags.setdefault("data", {})[key] = value
     set_precision(flags, precision)
     cfg = run_config(preset, config_file, flags, set_)
-    if optimizers:
-        if sweep:
-            raise ForgetlessError("--sweep does not go with --optimizers; sweep learning rates there with --lrs")
-        if protocol != "two-domain" or pretrain_seeds <= 0:
-            raise ForgetlessError("--optimizers runs the two-domain protocol with --pretrain-seeds >= 1")
-        names = ["full"] if methods in ("all", "default") else methods.split(",")
-        out = claim(out or Path("runs") / f"optimizers-{preset}", force, preset=preset, model=model, methods=names,
-                    optimizers=optimizers.split(","), lrs=lrs, pretrain_seeds=pretrain_seeds, base_seeds=base_seeds,
-                    config=cfg.to_dict())
-        results = run_optimizers(cfg, names, optimizers.split(","), seed_list, out, preset, pretrain_seeds,
-                                 lrs.split(",") if lrs else None, device, base_seeds, workers)
-    else:
-        methods = default_methods(preset, protocol) if methods == "default" else methods
-        every = method_names("two-domain" if protocol == "online" else protocol)  # online: two-domain's set
-        specs = [MethodSpec(n) for n in every] if methods == "all" else parse_method_specs(methods)
-        specs = sweep_specs(specs, sweep, lrs)
-        out = claim(out or Path("runs") / f"{protocol}-{preset}", force, protocol=protocol, preset=preset, model=model,
-                    methods=sorted(spec.label for spec in specs), base_seeds=base_seeds, config=cfg.to_dict(),
-                    online=dataclasses.asdict(cfg.online) if protocol == "online" else None)
-        instructions = protocol == "sequence" and any(is_task_spec(t) for t in cfg.data.tasks)
-        if instructions and model == "byte-gpt":
-            raise ForgetlessError("instruction tasks need a pretrained model: add --model smollm2-135m (or hf:PATH, "
-                                  "a .gguf file); byte-gpt takes text corpora as tasks")
-        if base_seeds < 1 or base_seeds > 1 and model != "byte-gpt":
-            raise ForgetlessError(f"--base-seeds {base_seeds}: give N >= 1 bases to pretrain; a pretrained --model "
-                                  "has one base (its variance is not sampled)")
-        if instructions and workers > 1:
-            raise ForgetlessError("--workers runs forgetless's own bases and arms side by side; an instruction stream "
-                                  "on a pretrained model runs in one process (use --workers 1)")
-        if instructions:
-            results = run_instruction_sequence(cfg, specs, seed_list, out, preset, device, model)
+    with contextlib.ExitStack() as stack:  # a folder this run made is removed if it fails before writing in it
+        if optimizers:
+            if sweep:
+                raise ForgetlessError("--sweep does not go with --optimizers; sweep learning rates there with --lrs")
+            if protocol != "two-domain" or pretrain_seeds <= 0:
+                raise ForgetlessError("--optimizers runs the two-domain protocol with --pretrain-seeds >= 1")
+            names = ["full"] if methods in ("all", "default") else methods.split(",")
+            out = stack.enter_context(claim(
+                out or Path("runs") / f"optimizers-{preset}", force, preset=preset, model=model, methods=names,
+                optimizers=optimizers.split(","), lrs=lrs, pretrain_seeds=pretrain_seeds, base_seeds=base_seeds,
+                config=cfg.to_dict()))
+            results = run_optimizers(cfg, names, optimizers.split(","), seed_list, out, preset, pretrain_seeds,
+                                     lrs.split(",") if lrs else None, device, base_seeds, workers)
         else:
-            results = protocols[protocol](cfg, specs, seed_list, out, preset, device, model, base_seeds,
-                                          workers)
+            methods = default_methods(preset, protocol) if methods == "default" else methods
+            every = method_names("two-domain" if protocol == "online" else protocol)  # online: two-domain's set
+            specs = [MethodSpec(n) for n in every] if methods == "all" else parse_method_specs(methods)
+            specs = sweep_specs(specs, sweep, lrs)
+            out = stack.enter_context(claim(
+                out or Path("runs") / f"{protocol}-{preset}", force, protocol=protocol, preset=preset, model=model,
+                methods=sorted(spec.label for spec in specs), base_seeds=base_seeds, config=cfg.to_dict(),
+                online=dataclasses.asdict(cfg.online) if protocol == "online" else None))
+            instructions = protocol == "sequence" and any(is_task_spec(t) for t in cfg.data.tasks)
+            if instructions and model == "byte-gpt":
+                raise ForgetlessError("instruction tasks need a pretrained model: add --model smollm2-135m (or hf:PATH, "
+                                      "a .gguf file); byte-gpt takes text corpora as tasks")
+            if base_seeds < 1 or base_seeds > 1 and model != "byte-gpt":
+                raise ForgetlessError(f"--base-seeds {base_seeds}: give N >= 1 bases to pretrain; a pretrained --model "
+                                      "has one base (its variance is not sampled)")
+            if instructions and workers > 1:
+                raise ForgetlessError("--workers runs forgetless's own bases and arms side by side; an instruction stream "
+                                      "on a pretrained model runs in one process (use --workers 1)")
+            if instructions:
+                results = run_instruction_sequence(cfg, specs, seed_list, out, preset, device, model)
+            else:
+                results = protocols[protocol](cfg, specs, seed_list, out, preset, device, model, base_seeds,
+                                              workers)
     files = write_report(results, out)
     where = " → ".join(results["tasks"]) if protocol == "sequence" else f"A={cfg.data.domain_a} → B={cfg.data.domain_b}"
     title = " · ".join([protocol, preset, *([model] if model != "byte-gpt" else []), where])
@@ -544,11 +549,13 @@ def writable(folder: Path) -> Path:
     return folder
 
 
-def claim(out: Path, force: bool, **configuration) -> Path:
+@contextlib.contextmanager
+def claim(out: Path, force: bool, **configuration):
     """`out` for a bench run of `configuration` (all but the seeds and workers): a new folder, or one of the
     same configuration (resumed); one holding arms or results of another configuration is refused unless
     `force`. The configuration is kept in out/run.json (a folder from before it: its results.json's preset
-    and model are compared)."""
+    and model are compared). A folder this call makes is removed again if the run fails before writing
+    anything else in it."""
     from forgetless.checkpoint import write_json
     out, configuration, there = writable(out), json.loads(json.dumps(configuration)), {}
     if (out / "run.json").is_file() and ((out / "arms").is_dir() or (out / "results.json").is_file()):
@@ -562,8 +569,14 @@ def claim(out: Path, force: bool, **configuration) -> Path:
                          else f"{key} differs" for key in differ)
         raise ForgetlessError(f"--out {out} holds a run of another configuration ({said}); give a new --out "
                               "folder, or add --force to run there anyway (its results.json is replaced)")
+    made = not out.exists()
     write_json(out / "run.json", configuration)
-    return out
+    try:
+        yield out
+    except BaseException:
+        if made and [p.name for p in out.iterdir()] == ["run.json"]:
+            shutil.rmtree(out)
+        raise
 
 
 app.add_typer(aunn_app, name="aunn")

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from forgetless.data.splits import Batch
+
 from forgetless.adapted import attach
 from forgetless.checkpoint import write_json
 from forgetless.config import code_fingerprint, stable_hash
@@ -113,7 +115,7 @@ def step_seconds(model_cfg: GPTConfig, method: Method | None, batch_size: int, d
     times = []
     for _ in range(timed + 1):
         t0 = time.perf_counter()
-        loss = adapted.losses(windows)[0]
+        loss = adapted.losses(Batch.of(windows))[0]  # a Batch: its rows are marked (none from old data)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
