@@ -16,13 +16,12 @@ from pathlib import Path
 
 import torch
 
-from forgetless.data.splits import Batch
-
 from forgetless.adapted import attach
 from forgetless.checkpoint import write_json
 from forgetless.config import code_fingerprint, stable_hash
 from forgetless.continual.base_model import base_label, base_path, cached_base, load_base, warn_if_other_code
 from forgetless.continual.evaluate import evaluate
+from forgetless.data.splits import Batch
 from forgetless.continual.workers import run_jobs, worker_threads
 from forgetless.errors import ForgetlessError
 from forgetless.methods import Method, build_method
