@@ -1,5 +1,5 @@
 """Every registered method on every common decoder family (issue 37, item 7): tiny random GPT-2, Llama, Qwen2,
-Qwen3, Mistral, Gemma, Phi-3, GPT-NeoX, Falcon and OPT models. Each method attaches (the methods that go beside
+Qwen3, Mistral, Gemma, Phi-3, GPT-NeoX, Falcon, OPT and Mixtral models. Each method attaches (the methods that go beside
 or train the MLP find it from the model's structure: `ffn_blocks`), trains two AdamW steps through
 `adapted.loss` on a batch with retained rows of old data, saves, and reloads onto a fresh base with the same
 logits. The finder's own cases (a renamed MLP, OPT's fc1/fc2 span, no FFN at all) follow."""
@@ -30,6 +30,7 @@ FAMILIES = {  # family: (config class, its options)
     "gpt_neox": ("GPTNeoXConfig", dict(SMALL, intermediate_size=32)),
     "falcon": ("FalconConfig", dict(SMALL, max_position_embeddings=None)),
     "opt": ("OPTConfig", dict(SMALL, ffn_dim=32, word_embed_proj_dim=16)),
+    "mixtral": ("MixtralConfig", dict(GQA, num_local_experts=2, num_experts_per_tok=1)),  # experts: 3-D tensors
 }
 METHODS = forgetless.method_names()
 SMALL_OPTIONS = {"apn": {"apn": {"n_patches": 8, "top_k": 2, "rank": 4}}}  # the apn arms: few small patches

@@ -11,7 +11,8 @@ from forgetless.nn.adapter import BottleneckAdapter, input_width
 @dataclass
 class AdapterConfig(MethodConfig):
     target_modules: list[str] = field(default_factory=list, metadata={
-        "help": "modules to put an adapter beside (empty: every decoder layer's MLP, found from the model's structure)"})
+        "help": "modules to put an adapter beside (empty: every "
+                "decoder layer's MLP, found from the model's structure)"})
     bottleneck: int = field(default=64, metadata={"help": "adapter hidden width"})
     lr: float | None = field(default=1e-3, metadata={"help": "learning rate (new zero-initialised weights)"})
 

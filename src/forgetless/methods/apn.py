@@ -39,7 +39,8 @@ DECODERS = ("decoders", "offset_in", "offset_out")
 @dataclass
 class APNMethodConfig(MethodConfig):
     target_modules: list[str] = field(default_factory=list, metadata={
-        "help": "retrofits: the FFNs to put an APN beside (empty: every decoder layer's MLP, found from the model's structure)"})
+        "help": "retrofits: the FFNs to put an APN beside (empty: every "
+                "decoder layer's MLP, found from the model's structure)"})
     apn: dict = field(default_factory=dict, metadata={"help": "APNConfig options of the APN base / retrofit modules"})
     train_prototypes: bool = field(default=True, metadata={"help": "prototypes (routing) train too, as in the source"})
     local: bool = field(default=False, metadata={"help": "update only patches active in the batch"})

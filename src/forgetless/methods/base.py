@@ -345,7 +345,7 @@ def ffn_of(layer: nn.Module) -> tuple[str, nn.Module] | None:
     """(child name, FFN) of one decoder layer ('' and an FFNSpan where the FFN's linears sit on the layer)."""
     children = dict(layer.named_children())
     for name in FFN_NAMES:
-        if name in children and not linear_shape(children[name]) and linears(children[name]):
+        if name in children and not linear_shape(children[name]) and any(True for _ in children[name].parameters()):
             return name, children[name]
     for name, child in children.items():
         if looks_like_ffn(name, child):

@@ -31,7 +31,8 @@ from forgetless.nn.cms import CMS, CMSConfig, Level
 @dataclass
 class CMSMethodConfig(MethodConfig, CMSConfig):
     target_modules: list[str] = field(default_factory=list, metadata={
-        "help": "on models other than the forgetless GPT: the MLPs that get a CMS chain beside them (empty: every decoder layer's MLP, found from the model's structure)"})
+        "help": "on models other than the forgetless GPT: the MLPs that get a CMS chain beside them (empty: every "
+                "decoder layer's MLP, found from the model's structure)"})
     max_period: int = field(default=0, metadata={"help": "train only levels whose period is <= this (0: every level)"})
     retrofit_size: float = field(default=0.05, metadata={
         "help": "on transformers models: the chains' parameters as a fraction of the model's (sets the level "

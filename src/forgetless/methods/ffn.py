@@ -9,7 +9,8 @@ from forgetless.methods.base import Method, MethodConfig, find_ffns, register_me
 @dataclass
 class FFNConfig(MethodConfig):
     target_modules: list[str] = field(default_factory=list, metadata={
-        "help": "FFN modules whose weights train (empty: every decoder layer's MLP, found from the model's structure)"})
+        "help": "FFN modules whose weights train (empty: every "
+                "decoder layer's MLP, found from the model's structure)"})
 
 
 @register_method("ffn")

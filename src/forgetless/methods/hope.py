@@ -29,7 +29,8 @@ from forgetless.nn.titans import NeuralMemory
 @dataclass
 class HopeMethodConfig(MethodConfig, HopeConfig):
     target_modules: list[str] = field(default_factory=list, metadata={
-        "help": "on models other than the forgetless GPT: the MLPs that get a HOPE slot beside them (empty: every decoder layer's MLP, found from the model's structure)"})
+        "help": "on models other than the forgetless GPT: the MLPs that get a HOPE slot beside them (empty: every "
+                "decoder layer's MLP, found from the model's structure)"})
     writes: bool = field(default=True, metadata={
         "help": "write the memory inside the forward (test-time memory); false: reads of its initial weights only"})
     retrofit_size: float = field(default=0.05, metadata={

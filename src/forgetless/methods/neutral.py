@@ -26,7 +26,8 @@ from forgetless.nn.neutral import GatedAdapter, NeutralConfig
 @dataclass
 class NeutralMethodConfig(MethodConfig, NeutralConfig):
     target_modules: list[str] = field(default_factory=list, metadata={
-        "help": "modules to put a gated adapter beside (empty: every decoder layer's MLP, found from the model's structure)"})
+        "help": "modules to put a gated adapter beside (empty: every "
+                "decoder layer's MLP, found from the model's structure)"})
     alpha: float = field(default=0.01, metadata={"help": "weight of the l1 term on original-domain rows"})
     domain_weight: float = field(default=1.0, metadata={"help": "gate=sigmoid: weight of the domain cross-entropy"})
     mix: float | None = field(default=0.1, metadata={"help": "fraction of every batch from the original domain"})

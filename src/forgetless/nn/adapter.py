@@ -138,8 +138,12 @@ def n_params(module: nn.Module) -> int:
 
 
 def input_width(module: nn.Module) -> int:
-    """Width d of the input of an FFN-like module (first Linear or HF Conv1D inside it)."""
+    """Width d of the input of an FFN-like module: its first Linear or HF Conv1D, else (experts fused into
+    3-D tensors, as Mixtral's) the input width of its first weight, in PyTorch's (out, in) layout (the router's)."""
     for m in module.modules():
         if shape := linear_shape(m):
             return shape[0]
+    for p in module.parameters():
+        if p.dim() >= 2:
+            return p.shape[-1]
     raise ValueError(f"cannot tell the input width of {type(module).__name__}")
