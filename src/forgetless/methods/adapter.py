@@ -4,14 +4,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import Method, MethodConfig, find_modules, register_method, replace_module
-from forgetless.nn.adapter import Beside, BottleneckAdapter, input_width
+from forgetless.methods.base import Method, MethodConfig, find_ffns, put_beside, register_method
+from forgetless.nn.adapter import BottleneckAdapter, input_width
 
 
 @dataclass
 class AdapterConfig(MethodConfig):
-    target_modules: list[str] = field(default_factory=lambda: ["mlp"], metadata={
-        "help": "modules to put an adapter beside (GPT-2 naming: mlp)"})
+    target_modules: list[str] = field(default_factory=list, metadata={
+        "help": "modules to put an adapter beside (empty: every "
+                "decoder layer's MLP, found from the model's structure)"})
     bottleneck: int = field(default=64, metadata={"help": "adapter hidden width"})
     lr: float | None = field(default=1e-3, metadata={"help": "learning rate (new zero-initialised weights)"})
 
@@ -26,8 +27,8 @@ class Adapter(Method):
     Config = AdapterConfig
 
     def attach(self, model):
-        for name, module in find_modules(model, self.cfg.target_modules, self.cfg.exclude_modules):
-            replace_module(model, name, Beside(module, BottleneckAdapter(input_width(module), self.cfg.bottleneck)))
+        for name, module in find_ffns(model, self.cfg.target_modules, self.cfg.exclude_modules):
+            put_beside(model, name, module, BottleneckAdapter(input_width(module), self.cfg.bottleneck))
         return model
 
     def trainable_parameters(self, model):

@@ -26,9 +26,9 @@ import torch.nn as nn
 from forgetless import distributed
 from forgetless.config import from_dict
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import Method, MethodConfig, find_modules, register_method, replace_module
+from forgetless.methods.base import Method, MethodConfig, find_ffns, put_beside, register_method
 from forgetless.models.gpt import GPT, GPTConfig
-from forgetless.nn.adapter import Beside, input_width, n_params, width_for
+from forgetless.nn.adapter import input_width, n_params, width_for
 from forgetless.nn.apn import APN, APNConfig, routing_report
 from forgetless.progress import console
 
@@ -38,7 +38,9 @@ DECODERS = ("decoders", "offset_in", "offset_out")
 
 @dataclass
 class APNMethodConfig(MethodConfig):
-    target_modules: list[str] = field(default_factory=lambda: ["mlp"], metadata={"help": "the FFN modules (APN or dense)"})
+    target_modules: list[str] = field(default_factory=list, metadata={
+        "help": "retrofits: the FFNs to put an APN beside (empty: every "
+                "decoder layer's MLP, found from the model's structure)"})
     apn: dict = field(default_factory=dict, metadata={"help": "APNConfig options of the APN base / retrofit modules"})
     train_prototypes: bool = field(default=True, metadata={"help": "prototypes (routing) train too, as in the source"})
     local: bool = field(default=False, metadata={"help": "update only patches active in the batch"})
@@ -122,10 +124,10 @@ class APNMethod(Method):
             if self.cfg.param_matched and not isinstance(model, GPT):
                 console.print(f"[yellow]warning:[/yellow] {self.name}: param_matched sizes forgetless's own APN base; "
                               "on this model the APNs are retrofits sized by retrofit_size, as with apn")
-            targets = find_modules(model, self.cfg.target_modules, self.cfg.exclude_modules)
+            targets = find_ffns(model, self.cfg.target_modules, self.cfg.exclude_modules)
             apn_cfg = self.retrofit_config(model, targets)
             for name, module in targets:
-                replace_module(model, name, Beside(module, APN(input_width(module), apn_cfg, out_std=0.0)))
+                put_beside(model, name, module, APN(input_width(module), apn_cfg, out_std=0.0))
         if not apn_modules(model):
             raise ForgetlessError(f"method {self.name} found no APN module: it needs an APN base (or retrofit=true)")
         needs_routing = self.cfg.local or self.cfg.allocate

@@ -9,6 +9,7 @@ owns the call order.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -20,7 +21,7 @@ from forgetless.config import from_dict
 from forgetless.data.splits import Batch
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPT, GPTConfig, ffn_signature
-from forgetless.nn.adapter import linear_shape
+from forgetless.nn.adapter import Beside, FFNSpan, linear_shape
 from forgetless.optim import OPTIMIZERS
 from forgetless.train import StepHooks
 
@@ -296,6 +297,98 @@ def find_modules(model: nn.Module, target: list[str], exclude: list[str]) -> lis
             f"target_modules {target} match no module of {type(model).__name__}; "
             "pass names that exist (see model.named_modules()), e.g. mlp or c_fc, or all-linear")
     return found
+
+
+FFN_NAMES = ("mlp", "feed_forward", "ffn", "mlp_block", "block_sparse_moe")  # tried first; the structure decides
+
+
+def find_ffns(model: nn.Module, target: list[str], exclude: list[str]) -> list[tuple[str, nn.Module]]:
+    """The FFN (MLP) blocks a method puts its modules beside or trains: the modules `target` names
+    (find_modules), or with an empty `target` every decoder layer's FFN found from the structure (ffn_blocks)."""
+    return find_modules(model, target, exclude) if target else ffn_blocks(model, exclude)
+
+
+def ffn_blocks(model: nn.Module, exclude: list[str] | None = None) -> list[tuple[str, nn.Module]]:
+    """(name, FFN) of every decoder layer of `model`, found from its structure, not from a per-family list.
+
+    The decoder layers are the children of the model's largest nn.ModuleList (by parameters). In each layer
+    the FFN is, in turn: a child named as in FFN_NAMES (mlp, feed_forward, ffn, ...); else a child that looks
+    like one (`looks_like_ffn`: one input, linears from width d back to d, not attention); else, where the
+    layer holds the FFN's linears itself (OPT: fc1, fc2), an FFNSpan named by the layer: from its first
+    direct linear (d -> h) to the last direct linear back to d. Modules matching `exclude` are left out."""
+    found = []
+    for name, layer in decoder_layers(model):
+        if (ffn := ffn_of(layer)) is not None:
+            child, module = ffn
+            full = f"{name}.{child}" if child else name
+            if not matches(full, exclude or []):
+                found.append((full, module))
+    if not found:
+        raise ForgetlessError(
+            f"found no MLP block in the decoder layers of {type(model).__name__} (no child named "
+            f"{'/'.join(FFN_NAMES)}, no one-input module of linears d -> ... -> d, no fc1/fc2-like linears on the "
+            "layer); pass target_modules with the name of each layer's FFN module (see model.named_modules())")
+    return found
+
+
+def decoder_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, layer) of the repeated blocks of `model`: the children of its nn.ModuleList with the most
+    parameters (the outermost where lists nest)."""
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        return []
+    name, layers = max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()))
+    return [(f"{name}.{i}" if name else str(i), layer) for i, layer in enumerate(layers)]
+
+
+def ffn_of(layer: nn.Module) -> tuple[str, nn.Module] | None:
+    """(child name, FFN) of one decoder layer ('' and an FFNSpan where the FFN's linears sit on the layer)."""
+    children = dict(layer.named_children())
+    for name in FFN_NAMES:
+        if name in children and not linear_shape(children[name]) and any(True for _ in children[name].parameters()):
+            return name, children[name]
+    for name, child in children.items():
+        if looks_like_ffn(name, child):
+            return name, child
+    direct = [(name, child) for name, child in children.items() if linear_shape(child)]
+    if len(direct) >= 2:
+        d = linear_shape(direct[0][1])[0]
+        ends = [i for i, (_, child) in enumerate(direct) if i and linear_shape(child)[1] == d]
+        if ends:
+            return "", FFNSpan(layer, [name for name, _ in direct[:ends[-1] + 1]])
+    return None
+
+
+def linears(module: nn.Module) -> list[tuple[int, int]]:
+    """(d_in, d_out) of every linear in `module`, in registration order."""
+    return [shape for m in module.modules() if (shape := linear_shape(m))]
+
+
+def looks_like_ffn(name: str, module: nn.Module) -> bool:
+    """A layer's child that is an FFN by structure: two or more linears, the first taking the width the last
+    gives back (d -> ... -> d), a forward of one input (attention takes masks, positions or a cache) and no
+    attention in its name."""
+    shapes = linears(module)
+    if linear_shape(module) or len(shapes) < 2 or shapes[0][0] != shapes[-1][1]:
+        return False
+    if re.search("attn|attention", f"{name} {type(module).__name__}", re.IGNORECASE):
+        return False
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return (bool(params) and params[0].kind in positional
+            and all(p.default is not inspect.Parameter.empty and p.kind in positional for p in params[1:]))
+
+
+def put_beside(model: nn.Module, name: str, target: nn.Module, new: nn.Module):
+    """Add `new` beside the FFN `target` found at `name` (find_ffns): the FFN's output becomes
+    FFN(x) + new(x), x the FFN's input (Beside, or an FFNSpan's wrapped first and last linears)."""
+    if isinstance(target, FFNSpan):
+        target.put_beside(new)
+    else:
+        replace_module(model, name, Beside(target, new))
 
 
 def default_linear_targets(model: nn.Module) -> list[str]:

@@ -22,16 +22,17 @@ from pathlib import Path
 import torch
 
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import Method, MethodConfig, find_modules, register_method, replace_module
+from forgetless.methods.base import Method, MethodConfig, find_ffns, put_beside, register_method
 from forgetless.models.gpt import GPT, GPTConfig
-from forgetless.nn.adapter import Beside, input_width, n_params, width_for
+from forgetless.nn.adapter import input_width, n_params, width_for
 from forgetless.nn.cms import CMS, CMSConfig, Level
 
 
 @dataclass
 class CMSMethodConfig(MethodConfig, CMSConfig):
-    target_modules: list[str] = field(default_factory=lambda: ["mlp"], metadata={
-        "help": "on models other than the forgetless GPT: the MLPs that get a CMS chain beside them"})
+    target_modules: list[str] = field(default_factory=list, metadata={
+        "help": "on models other than the forgetless GPT: the MLPs that get a CMS chain beside them (empty: every "
+                "decoder layer's MLP, found from the model's structure)"})
     max_period: int = field(default=0, metadata={"help": "train only levels whose period is <= this (0: every level)"})
     retrofit_size: float = field(default=0.05, metadata={
         "help": "on transformers models: the chains' parameters as a fraction of the model's (sets the level "
@@ -75,12 +76,12 @@ class CMSMethod(Method):
         the levels' hidden width is level_hidden, else sized so all the chains have `retrofit_size` times
         the model's parameters (a chain as wide as the MLP would add 40 % to SmolLM2)."""
         opts = CMSConfig(**{f.name: getattr(self.cfg, f.name) for f in dataclasses.fields(CMSConfig)})
-        targets = find_modules(model, self.cfg.target_modules, self.cfg.exclude_modules)
+        targets = find_ffns(model, self.cfg.target_modules, self.cfg.exclude_modules)
         budget = self.cfg.retrofit_size * n_params(model) / max(1, len(targets))
         for name, mlp in targets:
             d = input_width(mlp)
             width = opts.level_hidden or width_for(lambda w: n_params(CMS(d, w, opts)), budget)
-            replace_module(model, name, Beside(mlp, CMS(d, width, opts, zero_out=True)))
+            put_beside(model, name, mlp, CMS(d, width, opts, zero_out=True))
 
     def level_parameters(self, model, every: bool = False) -> list[tuple[str, torch.nn.Parameter]]:
         cap = self.cfg.max_period

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from forgetless.methods.base import Method, MethodConfig, find_modules, register_method
+from forgetless.methods.base import Method, MethodConfig, find_ffns, register_method
 
 
 @dataclass
 class FFNConfig(MethodConfig):
-    target_modules: list[str] = field(default_factory=lambda: ["mlp"], metadata={
-        "help": "FFN modules whose weights train (GPT-2 naming: mlp)"})
+    target_modules: list[str] = field(default_factory=list, metadata={
+        "help": "FFN modules whose weights train (empty: every "
+                "decoder layer's MLP, found from the model's structure)"})
 
 
 @register_method("ffn")
@@ -19,6 +20,6 @@ class FFNOnly(Method):
 
     def trainable_parameters(self, model):
         out = []
-        for name, module in find_modules(model, self.cfg.target_modules, self.cfg.exclude_modules):
+        for name, module in find_ffns(model, self.cfg.target_modules, self.cfg.exclude_modules):
             out += [(f"{name}.{n}", p) for n, p in module.named_parameters()]
         return out

@@ -19,17 +19,18 @@ import torch
 import torch.nn.functional as F
 
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import Method, MethodConfig, find_modules, register_method, replace_module
+from forgetless.methods.base import Method, MethodConfig, find_ffns, put_beside, register_method
 from forgetless.models.gpt import GPT, GPTConfig, logits_of
-from forgetless.nn.adapter import Beside, input_width, n_params, width_for
+from forgetless.nn.adapter import input_width, n_params, width_for
 from forgetless.nn.hope import HOPE, HopeConfig
 from forgetless.nn.titans import NeuralMemory
 
 
 @dataclass
 class HopeMethodConfig(MethodConfig, HopeConfig):
-    target_modules: list[str] = field(default_factory=lambda: ["mlp"], metadata={
-        "help": "on models other than the forgetless GPT: the MLPs that get a HOPE slot beside them"})
+    target_modules: list[str] = field(default_factory=list, metadata={
+        "help": "on models other than the forgetless GPT: the MLPs that get a HOPE slot beside them (empty: every "
+                "decoder layer's MLP, found from the model's structure)"})
     writes: bool = field(default=True, metadata={
         "help": "write the memory inside the forward (test-time memory); false: reads of its initial weights only"})
     retrofit_size: float = field(default=0.05, metadata={
@@ -86,14 +87,14 @@ class HopeMethod(Method):
         if not opts.attention:
             raise ForgetlessError(f"hope attention=false needs a forgetless GPT; {type(model).__name__} keeps its "
                                   "attention, so drop attention=false")
-        targets = find_modules(model, self.cfg.target_modules, self.cfg.exclude_modules)
+        targets = find_ffns(model, self.cfg.target_modules, self.cfg.exclude_modules)
         budget = self.cfg.retrofit_size * n_params(model) / max(1, len(targets))
         for name, mlp in targets:
             d = input_width(mlp)
             slot = opts if opts.width or opts.self_modify else dataclasses.replace(
                 opts, width=memory_width(d, opts, budget / 2))
             width = opts.level_hidden or width_for(lambda w: n_params(HOPE(d, w, slot)), budget)
-            replace_module(model, name, Beside(mlp, HOPE(d, width, slot, zero_out=True)))
+            put_beside(model, name, mlp, HOPE(d, width, slot, zero_out=True))
 
     def trainable_parameters(self, model):
         return [(f"{name}.{n}", p) for name, slot in slots(model) for n, p in slot.named_parameters()]

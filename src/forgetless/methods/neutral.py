@@ -17,16 +17,17 @@ import torch
 import torch.nn.functional as F
 
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import Method, MethodConfig, find_modules, register_method, replace_module
+from forgetless.methods.base import Method, MethodConfig, find_ffns, put_beside, register_method
 from forgetless.models.gpt import logits_of
-from forgetless.nn.adapter import Beside, input_width
+from forgetless.nn.adapter import input_width
 from forgetless.nn.neutral import GatedAdapter, NeutralConfig
 
 
 @dataclass
 class NeutralMethodConfig(MethodConfig, NeutralConfig):
-    target_modules: list[str] = field(default_factory=lambda: ["mlp"], metadata={
-        "help": "modules to put a gated adapter beside (GPT-2 naming: mlp)"})
+    target_modules: list[str] = field(default_factory=list, metadata={
+        "help": "modules to put a gated adapter beside (empty: every "
+                "decoder layer's MLP, found from the model's structure)"})
     alpha: float = field(default=0.01, metadata={"help": "weight of the l1 term on original-domain rows"})
     domain_weight: float = field(default=1.0, metadata={"help": "gate=sigmoid: weight of the domain cross-entropy"})
     mix: float | None = field(default=0.1, metadata={"help": "fraction of every batch from the original domain"})
@@ -47,11 +48,11 @@ class Neutral(Method):
 
     def attach(self, model):
         base_params = sum(p.numel() for p in model.parameters())
-        targets = find_modules(model, self.cfg.target_modules, self.cfg.exclude_modules)
+        targets = find_ffns(model, self.cfg.target_modules, self.cfg.exclude_modules)
         for name, module in targets:
             d = input_width(module)
             hidden = max(1, round(self.cfg.size * base_params / (len(targets) * 3 * d)))  # W_i, W_g, W_o
-            replace_module(model, name, Beside(module, GatedAdapter(d, hidden, len(targets), self.cfg)))
+            put_beside(model, name, module, GatedAdapter(d, hidden, len(targets), self.cfg))
         return model
 
     def adapters(self, model) -> list[GatedAdapter]:
