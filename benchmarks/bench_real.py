@@ -24,7 +24,8 @@ at start_task on `--fisher-windows` windows (setup, not step time).
 `--config` times a random-initialised transformers model of a named shape instead of a pretrained one
 (`llama-1b`: Llama 3.2 1B's, 1.24B parameters; `llama-tiny`: seconds on a CPU, to check the script).
 `--precision bf16` runs forward and loss under bf16 autocast over float32 weights, as the protocols do;
-on CUDA the peak is the CUDA allocator's (peak_cuda_mb), beside the process's peak RSS.
+on CUDA the peak is also the CUDA allocator's over the steps (peak_cuda_mb; the base model, resident
+throughout, included), beside the process's peak RSS.
 """
 from __future__ import annotations
 

@@ -170,6 +170,9 @@ def compare_smoke(cpu: Path, cuda: Path) -> int:
     a, b = (json.loads((d / "results.json").read_text()) for d in (cpu, cuda))
     worst, outside, metrics = {}, [], {}
     for method, m in a["methods"].items():
+        if method not in b["methods"]:
+            outside.append(f"{method}: not in the {b['device']} run")
+            continue
         for key, (tol, relative) in SMOKE_KEYS.items():
             x, y = m[key]["mean"], b["methods"][method][key]["mean"]
             metrics.setdefault(method, {})[key] = [x, y]
@@ -177,16 +180,16 @@ def compare_smoke(cpu: Path, cuda: Path) -> int:
             if diff > worst.get(key, (-1.0,))[0]:
                 worst[key] = (diff, method)
             if diff > tol:
-                outside.append(f"{key} of {method}: {x:.6g} on the CPU, {y:.6g} on {b['device']}")
+                outside.append(f"{key} of {method}: {x:.6g} on {a['device']}, {y:.6g} on {b['device']}")
     for key, (diff, method) in worst.items():
         print(f"{key:>16}: max {'relative' if SMOKE_KEYS[key][1] else 'abs'} difference {diff:.3g} ({method})")
-    top = max(worst.items(), key=lambda kv: kv[1][0] / SMOKE_KEYS[kv[0]][0])
     print(json.dumps({"devices": [a["device"], b["device"]], "methods": list(a["methods"]),
                       "max_difference": {k: {"diff": d, "method": m} for k, (d, m) in worst.items()},
                       "tolerance": SMOKE_KEYS, "outside": outside, "metrics": metrics}))
     if outside:
         print(f"outside tolerance: {'; '.join(outside)}")
         return 1
+    top = max(worst.items(), key=lambda kv: kv[1][0] / SMOKE_KEYS[kv[0]][0])
     print(f"{b['device']} vs {a['device']}: {len(SMOKE_KEYS)} metrics x {len(a['methods'])} methods within tolerance; "
           f"closest to its limit: {top[0]} {top[1][0]:.3g} ({top[1][1]})")
     return 0
@@ -264,8 +267,8 @@ def main() -> int:
         run(steps["wheels"])
         run(steps["device"])
         if not (steps["device"].result or {}).get("cuda"):
-            steps["device"].status = "failed"
-            steps["device"].summary = f"no CUDA device ({steps['device'].summary}); on a CPU run --dry-run"
+            steps["device"].status, steps["device"].summary = "failed", "no CUDA device: on a CPU run --dry-run"
+            print(f"device failed: {steps['device'].summary}", flush=True)
         else:
             run(steps["smoke-cpu"], background=True)
             run(steps["cuda-tests"])
@@ -276,6 +279,9 @@ def main() -> int:
     for name in ("apn", "bench-real", "titans", "titans-64k"):
         if steps["device"].status == "ok" and steps[name].status == "not run":
             run(steps[name])
+    for step in steps.values():
+        if step.status == "not run":
+            step.status, step.summary = "skipped", "a step it needs did not succeed"
     info = steps["device"].result or {}
     files = report(list(steps.values()), info, args.dry_run, args.budget, time.monotonic() - t0, work, out)
     failed = [s.name for s in steps.values() if s.status not in ("ok",)]
