@@ -136,15 +136,16 @@ def plan(dry: bool, work: Path) -> dict[str, Step]:
         Step("wheels", python(*(install if wheels and not dry else listing)), 60),
         Step("device", python(__file__, "--device-info"), 30),
         Step("smoke-cpu", python(*smoke, "--device", "cpu", "--out", str(work / "smoke-cpu")), 240,
-             {"FORGETLESS_CACHE": str(work / "cache-cpu")}, pick=SMOKE_DONE),
+             {"FORGETLESS_CACHE": str(work / "cache-cpu"), "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))},
+             pick=SMOKE_DONE),  # half the cores: the CUDA tests beside it need the others to launch their kernels
         Step("cuda-tests", python(*tests), 150, {"FORGETLESS_TEST_DEVICE": device}),
         Step("smoke-cuda", python(*smoke, "--device", device, "--out", str(work / "smoke-cuda")), 90,
              {"FORGETLESS_CACHE": str(work / "cache-cuda")}, pick=SMOKE_DONE),
         Step("smoke-compare", python(__file__, "--compare", str(work / "smoke-cpu"), str(work / "smoke-cuda")), 30),
         Step("apn", python(*apn), 30),
         Step("bench-real", python(*real), 100),
-        Step("titans", python(*titans_4k), 45),
-        Step("titans-64k", python(*titans_64k), 45),
+        Step("titans", python(*titans_4k), 60),
+        Step("titans-64k", python(*titans_64k), 90),  # last: what is left of the budget
     ]
     return {s.name: s for s in steps}
 

@@ -21,7 +21,7 @@ def test_dry_run_runs_every_step_and_writes_the_report(tmp_path):
     assert "2 passed, 1 skipped" in steps["cuda-tests"]["summary"]  # fp16 skips on the CPU
     compared = steps["smoke-compare"]["result"]
     assert compared["outside"] == [] and set(compared["metrics"]) == {"full", "lora"}
-    assert all(d["diff"] == 0 for d in compared["max_difference"].values())  # the same run twice on the CPU
+    assert all(d["diff"] < 1e-4 for d in compared["max_difference"].values())  # CPU twice (1 and 2 threads)
     assert set(steps["bench-real"]["result"]["methods"]) == {"lora", "apn-retrofit"}
     assert steps["bench-real"]["result"]["config"]["precision"] == "bf16"
     assert steps["apn"]["result"]["size"] == "quick" and steps["titans"]["result"]["contexts"][0]["context"] == 16
