@@ -17,6 +17,7 @@ import datetime
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -196,13 +197,13 @@ def compare_smoke(cpu: Path, cuda: Path) -> int:
     return 0
 
 
-def report(steps: list[Step], info: dict, dry: bool, budget: float, wall: float, work: Path, out: Path) -> list[Path]:
+def report(steps: list[Step], info: dict, dry: bool, budget: float, wall: float, out: Path) -> list[Path]:
     """gpu-check-<card>.json (every step: command, outcome, parsed result, output tail), .md and .log."""
     card = info.get("card") or ("cpu-dry-run" if dry else "no-cuda-device")
     stem = "gpu-check-" + re.sub(r"[^A-Za-z0-9_.-]+", "-", card).strip("-")
     out.mkdir(parents=True, exist_ok=True)
     data = {"check": "gpu-check", "card": card, "dry_run": dry, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "device": info, "work": str(work), "budget_s": budget, "wall_s": round(wall, 1),
+            "device": info, "budget_s": budget, "wall_s": round(wall, 1),
             "steps": [s.record() for s in steps]}
     paths = [out / f"{stem}.json", out / f"{stem}.md", out / f"{stem}.log"]
     paths[0].write_text(json.dumps(data, indent=1) + "\n")
@@ -234,7 +235,7 @@ def main() -> int:
         return device_info()
     t0 = time.monotonic()
     out = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "runs" / "gpu-check"
-    work = Path(tempfile.mkdtemp(prefix="gpu-check-"))  # the steps' outputs: smoke runs, caches, logs
+    work = Path(tempfile.mkdtemp(prefix="gpu-check-"))  # the steps' outputs (smoke runs, caches), removed at the end
     steps = plan(args.dry_run, work)
     paths = [str(ROOT / "src")] + ([str(SITE)] if not args.dry_run else []) + [os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths)), "PYTHONUNBUFFERED": "1",
@@ -284,7 +285,8 @@ def main() -> int:
         if step.status == "not run":
             step.status, step.summary = "skipped", "a step it needs did not succeed"
     info = steps["device"].result or {}
-    files = report(list(steps.values()), info, args.dry_run, args.budget, time.monotonic() - t0, work, out)
+    files = report(list(steps.values()), info, args.dry_run, args.budget, time.monotonic() - t0, out)
+    shutil.rmtree(work)
     failed = [s.name for s in steps.values() if s.status not in ("ok",)]
     print(f"gpu-check: {len(steps) - len(failed)} of {len(steps)} steps ok"
           f"{'; not ok: ' + ', '.join(failed) if failed else ''}; wrote {', '.join(map(str, files))}")
