@@ -11,10 +11,13 @@ import torch.nn as nn
 
 
 def step_ms(layer: nn.Module, x: torch.Tensor, iters: int) -> float:
+    """ms per forward + backward of `layer` on `x` (waiting for a CUDA device to finish)."""
     t0 = time.perf_counter()
     for _ in range(iters):
         layer.zero_grad(set_to_none=True)
         layer(x).square().mean().backward()
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
     return 1000 * (time.perf_counter() - t0) / iters
 
 
@@ -29,12 +32,16 @@ def compare(baseline: nn.Module, candidate: nn.Module, x: torch.Tensor, repeats:
     return {"ratio": round(c / b, 3), "baseline_ms": round(b, 2), "candidate_ms": round(c, 2)}
 
 
-def parse_args(doc: str) -> argparse.Namespace:
+def parser(doc: str) -> argparse.ArgumentParser:
     """The layer benchmarks' options: --repeats (medians over) and --iters (steps per repeat)."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--iters", type=int, default=5)
-    return parser.parse_args()
+    out = argparse.ArgumentParser(description=doc.splitlines()[0])
+    out.add_argument("--repeats", type=int, default=7)
+    out.add_argument("--iters", type=int, default=5)
+    return out
+
+
+def parse_args(doc: str) -> argparse.Namespace:
+    return parser(doc).parse_args()
 
 
 def provenance(**packages: str) -> dict:

@@ -4,7 +4,7 @@
 quadratic. Also timed: the HOPE block with self-modifying projections, our memory alone and, when installed, titans-pytorch's NeuralMemory (the peer: same
 width, heads and chunk; a 2-layer MLP memory of expansion 2) in a residual block.
 
-    python benchmarks/bench_titans.py [--contexts 256,1024,4096] [--repeats 3] [--iters 2] [--quick]
+    python benchmarks/bench_titans.py [--contexts 256,1024,4096] [--repeats 3] [--iters 2] [--quick] [--device cpu]
 
 The peer: `pip install titans-pytorch` would pull its dependencies' own torch requirements, so install it apart,
 without dependencies, into a folder of its own and put that folder on PYTHONPATH when running this script:
@@ -75,20 +75,22 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--iters", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, to check the script runs")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     args = parser.parse_args()
     if args.quick:
         args.contexts, args.tokens, args.d, args.chunk, args.repeats, args.iters = "16,32,64", 64, 32, 8, 1, 1
     torch.manual_seed(0)
     models = layers(args.d, 4, 2, args.chunk)
     models["titans-pytorch"], peer_note = peer(args.d, 2, args.chunk)
+    models = {name: m.to(args.device) if m is not None else None for name, m in models.items()}
     params = {name: n_params(m) for name, m in models.items() if m is not None}
-    print(f"d={args.d}, {args.tokens} tokens per step, chunk {args.chunk}, threads {torch.get_num_threads()}; "
+    print(f"d={args.d}, {args.tokens} tokens per step, chunk {args.chunk}, {args.device}, threads {torch.get_num_threads()}; "
           f"parameters: " + ", ".join(f"{k} {v:,}" for k, v in params.items()))
     if models["titans-pytorch"] is None:
         print(f"peer: {peer_note}")
     rows = []
     for T in (int(c) for c in args.contexts.split(",")):
-        x = torch.randn(max(1, args.tokens // T), T, args.d, requires_grad=True)  # (B, T, d)
+        x = torch.randn(max(1, args.tokens // T), T, args.d, device=args.device, requires_grad=True)  # (B, T, d)
         timed = {name: m for name, m in models.items() if m is not None}
         for m in timed.values():
             step_ms(m, x, 1)  # warm up
@@ -109,7 +111,8 @@ def main():
     print(json.dumps({"bench": "titans", "provenance": provenance(titans_pytorch="titans-pytorch"), "ratio": first["HOPE block"]["ratio"],
                       "baseline_ms": first["attention block"]["ms"], "candidate_ms": first["HOPE block"]["ms"],
                       "config": {"d": args.d, "tokens": args.tokens, "chunk": args.chunk, "params": params,
-                                 "threads": torch.get_num_threads(), "repeats": args.repeats, "iters": args.iters,
+                                 "device": args.device, "threads": torch.get_num_threads(), "repeats": args.repeats,
+                                 "iters": args.iters,
                                  "peer": peer_note},
                       "contexts": rows}))
 
