@@ -79,7 +79,7 @@ class Neutral(Method):
         """Per adapted layer, the gate of every token of `windows` (mean over channels for vector gates)."""
         was_training = model.training
         model.eval()
-        logits_of(model, windows[:, :-1])
+        logits_of(model, windows[:, :-1].to(next(model.parameters()).device))
         model.train(was_training)
         return [a.gate_values(a.last_logit).mean(-1).flatten() for a in self.adapters(model)]
 
