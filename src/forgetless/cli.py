@@ -364,16 +364,20 @@ def evaluate_cmd(checkpoint: Optional[Path] = typer.Option(None, help="base chec
 
 @app.command()
 @friendly
-def export(run: Path = typer.Argument(..., help="a bench output folder (holds results.json and arms/)"),
-           method: str = typer.Option(..., help="the arm to export, as in the results table, e.g. lora or lora[r=16]"),
+def export(run: Path = typer.Argument(..., help="a bench output folder (results.json and arms/), an `adapt --data` "
+                                       "output (report.json and model/), or a folder written by save_pretrained"),
+           method: Optional[str] = typer.Option(None, help="bench runs: the arm to export, as in the results table, "
+                                                "e.g. lora or lora[r=16]"),
            out: Path = typer.Option(..., help="folder to write (must not exist or be empty)"),
-           seed: int = typer.Option(0, help="which seed's arm")):
-    """Export one arm for serving: a PEFT adapter (LoRA on a transformers model), merged weights where the
-    method folds exactly into them, else the forgetless folder with its loading example."""
+           seed: int = typer.Option(0, help="bench runs: which seed's arm"),
+           model: Optional[str] = typer.Option(None, "--model", help="save_pretrained folders: the base it was "
+                                               "trained on (smollm2-135m, hf:PATH or a .gguf file)")):
+    """Export a trained method for serving: a PEFT adapter (LoRA on a local transformers folder), merged weights
+    where the method folds exactly into them, else the forgetless folder with its loading example."""
     from forgetless.export import export as run_export
 
-    form, folder = run_export(run, method, out, seed)
-    what = {"peft": "a PEFT adapter (PeftModel.from_pretrained(base, folder))",
+    form, folder = run_export(run, method, out, seed, model)
+    what = {"peft": "a PEFT adapter (AutoPeftModelForCausalLM.from_pretrained(folder))",
             "merged": "the merged model (no forgetless needed to load it)",
             "forgetless": "the forgetless folder (forgetless.from_pretrained; see LOADING.md)"}[form]
     out_console.print(f"wrote {escape(str(folder))}: {what}")

@@ -11,6 +11,7 @@ inference stack loads (docs/DESIGN.md §7.5).
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch.nn as nn
@@ -25,8 +26,15 @@ from forgetless.models.gpt import GPT, GPTConfig
 PEFT_METHODS = ("lora", "seq-lora")
 
 
-def export(run: Path, label: str, out: Path, seed: int = 0) -> tuple[str, Path]:
-    """Export arm `label` (seed `seed`) of the bench run in `run` to `out`; returns (form, folder)."""
+def export(run: Path, label: str | None, out: Path, seed: int = 0, model: str | None = None) -> tuple[str, Path]:
+    """Export to `out`, returning (form, folder): arm `label` (seed `seed`) of the bench run in `run`, the model
+    of a `forgetless adapt --data` output, or a `save_pretrained` folder on the base `model` names."""
+    if (run / CONFIG).is_file():
+        return export_saved(run, out, model)
+    if (run / "report.json").is_file():
+        return export_adapt(run, out)
+    if label is None:
+        raise ForgetlessError(f"{run} is a bench run: name the arm to export with --method (its results table's label)")
     results = read_results(run)
     if label not in results["methods"]:
         raise ForgetlessError(f"{run} has no arm {label!r}; its arms: {', '.join(results['methods'])}")
@@ -34,8 +42,7 @@ def export(run: Path, label: str, out: Path, seed: int = 0) -> tuple[str, Path]:
     if not (saved / CONFIG).is_file():
         raise ForgetlessError(f"{saved} holds no saved method (seed {seed} of {label}); run the bench again "
                               "with this version (earlier versions saved seed<k>.safetensors only)")
-    if out.is_file() or out.is_dir() and any(out.iterdir()):
-        raise ForgetlessError(f"--out {out} exists and is not an empty folder; choose another one")
+    check_empty(out)
     model, tokenizer, spec = base_of(results, saved)
     return export_adapted(from_pretrained(model, saved), spec, tokenizer, out)
 
@@ -66,10 +73,38 @@ def local_base(model: nn.Module, spec: str | None) -> Path | None:
     return path.resolve()
 
 
+def export_saved(folder: Path, out: Path, model: str | None) -> tuple[str, Path]:
+    """A `save_pretrained` folder, loaded onto the base `model` names (a spec of models.hf.load_model)."""
+    if model is None:
+        raise ForgetlessError(f"{folder} holds a saved method: name the base it was trained on with --model "
+                              "(smollm2-135m, hf:PATH or a .gguf file)")
+    from forgetless.models.hf import load_model
+    check_empty(out)
+    base, tokenizer = load_model(model)
+    return export_adapted(from_pretrained(base, folder), model, tokenizer, out)
+
+
+def export_adapt(run: Path, out: Path) -> tuple[str, Path]:
+    """The model of an `adapt --data` output: exported already (copied), or its forgetless folder exported again."""
+    report = json.loads((run / "report.json").read_text())
+    form, folder = report["export"]["form"], run / "model"
+    if form == "forgetless":
+        return export_saved(folder, out, report["model"])
+    check_empty(out)
+    shutil.copytree(folder, out, dirs_exist_ok=True)
+    return form, out
+
+
+def check_empty(out: Path):
+    if out.is_file() or out.is_dir() and any(out.iterdir()):
+        raise ForgetlessError(f"--out {out} exists and is not an empty folder; choose another one")
+
+
 def read_results(run: Path) -> dict:
     path = run / "results.json"
     if not path.is_file():
-        raise ForgetlessError(f"{path} does not exist; give the --out folder of a `forgetless bench` run")
+        raise ForgetlessError(f"{path} does not exist; give the --out folder of a `forgetless bench` or `forgetless adapt "
+                              "--data` run, or a folder written by save_pretrained")
     results = json.loads(path.read_text())
     if results.get("protocol") not in ("two-domain", "sequence"):
         raise ForgetlessError(f"{path} is not a bench run of a protocol (an optimizer or AUNN run?)")

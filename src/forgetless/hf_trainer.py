@@ -45,6 +45,10 @@ class ForgetlessCallback(TrainerCallback):
             self.load(Path(args.output_dir) / f"checkpoint-{state.global_step}" / STATE_FILE)
         else:
             adapted.start_task(self.task, self.previous)
+        lr = adapted.method.cfg.lr
+        if lr is not None and lr != args.learning_rate and adapted._once("lr"):
+            warn(f"{adapted.method.name}'s lr {lr:g} does not act in Trainer, which trains at learning_rate "
+                 f"{args.learning_rate:g}; set TrainingArguments(learning_rate={lr:g}) to use it")
         own = adapted.method.make_optimizer(adapted.trainable_parameters(), TrainConfig(lr=args.learning_rate))
         if own is not None and adapted._once("optimizer"):
             warn(f"{adapted.method.name} trains with its own {type(own).__name__} in forgetless's loop; Trainer uses "
@@ -63,7 +67,8 @@ class ForgetlessCallback(TrainerCallback):
             tensors = {**{f"hooks.{k}": v for k, v in self.adapted.method.hook_state().items()},
                        **{f"loop.{k}": v for k, v in self.modules.hook_state().items()}}
             save_checkpoint(Path(args.output_dir) / f"checkpoint-{state.global_step}" / STATE_FILE, tensors,
-                            {"kind": "trainer-state", "method": self.adapted.method.name, "task": self.task})
+                            {"kind": "trainer-state", "method": self.adapted.method.name, "task": self.task,
+                             "start_is_base": self.adapted._start_is_base})
 
     def on_train_end(self, args, state, control, **kwargs):
         self.adapted.end_task(self.task)
@@ -80,3 +85,4 @@ class ForgetlessCallback(TrainerCallback):
         self.adapted.method.load_hook_state({k[6:]: v for k, v in tensors.items() if k.startswith("hooks.")})
         self.modules.load_hook_state({k[5:]: v for k, v in tensors.items() if k.startswith("loop.")})
         self.adapted.task, self.adapted._started = self.task, True
+        self.adapted._start_is_base = bool(meta.get("start_is_base"))
