@@ -223,7 +223,7 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
                                    "loaded by forgetless.from_pretrained or `eval --method-state`)"),
           max_length: int = typer.Option(512, help="with --data: tokens per row (longer prompts lose their start)"),
           seed: int = 0, preset: Optional[str] = typer.Option(None, help="smoke (seconds), quick, paper (GPU), real "
-                                                               "[default: quick; real with --data]"),
+                                                               "(default: quick; real with --data)"),
           device: str = DEVICE, precision: Optional[str] = PRECISION,
           fsdp: bool = typer.Option(False, "--fsdp", help="under torchrun: shard the --model over the processes "
                                     "(FSDP) instead of copying it to each; lora, seq-lora or full, with adamw"),
@@ -367,7 +367,7 @@ def evaluate_cmd(checkpoint: Optional[Path] = typer.Option(None, help="base chec
 def export(run: Path = typer.Argument(..., help="a bench output folder (results.json and arms/), an `adapt --data` "
                                        "output (report.json and model/), or a folder written by save_pretrained"),
            method: Optional[str] = typer.Option(None, help="bench runs: the arm to export, as in the results table, "
-                                                "e.g. lora or lora[r=16]"),
+                                                "e.g. lora or lora\\[r=16]"),
            out: Path = typer.Option(..., help="folder to write (must not exist or be empty)"),
            seed: int = typer.Option(0, help="bench runs: which seed's arm"),
            model: Optional[str] = typer.Option(None, "--model", help="save_pretrained folders: the base it was "
