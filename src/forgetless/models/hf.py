@@ -65,7 +65,9 @@ class TextTokenizer:
 
 
 def load_model(spec: str, device="auto") -> tuple[nn.Module, TextTokenizer]:
-    """The float32 causal LM and tokenizer that `spec` names, on `device` (see the module docstring)."""
+    """(model, tokenizer) that `spec` names (see the module docstring): the float32 causal LM on `device`, and
+    a TextTokenizer whose `.hf` is the transformers tokenizer (forgetless.data, Collator and Adapted.export
+    take either)."""
     from forgetless.adapted import resolve_device
     device = resolve_device(str(device))
     if spec.startswith("hf:"):
