@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from forgetless import __version__, distributed
-from forgetless.checkpoint import load_checkpoint, save_checkpoint, write_json
+from forgetless.checkpoint import load_checkpoint, save_checkpoint, shared, write_json
 from forgetless.continual.evaluate import loss_terms, training_loss
 from forgetless.data.splits import Batch
 from forgetless.errors import ForgetlessError
@@ -137,28 +137,16 @@ class Adapted(nn.Module):
         """The module's state_dict with each tied weight once (e.g. lm_head = embed_tokens): safetensors,
         and so transformers' Trainer checkpoints, refuse aliased tensors; load_state_dict restores them."""
         out = super().state_dict(*args, **kwargs)
-        for alias in self._aliases(out):
+        for alias in shared(out):
             out.pop(alias)
         return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         state_dict = dict(state_dict)
-        for alias, name in self._aliases(super().state_dict(keep_vars=True)).items():
+        for alias, name in shared(super().state_dict(keep_vars=True)).items():
             if alias not in state_dict and name in state_dict:
                 state_dict[alias] = state_dict[name]
         return super().load_state_dict(state_dict, strict, assign)
-
-    @staticmethod
-    def _aliases(tensors: dict) -> dict[str, str]:
-        """{name: first name} of entries that share storage with an earlier entry."""
-        first, aliases = {}, {}
-        for name, t in tensors.items():
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.numel() else None
-            if key in first:
-                aliases[name] = first[key]
-            elif key is not None:
-                first[key] = name
-        return aliases
 
     def __getattr__(self, name: str):
         try:
@@ -283,11 +271,9 @@ class Adapted(nn.Module):
         """Write the adapted model in the most portable form (forgetless.export): a PEFT adapter naming
         the local base folder (LoRA), a merged transformers folder (methods that fold into the weights),
         else the forgetless folder with LOADING.md; with the tokenizer when given. Returns (form, folder)."""
-        from forgetless.export import export_adapted
-        out_dir = Path(out_dir)
-        if out_dir.is_file() or out_dir.is_dir() and any(out_dir.iterdir()):
-            raise ForgetlessError(f"{out_dir} exists and is not an empty folder; choose another one")
-        return export_adapted(self, None, tokenizer, out_dir)
+        from forgetless.export import check_empty, export_adapted
+        check_empty(Path(out_dir))
+        return export_adapted(self, None, tokenizer, Path(out_dir))
 
     def merge_and_unload(self) -> nn.Module:
         """The plain model with the method folded into its weights (LoRA); methods that inject nothing

@@ -15,6 +15,18 @@ from forgetless.errors import ForgetlessError
 FORMAT = "forgetless-1"
 
 
+def shared(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """{name: first name} of the tensors that share storage with an earlier one (tied weights)."""
+    aliases, seen = {}, {}
+    for name, t in tensors.items():
+        key = (t.data_ptr(), t.shape, t.dtype) if t.numel() else None
+        if key is not None and key in seen:
+            aliases[name] = seen[key]
+        elif key is not None:
+            seen[key] = name
+    return aliases
+
+
 def save_checkpoint(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict):
     """Write tensors and a JSON-able `meta` to `path` atomically (tmp file + rename); under torchrun,
     rank 0 writes and every rank waits until it has.
@@ -25,15 +37,8 @@ def save_checkpoint(path: str | Path, tensors: dict[str, torch.Tensor], meta: di
         return distributed.barrier()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    unique, aliases, seen = {}, {}, {}
-    for name, t in tensors.items():
-        key = (t.data_ptr(), t.shape, t.dtype) if t.numel() else None
-        if key is not None and key in seen:
-            aliases[name] = seen[key]
-            continue
-        if key is not None:
-            seen[key] = name
-        unique[name] = t.detach().contiguous().cpu()
+    aliases = shared(tensors)
+    unique = {name: t.detach().contiguous().cpu() for name, t in tensors.items() if name not in aliases}
     meta = {**meta, "format": FORMAT, "aliases": aliases}
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     save_file(unique, str(tmp), metadata={"forgetless": json.dumps(meta)})

@@ -97,7 +97,7 @@ def export_adapt(run: Path, out: Path) -> tuple[str, Path]:
 
 def check_empty(out: Path):
     if out.is_file() or out.is_dir() and any(out.iterdir()):
-        raise ForgetlessError(f"--out {out} exists and is not an empty folder; choose another one")
+        raise ForgetlessError(f"{out} exists and is not an empty folder; choose another one")
 
 
 def read_results(run: Path) -> dict:
