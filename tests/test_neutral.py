@@ -1,8 +1,11 @@
 """Neutral Residues (gated adapters, l1 on original rows, init), mixing, and EWC."""
+import json
+
 import pytest
 import torch
 
 from forgetless import attach
+from forgetless.adapted import CONFIG, from_pretrained
 from forgetless.data.splits import Batch, Sampler
 from forgetless.errors import ForgetlessError
 from forgetless.methods import build_method
@@ -173,3 +176,25 @@ def test_mix_sweep_figure_needs_three_ratios(tmp_path):
     assert not mix_sweep(results, tmp_path / "a.png")  # the lora arm changes another option: not a sweep point
     results["methods"]["full[mix=0.5]"] = arm(0.5, 0.05)
     assert mix_sweep(results, tmp_path / "b.png") and (tmp_path / "b.png").stat().st_size > 0
+
+
+def test_adapter_reads_its_input_at_unit_scale():
+    """Pretrained FFN inputs are often RMS 0.1-0.4: rescaled per token, the gate and the adapter see the
+    scale their low-variance init assumes, whatever the model; off, they see the raw input."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 64)
+    for normalize in (True, False):
+        adapter = GatedAdapter(64, 32, 4, NeutralConfig(normalize_input=normalize))
+        torch.nn.init.normal_(adapter.w_o.weight)
+        big, small = adapter(x), adapter(0.1 * x)
+        assert torch.allclose(big, small, atol=1e-3) == normalize  # eps aside
+
+
+def test_a_save_made_before_normalize_input_existed_loads_as_it_was_trained(tmp_path):
+    adapted = attach(ours(), "neutral")
+    adapted.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / CONFIG).read_text())
+    assert config["options"]["normalize_input"] is True
+    del config["options"]["normalize_input"]  # as written by forgetless before the option existed
+    (tmp_path / CONFIG).write_text(json.dumps(config))
+    assert from_pretrained(ours(), tmp_path).method.cfg.normalize_input is False

@@ -65,6 +65,13 @@ def from_dict(cls, data: dict, section: str):
     return cls(**{k: coerce(v, types[k], f"{section}.{k}") for k, v in data.items()})
 
 
+def as_saved(cls, data: dict) -> dict:
+    """`data` read from a save: a field it lacks that declares `if_absent` in its metadata (an option added
+    after the save was written) takes that value, the behaviour the save was made with, not the new default."""
+    return {**{f.name: f.metadata["if_absent"] for f in dataclasses.fields(cls)
+               if "if_absent" in f.metadata and f.name not in data}, **data}
+
+
 def replace(obj, overrides: dict, section: str):
     """A copy of dataclass `obj` with `overrides` applied (validated like `from_dict`)."""
     merged = {**dataclasses.asdict(obj), **overrides}

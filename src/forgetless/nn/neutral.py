@@ -1,11 +1,15 @@
 """Neutral Residues (docs/DESIGN.md §2.3): a gated GLU adapter beside each FFN.
 
-    Adapter(x) = W_o (act(W_g x) * W_i x)                 GLU, hidden width h
-    g(x)       = ReLU(w^T x + c)                          scalar per token (vector: ReLU(W x + c))
+    x'         = x / RMS(x)                               per token (normalize_input; else x' = x)
+    Adapter(x) = W_o (act(W_g x') * W_i x')               GLU, hidden width h
+    g(x)       = ReLU(w^T x' + c)                         scalar per token (vector: ReLU(W x' + c))
     out        = FFN(x) + g(x) * Adapter(x)
 
 W_o starts at zero (attaching changes nothing); W_i, W_g and the gate weights start with
-variance 1/(d L) instead of He's 2/d (L = number of adapted layers). Gate variants for the
+variance 1/(d L) instead of He's 2/d (L = number of adapted layers). Both variances assume
+inputs of unit scale; the FFN inputs of pretrained models are often far smaller (RMS 0.1-0.4
+in SmolLM2-135M), which leaves the gates nearly shut (mean 0.013) and the adapter slow to
+learn, hence the per-token rescaling (parameter-free; off reproduces runs before it existed). Gate variants for the
 source's ablations: `relu` (the method), `sigmoid` (trained as an original-vs-new classifier),
 `none` (g = 1). The module keeps its last gated output and gate so the method can add the l1
 term on original-distribution rows and report the gates.
@@ -34,6 +38,9 @@ class NeutralConfig:
     vector_gate: bool = field(default=False, metadata={"help": "one gate per channel instead of one per token"})
     activation: str = field(default="silu", metadata={"help": "GLU activation: silu, gelu or relu"})
     low_variance_init: bool = field(default=True, metadata={"help": "W_i, W_g, gate ~ N(0, 1/(d L)); off: He, 2/d"})
+    normalize_input: bool = field(default=True, metadata={
+        "help": "adapter and gate read the FFN input rescaled to unit RMS per token, the scale their init "
+                "assumes (off: the raw input, as before this option existed)", "if_absent": False})
 
     def __post_init__(self):
         if self.gate not in GATES:
@@ -67,6 +74,8 @@ class GatedAdapter(nn.Module):
         return torch.sigmoid(logit) if self.cfg.gate == "sigmoid" else F.relu(logit)
 
     def forward(self, x):  # (B, T, d)
+        if self.cfg.normalize_input:
+            x = F.rms_norm(x, x.shape[-1:], eps=1e-6)                              # (B, T, d) at unit RMS
         out = self.w_o(ACTIVATIONS[self.cfg.activation](self.w_g(x)) * self.w_i(x))  # (B, T, d)
         if self.gate is not None:
             self.last_logit = self.gate(x)                                          # (B, T, 1 or d)
