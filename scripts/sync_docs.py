@@ -1,7 +1,8 @@
 """The generated parts of the docs, kept in step with the code they describe:
 
 - README.md's method guide table, from the rows of src/forgetless/guide.py (`forgetless methods` prints the same);
-- docs/methods.md's option tables, from each method's config dataclass (the `help` of its fields).
+- docs/methods.md's option tables, from each method's config dataclass (the `help` of its fields);
+- docs/RESULTS.md's table of contents, from its headings.
 
 Each part sits between `<!-- generated: NAME -->` and `<!-- /generated -->`. `python scripts/sync_docs.py`
 rewrites them; `python scripts/sync_docs.py --check` changes nothing and exits 1 when one is stale
@@ -69,9 +70,32 @@ def options_table(method: str) -> str:
     return "\n".join(rows) + "\n"
 
 
+def anchor(heading: str) -> str:
+    """GitHub's id for a Markdown heading (MkDocs is set to the same: pymdownx.slugs in mkdocs.yml)."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def headings(text: str) -> list[tuple[int, str]]:
+    """(level, title) of every Markdown heading outside fenced code."""
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    return [(len(m.group(1)), m.group(2).strip()) for m in re.finditer(r"^(#{1,6}) (.+)$", prose, flags=re.M)]
+
+
+def toc(path: str) -> str:
+    """A nested list linking every section of `path` below its title (the Contents heading itself left out)."""
+    lines = []
+    for level, title in headings((ROOT / path).read_text(encoding="utf-8")):
+        if level > 1 and title != "Contents":
+            text = re.sub(r"[\[\]]", "", title)
+            lines.append(f"{'  ' * (level - 2)}- [{text}](#{anchor(title)})")
+    return "\n".join(lines) + "\n"
+
+
 def generate(name: str) -> str:
     if name == "guide":
         return guide_table()
+    if name.startswith("toc "):
+        return toc(name.removeprefix("toc "))
     if name.startswith("options "):
         return options_table(name.removeprefix("options "))
     raise ValueError(f"unknown generated block {name!r}")
@@ -86,7 +110,7 @@ def sync(path: Path, write: bool) -> bool:
     return new == text
 
 
-FILES = [ROOT / "README.md", ROOT / "docs" / "methods.md"]
+FILES = [ROOT / "README.md", ROOT / "docs" / "methods.md", ROOT / "docs" / "RESULTS.md"]
 
 
 def main(argv: list[str]) -> int:
