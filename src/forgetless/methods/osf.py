@@ -18,6 +18,11 @@ GPT every linear of the blocks. The lr is the protocol's (OSF trains the weights
 the real-model presets give it the fine-tuning lr of full fine-tuning, 5e-5, inside the 1e-5 to 1e-4 PEFT's
 guide advises); weight decay is the protocol's too (PEFT's guide suggests a small one on U and V).
 
+Saved (save_pretrained) with peft's frozen factors and the merged weights, not re-derived on loading: an
+SVD's singular vectors are unique up to sign, so factors trained against one decomposition need not fit
+another machine's. For the same reason export writes the merged model, never a PEFT OSF adapter (which
+peft would re-decompose on loading; it would also be about as large as the weights it adapts).
+
 peft's OSF wraps torch.nn.Linear only: transformers' Conv1D (GPT-2) is left untouched, silently, so the
 method refuses such targets. It is not bit-exact at attach: peft adds the delta as a product of
 [U S, -U_init S_init] and [V; V_init], which cancels up to float rounding (about 1e-7 on the logits).
