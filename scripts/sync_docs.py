@@ -16,7 +16,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"(<!-- generated: (?P<name>[^>]*?) -->\n)(?P<body>.*?)(<!-- /generated -->)", re.S)
-COMMON = ("target_modules", "exclude_modules", "optimizer")  # options every method has, described once
+COMMON = ("target_modules", "exclude_modules", "optimizer", "joint")  # options every method has, described once
 
 
 def cell(text: str) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from peft.tuners.lora import LoraLayer
+from peft.tuners.osf.layer import OSFLayer
 from safetensors.torch import load_file, save_file
 
 from forgetless import attach, from_pretrained
@@ -24,14 +25,19 @@ from tiny_models import hf_gpt2, hf_llama, ours, tiny
 
 KINDS = ["gpt", "gpt2", "llama"]
 NAMES = method_names()
-MATRIX = [pytest.param(kind, name, id=f"{kind}-{name}") for kind in KINDS for name in NAMES]
+# (kind, method) -> the ForgetlessError attach gives: peft's OSF wraps nn.Linear only, GPT-2's layers are Conv1D
+REFUSED = {("gpt2", "osf"): "OSF wraps torch.nn.Linear layers only"}
+MATRIX = [pytest.param(kind, name, id=f"{kind}-{name}", marks=[pytest.mark.skip(
+    reason=f"attach refuses it: {REFUSED[kind, name]} (test_refused_pairs_say_why)")] if (kind, name) in REFUSED else [])
+    for kind in KINDS for name in NAMES]
 T = 12  # tokens per window (the GPT's context is 16)
 
 SMALL_APN = {"n_patches": 8, "top_k": 2, "rank": 4}
 OWN_BASE = {n for n in NAMES if build_method(n).base_config(GPTConfig()) != GPTConfig()}  # apn, cms, ...
-TRAINS_EVERYTHING = {"full", "ewc", "distill", "ewc-distill", "wise-ft", "dynamic-eval"}
-NOTHING_INJECTED = {"full", "ffn", "ewc", "distill", "ewc-distill", "wise-ft", "dynamic-eval"}  # and, on our GPT, the methods with a base of their own
-FOLDABLE = {"lora", "seq-lora", "o-lora"}  # merge_and_unload folds them into the base weights
+TRAINS_EVERYTHING = {"full", "mtl", "ewc", "distill", "ewc-distill", "wise-ft", "dynamic-eval"}
+NOTHING_INJECTED = {"full", "mtl", "ffn", "ewc", "distill", "ewc-distill", "wise-ft", "dynamic-eval"}  # and, on our GPT, the methods with a base of their own
+FOLDABLE = {"lora", "seq-lora", "o-lora", "osf"}  # merge_and_unload folds them into the base weights
+ROUNDING = {"osf": 1e-6}  # attach is neutral up to float rounding: peft's OSF adds U S V - U0 S0 V0 as one product
 OTHER_ARCHITECTURE = {"gpt": lambda method: ours(d=48, method=method),
                       "gpt2": lambda method: hf_llama(), "llama": lambda method: hf_gpt2()}
 
@@ -87,11 +93,15 @@ def requiring_grad(adapted) -> set[str]:
 
 
 # ---- the checks (shared with test_new_method.py) -------------------------------------------------
-def check_output_neutral(kind: str, name: str):
+def check_output_neutral(kind: str, name: str, atol: float = 0.0):
+    """attach changes no logit: bit for bit, or (a method that says why) within `atol`."""
     model = base(kind, name)
     before = logits(model)
     after = logits(attached(kind, name, model))
-    assert torch.equal(before, after), f"attach changed the logits by {(after - before).abs().max():.3g}"
+    if atol:
+        torch.testing.assert_close(after, before, rtol=0, atol=atol)
+    else:
+        assert torch.equal(before, after), f"attach changed the logits by {(after - before).abs().max():.3g}"
 
 
 def check_trainable(kind: str, name: str, everything: bool | None = None):
@@ -150,14 +160,16 @@ save_file(out, folder / "reloaded.safetensors")
 
 
 def save_and_reload(kinds: list[str], names: list[str], folder: Path, plugins: tuple[str, ...] = ()) -> dict:
-    """Train every method in `names` one step on each model kind and save it in folder/kind/name; one
-    fresh process loads them all onto freshly built models (`plugins`: folders of methods it imports
-    first). Returns (kind, name) -> (logits here, logits there, the fresh base's logits)."""
+    """Train every method in `names` one step on each model kind (but the pairs attach refuses) and save it
+    in folder/kind/name; one fresh process loads them all onto freshly built models (`plugins`: folders of
+    methods it imports first). Returns (kind, name) -> (logits here, logits there, the fresh base's logits)."""
     x = windows(seed=3)[:, :-1].contiguous()
     save_file({"x": x}, folder / "input.safetensors")
     here = {}
     for kind in kinds:
         for name in names:
+            if (kind, name) in REFUSED:
+                continue
             adapted = train_step(start(attached(kind, name)))
             adapted.save_pretrained(folder / kind / name)
             here[kind, name] = logits(adapted, x), logits(base(kind, name), x)
@@ -189,9 +201,15 @@ def test_matrix_covers_every_registered_method():
     assert "apn-retrofit" not in OWN_BASE
 
 
+def test_refused_pairs_say_why():
+    for (kind, name), message in REFUSED.items():
+        with pytest.raises(ForgetlessError, match=message):
+            attached(kind, name)
+
+
 @pytest.mark.parametrize("kind, name", MATRIX)
 def test_attach_is_output_neutral(kind, name):
-    check_output_neutral(kind, name)
+    check_output_neutral(kind, name, ROUNDING.get(name, 0.0))
 
 
 @pytest.mark.parametrize("kind, name", MATRIX)
@@ -202,7 +220,7 @@ def test_only_the_methods_parameters_train(kind, name):
 def test_methods_training_a_pretrained_models_weights_default_to_a_fine_tuning_lr():
     """On a pretrained model the preset's lr (5e-4, for added modules) wrecks its weights: every method that
     trains them has its own lr or one in FULL_WEIGHT_LRS."""
-    for name in TRAINS_EVERYTHING | {"ffn"}:
+    for name in TRAINS_EVERYTHING | {"ffn", "osf"}:
         assert build_method(name).cfg.lr is not None or name in FULL_WEIGHT_LRS, name
 
 
@@ -257,7 +275,8 @@ def test_merge_and_unload(kind, name):
         expected = logits(adapted)
         merged = adapted.merge_and_unload()
         assert merged is adapted.model and not isinstance(merged, Adapted)
-        leftovers = [n for n, m in merged.named_modules() if isinstance(m, LoraLayer) or "lora_" in n]
+        leftovers = [n for n, m in merged.named_modules() if isinstance(m, (LoraLayer, OSFLayer)) or "lora_" in n
+                     or "osf_" in n]
         leftovers += [n for n, _ in merged.named_parameters() if ".down." in n or ".up." in n]  # o-lora banks
         assert not leftovers, f"peft layers left: {leftovers[:3]}"
         torch.testing.assert_close(logits(merged), expected, rtol=0, atol=1e-5)

@@ -50,7 +50,11 @@ def as_method(method, options: dict) -> Method:
         if len(specs) != 1:
             raise ForgetlessError(f"attach takes one method, got {method!r}")
         method = specs[0]
-    return MethodSpec(method.name, {**method.options, **options}).build()
+    built = MethodSpec(method.name, {**method.options, **options}).build()
+    if built.cfg.joint:
+        warn(f"{method.label}: joint (all tasks of a sequence at once) acts only in the task-sequence benchmark; "
+             "attached, it is plain fine-tuning: train it on all tasks' rows mixed yourself")
+    return built
 
 
 class Adapted(nn.Module):

@@ -233,6 +233,7 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     from forgetless.adapted import check_fsdp, resolve_device
     from forgetless.checkpoint import write_json
     from forgetless.continual.arm import run_arm
+    from forgetless.continual.two_domain import refuse_joint
     from forgetless.continual.base_model import load_base
     from forgetless.data.domains import load_domains
     from forgetless.methods.base import as_specs
@@ -258,6 +259,7 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
         raise ForgetlessError(f"{out / 'metrics.json'} exists; choose another --out or delete it")
     (spec,) = as_specs([method])
     m = spec.build(cfg.methods.get(spec.name))
+    refuse_joint(spec.label, m, "choose another --method")
     if model:
         from forgetless.models.hf import load_model
         lm, text_tokenizer = load_model(model, device)
@@ -282,6 +284,7 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
 
 def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, preset, device, cfg, domain_b):
     """`adapt --data`: a pretrained model on the user's own data (continual/user_adapt.py)."""
+    from forgetless.continual.two_domain import refuse_joint
     from forgetless.continual.user_adapt import adapt_on_data
     from forgetless.guide import advice_for
     from forgetless.methods.base import as_specs
@@ -300,6 +303,7 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
     (spec,) = as_specs([method])
     options = {**FULL_WEIGHT_LRS.get(spec.name, {}), **cfg.methods.get(spec.name, {})}  # pretrained weights: 5e-5
     m = spec.build(options)
+    refuse_joint(spec.label, m, "choose another --method (`forgetless methods`)")
     needs = m.needs_previous and "its Fisher" or m.reads_retained
     if retain is None and needs:
         raise ForgetlessError(f"{spec.label} needs rows of old data ({needs}): give --retain OLD (text or records "

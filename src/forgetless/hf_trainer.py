@@ -39,12 +39,15 @@ class ForgetlessCallback(TrainerCallback):
         self.modules = HookChain(module_hooks(adapted.model, adapted.trainable_parameters()))
         self.hooks = HookChain([adapted.method, self.modules])
 
-    def on_train_begin(self, args, state, control, **kwargs):
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
         adapted = self.adapted
         if state.global_step > 0:  # resumed: the method's state is the checkpoint's, not a fresh task start
             self.load(Path(args.output_dir) / f"checkpoint-{state.global_step}" / STATE_FILE)
         else:
+            before = dict(adapted.trainable_parameters())
             adapted.start_task(self.task, self.previous)
+            if optimizer is not None:
+                follow_new_parameters(optimizer, before, adapted.trainable_parameters())
         lr = adapted.method.cfg.lr
         if lr is not None and lr != args.learning_rate and adapted._once("lr"):
             warn(f"{adapted.method.name}'s lr {lr:g} does not act in Trainer, which trains at learning_rate "
@@ -86,3 +89,24 @@ class ForgetlessCallback(TrainerCallback):
         self.modules.load_hook_state({k[5:]: v for k, v in tensors.items() if k.startswith("loop.")})
         self.adapted.task, self.adapted._started = self.task, True
         self.adapted._start_is_base = bool(meta.get("start_is_base"))
+
+
+def follow_new_parameters(optimizer, before: dict, after: list[tuple[str, object]]):
+    """Trainer builds its optimizer before `on_train_begin`, so parameters a task start makes (OSF decomposes
+    its layers again; growing banks add task t's entries) would never train: put each into the optimizer,
+    in the group of the parameter it replaces (the one of the same name in `before`, whose state is dropped),
+    else in the first group (Trainer's: the weight-decayed one)."""
+    opt = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the torch optimizer
+    group_of = {id(p): group for group in opt.param_groups for p in group["params"]}
+    for name, p in after:
+        if id(p) in group_of:
+            continue
+        old = before.get(name)
+        group = group_of.get(id(old)) if old is not None else None
+        if group is None:
+            group = opt.param_groups[0]
+        else:
+            group["params"] = [q for q in group["params"] if q is not old]
+            opt.state.pop(old, None)
+        group["params"].append(p)
+        group_of[id(p)] = group

@@ -106,7 +106,7 @@ SECTIONS = {"model": GPTConfig, "pretrain": PretrainConfig, "adapt": AdaptConfig
 
 # on a pretrained model, methods that train its own weights start at the usual fine-tuning lr (transformers'
 # Trainer default); the preset's 5e-4 suits the small added modules and wrecks a pretrained model's weights
-FULL_WEIGHT_LRS = {name: {"lr": 5e-5} for name in ("full", "ffn", "ewc", "distill", "wise-ft", "ewc-distill")}
+FULL_WEIGHT_LRS = {name: {"lr": 5e-5} for name in ("full", "mtl", "ffn", "ewc", "distill", "wise-ft", "ewc-distill", "osf")}
 
 PRESETS: dict[str, dict] = {
     "smoke": dict(

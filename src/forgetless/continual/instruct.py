@@ -72,7 +72,7 @@ def run_instruction_sequence(cfg: RunConfig, methods: list[MethodSpec | str], se
 def run_on(lm: nn.Module, tokenizer, cfg: RunConfig, methods, seeds: list[int], out: Path, preset: str,
            model: str) -> dict:
     """The protocol on a loaded model (each arm adapts its own copy) and its tokenizer."""
-    built = build_arms(cfg, methods)
+    built = build_arms(cfg, methods, sequence=True)
     stream = load_stream(cfg, tokenizer)
     arms: dict[str, list[dict]] = {label: [] for label in built}
     before = functools.cache(lambda: scores(lm, tokenizer, stream, cfg))  # shared: attach is output-neutral
@@ -148,20 +148,32 @@ def instruction_arm(model: nn.Module, tokenizer, method: Method, stream: Stream,
         dev_rows.append(list(dev_row))
 
     score_all(before)
+    T, joint = len(stream.tasks), method.cfg.joint
+    phases = [(1, joined(stream.train), joint_config(cfg, T))] if joint else \
+        [(t, rows_t, cfg) for t, rows_t in enumerate(stream.train, start=1)]
     with PeakRSS() as memory:
-        for t, (task, rows_t) in enumerate(zip(stream.tasks, stream.train), start=1):
+        for t, rows_t, task_cfg in phases:
             t0 = time.perf_counter()
-            history, params = learn_task(adapted, t, rows_t, stream, cfg, seed)
+            history, params = learn_task(adapted, t, rows_t, stream, task_cfg, seed)
             wall += time.perf_counter() - t0
             loss += [[t, s, v] for s, v in history.loss]
             score_all()
+    if joint:  # one state after all tasks: it is every row's "after task t" (metrics.sequence_metrics)
+        for scored in (rows, held, general_ppl, dev_rows):
+            scored[2:] = scored[1:2] * (T - 1)
     if out_dir is not None:
         adapted.save_pretrained(out_dir / f"seed{seed}")
     dev = {"r_matrix_dev": dev_rows, **dev_metrics(dev_rows)} if stream.dev else {}
-    return {"method": method.name, "seed": seed, "r_matrix": rows, "held_out": held, "general_ppl": general_ppl,
-            **metrics(rows, general_ppl), **dev, "trainable_params": sum(p.numel() for _, p in params),
+    return {"method": method.name, "seed": seed, **({"joint": True} if joint else {}), "r_matrix": rows,
+            "held_out": held, "general_ppl": general_ppl, **metrics(rows, general_ppl, joint), **dev, "trainable_params": sum(p.numel() for _, p in params),
             "total_params": sum(p.numel() for p in adapted.model.parameters()), "wall_s": wall,
             "peak_rss_mb": memory.peak_mb, "loss": loss}
+
+
+def joint_config(cfg: RunConfig, tasks: int) -> RunConfig:
+    """A joint arm's one phase: task 1 on every task's training rows joined (`joined`: each task weighs as its
+    rows, equally on cl500's 500 each), for the steps the sequential arms take in all (one schedule)."""
+    return dataclasses.replace(cfg, adapt=dataclasses.replace(cfg.adapt, steps=cfg.adapt.steps * tasks))
 
 
 def learn_task(adapted, t: int, rows: Encoded, stream: Stream, cfg: RunConfig, seed: int):
@@ -179,7 +191,7 @@ def learn_task(adapted, t: int, rows: Encoded, stream: Stream, cfg: RunConfig, s
     sampler = InstructionSampler(rows, adapt.batch_size, 1000 * seed + t, other if adapt.mix else None, adapt.mix)
     params = adapted.trainable_parameters()
     history = train(adapted.model, params, sampler, adapt, lambda m, batch: adapted.losses(batch), hooks=method,
-                    desc=f"{method.name} seed {seed} task {t}")
+                    desc=f"{method.name} seed {seed} " + ("all tasks" if method.cfg.joint else f"task {t}"))
     adapted.end_task(t)
     return history, params
 
@@ -198,10 +210,11 @@ def score(model: nn.Module, tokenizer, task: InstructionTask, cfg: RunConfig) ->
     return score_task(model, tokenizer, task, cfg.data.test_rows or None, cfg.adapt.batch_size)["score"]
 
 
-def metrics(rows: list[list[float]], general_ppl: list[float]) -> dict:
+def metrics(rows: list[list[float]], general_ppl: list[float], joint: bool = False) -> dict:
     """The R metrics with general ability as task 0; OP, BWT and forgetting over the tasks alone (the
-    TRACE / MoRAM columns; general ability has its own: column 0 and the general PPL change)."""
-    return {**sequence_metrics(rows), "general_ppl_change": general_ppl[-1] / general_ppl[0] - 1}
+    TRACE / MoRAM columns; general ability has its own: column 0 and the general PPL change). `joint`:
+    R of a joint arm (metrics.sequence_metrics)."""
+    return {**sequence_metrics(rows, joint), "general_ppl_change": general_ppl[-1] / general_ppl[0] - 1}
 
 
 def windows_of(rows: Encoded, block_size: int) -> torch.Tensor:
@@ -225,8 +238,8 @@ def task_hash(task: InstructionTask) -> str:
 
 
 def summarize(runs: list[dict], method: Method) -> dict:
-    runs = [{**r, **metrics(r["r_matrix"], r["general_ppl"])} for r in runs]  # arms saved before a metric existed
-    return {"method": method.name, **{m: mean_std([r[m] for r in runs]) for m in METRICS}, **dev_summary(runs),
+    runs = [{**r, **metrics(r["r_matrix"], r["general_ppl"], r.get("joint", False))} for r in runs]  # arms saved before a metric existed
+    return {"method": method.name, **({"joint": True} if method.cfg.joint else {}), **{m: mean_std([r[m] for r in runs]) for m in METRICS}, **dev_summary(runs),
             "wall_s": mean_std([r["wall_s"] for r in runs]), "r_matrix": mean_nested([r["r_matrix"] for r in runs]),
             "held_out": mean_nested([r["held_out"] for r in runs]),
             "general_ppl": mean_nested([r["general_ppl"] for r in runs]),

@@ -57,13 +57,20 @@ def clipped_drop(R, first: int = 1) -> float | None:
     return sum(max(0.0, R[i][i] - R[T][i]) for i in range(first, T)) / (T - first) if T > first else None
 
 
-def sequence_metrics(R) -> dict:
+def sequence_metrics(R, joint: bool = False) -> dict:
     """OP, BWT (GEM sign), bwt_drop = -BWT (the MoRAM / TRACE sign: positive = forgetting), forgetting,
     FWT and LA; and over the new tasks 1..T alone (task 0, the base's domain, left out, as TRACE and
-    MoRAM report): op_tasks, bwt_tasks, forgetting_tasks, and bwt_drop_clipped (drops, gains as 0)."""
+    MoRAM report): op_tasks, bwt_tasks, forgetting_tasks, and bwt_drop_clipped (drops, gains as 0).
+
+    `joint`: R of a joint arm (mtl, METHOD[joint=true]), which learns tasks 1..T at once: row 0 is the
+    model before, rows 1..T all hold the one state after joint training (each task's "right after
+    learning it" is that state). So OP and op_tasks are the joint model's scores, LA = op_tasks, and
+    bwt_tasks, forgetting_tasks and bwt_drop_clipped are 0 by definition (nothing is learned after a
+    task); column 0 keeps its real change (bwt, forgetting: the base's domain, never trained on). FWT
+    (a task's score before it is learned) does not exist for a joint arm: None."""
     T, bwt = check(R), backward_transfer(R)
     return {"op": overall_performance(R), "bwt": bwt, "bwt_drop": -bwt, "forgetting": forgetting(R),
-            "fwt": forward_transfer(R), "la": learning_accuracy(R), "op_tasks": sum(R[T][1:]) / T,
+            "fwt": None if joint else forward_transfer(R), "la": learning_accuracy(R), "op_tasks": sum(R[T][1:]) / T,
             "bwt_tasks": backward_transfer(R, 1), "forgetting_tasks": forgetting(R, 1),
             "bwt_drop_clipped": clipped_drop(R, 1)}
 

@@ -63,7 +63,7 @@ def check_mix_from(specs: list[str], mix_from: str):
 def run_sequence_arm(model: nn.Module, method: Method, tasks: list[Domain], cfg: AdaptConfig, seed: int,
                      mix_from: str = "earlier") -> dict:
     """Train `method` on tasks[1:] in order (mixed-in rows, if any, from `replay_source`); score every
-    task after each."""
+    task after each. A joint arm (`method.cfg.joint`, e.g. mtl) learns them at once instead: `joint_phase`."""
     torch.manual_seed(seed)
     adapted = attach(model, method)
     model = adapted.model
@@ -72,23 +72,39 @@ def run_sequence_arm(model: nn.Module, method: Method, tasks: list[Domain], cfg:
                                                        for d in tasks) else []
     rows, reports, wall, loss = [[evaluate(model, w) for w in windows]], [], 0.0, []
     dev_rows = [[100 * evaluate(model, w)["acc"] for w in dev_windows]]
+    T = len(tasks) - 1
+    phases = [joint_phase(tasks, cfg, replay_source(tasks, 1, mix_from, method))] if method.cfg.joint else \
+        [(t, task, cfg, replay_source(tasks, t, mix_from, method), tasks[t - 1]) for t, task in enumerate(tasks[1:], 1)]
     with PeakRSS() as memory:
-        for t, task in enumerate(tasks[1:], start=1):
+        for t, task, task_cfg, replay_from, learned in phases:
             t0 = time.perf_counter()
-            history, params = adapt_task(adapted, task, replay_source(tasks, t, mix_from, method), cfg, t,
-                                         1000 * seed + t, learned=tasks[t - 1],
-                                         desc=f"{method.name} seed {seed} task {t}")
+            history, params = adapt_task(adapted, task, replay_from, task_cfg, t, 1000 * seed + t, learned=learned,
+                                         desc=f"{method.name} seed {seed} " + ("all tasks" if method.cfg.joint else f"task {t}"))
             wall += time.perf_counter() - t0
             loss += [[t, s, v] for s, v in history.loss]
             rows.append([evaluate(model, w) for w in windows])
             dev_rows.append([100 * evaluate(model, w)["acc"] for w in dev_windows])
             reports.append(method.task_report(model, windows))
+    if method.cfg.joint:  # one state after all tasks: it is every row's "after task t" (metrics.sequence_metrics)
+        rows, dev_rows, reports = rows[:1] + rows[1:] * T, dev_rows[:1] + dev_rows[1:] * T, reports * T
     R = [[100 * e["acc"] for e in row] for row in rows]
+    joint = {"joint": True} if method.cfg.joint else {}
     dev = {"r_matrix_dev": dev_rows, **dev_metrics(dev_rows)} if dev_windows else {}
-    return {"method": method.name, "seed": seed, "r_matrix": R, "ppl_matrix": [[e["ppl"] for e in row] for row in rows],
-            **sequence_metrics(R), **dev, "trainable_params": sum(p.numel() for _, p in params),
+    return {"method": method.name, "seed": seed, **joint, "r_matrix": R,
+            "ppl_matrix": [[e["ppl"] for e in row] for row in rows],
+            **sequence_metrics(R, bool(joint)), **dev, "trainable_params": sum(p.numel() for _, p in params),
             "total_params": sum(p.numel() for p in model.parameters()), "wall_s": wall,
             "peak_rss_mb": memory.peak_mb, "loss": loss, **({"task_reports": reports} if any(reports) else {})}
+
+
+def joint_phase(tasks: list[Domain], cfg: AdaptConfig, replay_from: Domain) -> tuple:
+    """The one training phase of a joint arm, as task 1 after the base: the training text of tasks 1..T
+    joined (each task weighs as its training text; a window across two tasks' seam is rare, as rare as
+    across two works of one corpus), for the steps the sequential arms take in all (T x cfg.steps, one
+    schedule); its mixed-in rows, if any, come from `replay_from`, task 1's replay source."""
+    joint = dataclasses.replace(tasks[1], spec="joint:" + ",".join(d.spec for d in tasks[1:]),
+                                train=torch.cat([d.train for d in tasks[1:]]))
+    return 1, joint, dataclasses.replace(cfg, steps=cfg.steps * (len(tasks) - 1)), replay_from, tasks[0]
 
 
 def run_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[int], out: Path, preset: str,
@@ -104,7 +120,7 @@ def run_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[in
     if len(specs) < 2:
         raise ForgetlessError("the sequence protocol needs tasks after the base: --tasks CORPUS1,CORPUS2,...")
     check_mix_from(specs, cfg.data.mix_from)
-    built = build_arms(cfg, methods)
+    built = build_arms(cfg, methods, sequence=True)
     pretrained = load_pretrained(model, device)
     tasks, tokenizer = load_domains(specs, pretrained[1] if pretrained else cfg.data.tokenizer, cfg.model.block_size,
                                     cfg.data.val_fraction, cfg.data.eval_windows,
@@ -135,8 +151,8 @@ def run_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[in
 
 def summarize(runs: list[dict], method: Method) -> dict:
     """One arm's method entry: every seed's metrics computed once from its R, then their mean ± std."""
-    runs = [{**r, **sequence_metrics(r["r_matrix"])} for r in runs]
-    return {"method": method.name, **{m: mean_std([r[m] for r in runs]) for m in METRICS}, **dev_summary(runs),
+    runs = [{**r, **sequence_metrics(r["r_matrix"], r.get("joint", False))} for r in runs]
+    return {"method": method.name, **({"joint": True} if method.cfg.joint else {}), **{m: mean_std([r[m] for r in runs]) for m in METRICS}, **dev_summary(runs),
             "wall_s": mean_std([r["wall_s"] for r in runs]),
             "r_matrix": mean_nested([r["r_matrix"] for r in runs]),
             "ppl_matrix": mean_nested([r["ppl_matrix"] for r in runs]),

@@ -21,6 +21,7 @@ from forgetless.continual.arm import run_arm, score
 from forgetless.continual.plan import n_evaluations, run_arms
 from forgetless.continual.workers import check_workers
 from forgetless.data.domains import load_domains
+from forgetless.errors import ForgetlessError
 from forgetless.methods import MethodSpec, build_method
 from forgetless.methods.base import as_specs
 from forgetless.presets import RunConfig
@@ -100,11 +101,23 @@ def provenance(device) -> dict:
             "python": platform.python_version(), "torch": torch.__version__, "device": str(device)}
 
 
-def build_arms(cfg: RunConfig, methods: list[MethodSpec | str]) -> dict:
-    """Label -> fresh Method for every spec in `methods` (validates cfg.methods too)."""
+def build_arms(cfg: RunConfig, methods: list[MethodSpec | str], sequence: bool = False) -> dict:
+    """Label -> fresh Method for every spec in `methods` (validates cfg.methods too); joint arms (mtl,
+    METHOD[joint=true]) only in a task sequence (`sequence`)."""
     for name, options in cfg.methods.items():  # fail fast on bad names and options
         build_method(name, options)
-    return {spec.label: spec.build(cfg.methods.get(spec.name)) for spec in as_specs(methods)}
+    built = {spec.label: spec.build(cfg.methods.get(spec.name)) for spec in as_specs(methods)}
+    if not sequence:
+        for label, method in built.items():
+            refuse_joint(label, method, "run it with --protocol sequence, or drop it here")
+    return built
+
+
+def refuse_joint(label: str, method, fix: str):
+    """A joint arm (mtl, METHOD[joint=true]) learns all tasks of a sequence at once: elsewhere it cannot act."""
+    if method.cfg.joint:
+        raise ForgetlessError(f"{label} learns all tasks of a sequence at once (joint), which acts only in the "
+                              f"task-sequence protocol; {fix} (here it would be plain fine-tuning)")
 
 
 def fresh(method):

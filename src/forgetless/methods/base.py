@@ -38,6 +38,9 @@ class MethodConfig:
         "help": "fraction of every batch from the original domain (default: the protocol's --mix / --adapt-mix)"})
     optimizer: str | None = field(default=None, metadata={
         "help": "optimizer for this method (default: the protocol's --adapt-optimizer), e.g. delta or muon"})
+    joint: bool = field(default=False, metadata={
+        "help": "task sequences: learn all tasks at once, their training rows mixed, in the steps the sequential "
+                "arms take in all (the multi-task ceiling; `mtl` is full[joint=true]); no other protocol takes it"})
 
     def __post_init__(self):
         if self.mix is not None and not 0.0 <= self.mix <= 1.0:
@@ -64,7 +67,7 @@ def register_method(name: str):
 # Table order: the names of docs/DESIGN.md §6 with the later methods beside their kin, then any other
 # registered method (a plugin's) by name.
 CANONICAL_ORDER = ["full", "ffn", "lora", "adapter", "apn", "apn-local", "apn-param-matched", "apn-retrofit",
-                   "moram", "moe-lora", "seq-lora", "o-lora", "neutral", "ewc", "distill", "wise-ft", "cms", "cms-fast", "hope",
+                   "moram", "moe-lora", "seq-lora", "o-lora", "osf", "mtl", "neutral", "ewc", "distill", "wise-ft", "cms", "cms-fast", "hope",
                    "dynamic-eval"]
 
 
@@ -261,7 +264,10 @@ class Method(StepHooks):
                               "weights; save it with save_pretrained and load it with forgetless.from_pretrained")
 
     def options(self) -> dict:
-        return {f.name: getattr(self.cfg, f.name) for f in fields(self.cfg)}
+        """The config's fields; `joint` only where it differs from the method's default, so arms saved before
+        it existed keep their cache keys."""
+        return {f.name: getattr(self.cfg, f.name) for f in fields(self.cfg)
+                if f.name != "joint" or getattr(self.cfg, f.name) != f.default}
 
 
 def copy_weights(model: nn.Module) -> dict[str, torch.Tensor]:

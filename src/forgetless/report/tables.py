@@ -170,7 +170,9 @@ def sequence_markdown(results: dict) -> str:
     lines += interval_lines(results, [(k, h, 1.0) for k, h in (("op_tasks", "OP tasks 1..T"), ("bwt_tasks", "BWT tasks"),
                                                                ("la", "LA")) if k in next(iter(results["methods"].values()))])
     for name, m in results["methods"].items():
-        lines += ["", f"R matrix of `{name}` (row t = after task t, column i = task i):", "",
+        rows = "rows 1..T = after learning all tasks at once (a joint arm: bwt_tasks 0, FWT n/a by definition)" \
+            if m.get("joint") else "row t = after task t"
+        lines += ["", f"R matrix of `{name}` ({rows}, column i = task i):", "",
                   "| after \\ task | " + " | ".join(str(i) for i in range(len(m["r_matrix"]))) + " |",
                   "|" + "---|" * (len(m["r_matrix"]) + 1)]
         lines += [f"| {t} | " + " | ".join(f"{v:.2f}" for v in row) + " |" for t, row in enumerate(m["r_matrix"])]
