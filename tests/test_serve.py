@@ -107,7 +107,7 @@ def test_rate_limit_on_learn(trained, tmp_path):
 
 
 def test_rollback_fires_on_a_poisoned_stream_and_restores_the_canary(trained, tmp_path):
-    e = engine(trained, tmp_path / "state", lr=1e-3, max_canary_rise=0.05)
+    e = engine(trained, tmp_path / "state", lr=1e-3, max_canary_rise=0.05, screen_k=0)  # the canary alone
     c = TestClient(make_app(e, TOKEN))
     for doc in DOCS[:4]:  # good text: the canary stays within bounds
         assert not c.post("/v1/learn", json={"text": doc}, headers=AUTH).json()["rolled_back"]
@@ -186,7 +186,7 @@ def traffic(post, n_docs: int = 6) -> int:
 
 
 def test_stats_feed_the_dashboard(trained, tmp_path):
-    c = client(trained, tmp_path, method=ROUTED)
+    c = client(trained, tmp_path, method=ROUTED, screen_k=0)  # random bytes reach the canary
     page = c.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "/v1/stats" in page.text and "http" not in page.text.replace("http://www.w3.org/2000/svg", "")  # no CDN
@@ -254,7 +254,7 @@ def test_dashboard_in_headless_chromium(trained, tmp_path):
     from selenium.webdriver.support.ui import WebDriverWait
     browser = chromium()
     try:
-        with served(make_app(engine(trained, tmp_path / "state", method=ROUTED), TOKEN)) as url:
+        with served(make_app(engine(trained, tmp_path / "state", method=ROUTED, screen_k=0), TOKEN)) as url:
             with httpx.Client(base_url=url, timeout=60) as http:
                 seq = traffic(http.post)
                 browser.get(f"{url}/?every=300")
