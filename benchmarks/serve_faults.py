@@ -307,17 +307,21 @@ def figure(result: dict, path: Path):
     p = result["poison"]
     fig, ax = plt.subplots(figsize=(7.5, 3.4), dpi=100)
     colors = {"guarded": "tab:blue", "canary-only": "tab:red", "clean": "tab:green"}
+    style = {"guarded": {"lw": 3.0, "alpha": 0.5}, "canary-only": {"lw": 1.2}, "clean": {"lw": 1.0, "ls": "--"}}
     for name in ("canary-only", "guarded", "clean"):
         arm = p[name]
         xs = [c[0] for c in arm["canary"]] if name != "clean" else None
         ys = [c[2] for c in arm["canary"]]
         if name == "clean":  # its stream lacks the garbage: place its points at the clean documents' positions
             xs = [c[0] for c in p["guarded"]["canary"] if c[1] == "clean"]
-        ax.plot(xs, ys, color=colors[name], lw=1.2, label=name)
+        ax.plot(xs, ys, color=colors[name], label=name, **style[name])
         rolls = [c[0] for c in arm["canary"] if c[3]]
         if rolls:
             ax.scatter(rolls, [c[2] for c in arm["canary"] if c[3]], color=colors[name], marker="v", s=25, zorder=3,
                        label=f"{name}: rollback")
+    o, last = p["canary-only"], p["canary-only"]["canary"][-1][0]
+    ax.scatter([last + 1], [o["operator_rollback"]["canary_loss"]], color=colors["canary-only"], marker="*", s=60,
+               zorder=3, label=f"canary-only after /v1/rollback to kept {o['operator_rollback']['restored_seq']}")
     g = p["guarded"]
     ax.axhline(g["reference"], color="gray", lw=0.8, ls=":", label="reference (first start)")
     ax.axhline(g["limit"], color="gray", lw=0.8, ls="--", label="rollback limit")
