@@ -195,8 +195,11 @@ def kills(setup: Setup, n: int, seed: int, root: Path) -> dict:
         trial["logged_unacknowledged"] = len(logged) - sum(seq >= 0 for _, seq in acked)
         trial["replayed"] = engine.counters["replayed"]
         resent = send(engine, stream, start=len(acked))
-        trial["ok"] = not trial["lost"] and same(weights(engine), expected) and \
-            [a for a in answers[len(acked):]] == resent
+        trial["same_weights"] = same(weights(engine), expected)
+        trial["same_answers"] = answers[len(acked):] == resent
+        if not trial["same_answers"]:
+            trial["answers"] = [answers[len(acked):], resent]
+        trial["ok"] = not trial["lost"] and trial["same_weights"] and trial["same_answers"]
         engine.close()
         trials.append(trial)
         shutil.rmtree(folder)
