@@ -107,7 +107,7 @@ def test_rate_limit_on_learn(trained, tmp_path):
 
 
 def test_rollback_fires_on_a_poisoned_stream_and_restores_the_canary(trained, tmp_path):
-    e = engine(trained, tmp_path / "state", lr=1e-3, max_canary_rise=0.05)
+    e = engine(trained, tmp_path / "state", lr=1e-3, max_canary_rise=0.05, screen_k=0)  # the canary alone
     c = TestClient(make_app(e, TOKEN))
     for doc in DOCS[:4]:  # good text: the canary stays within bounds
         assert not c.post("/v1/learn", json={"text": doc}, headers=AUTH).json()["rolled_back"]
@@ -186,7 +186,7 @@ def traffic(post, n_docs: int = 6) -> int:
 
 
 def test_stats_feed_the_dashboard(trained, tmp_path):
-    c = client(trained, tmp_path, method=ROUTED)
+    c = client(trained, tmp_path, method=ROUTED, screen_k=0)  # random bytes reach the canary
     page = c.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "/v1/stats" in page.text and "http" not in page.text.replace("http://www.w3.org/2000/svg", "")  # no CDN
@@ -254,7 +254,7 @@ def test_dashboard_in_headless_chromium(trained, tmp_path):
     from selenium.webdriver.support.ui import WebDriverWait
     browser = chromium()
     try:
-        with served(make_app(engine(trained, tmp_path / "state", method=ROUTED), TOKEN)) as url:
+        with served(make_app(engine(trained, tmp_path / "state", method=ROUTED, screen_k=0), TOKEN)) as url:
             with httpx.Client(base_url=url, timeout=60) as http:
                 seq = traffic(http.post)
                 browser.get(f"{url}/?every=300")
@@ -613,3 +613,100 @@ def test_every_bad_input_is_a_one_line_4xx(trained, tmp_path):
     assert c.get("/v1/health").json()["seq"] == 0
     lone = c.post("/v1/score", content=b'{"text": "\\ud800"}', headers={"Content-Type": "application/json"})
     assert lone.status_code == 400 and "must be half of a surrogate pair" in lone.json()["error"]
+
+
+# ---- guardrails against slow poison: the screen, kept states, the reference ---------------------------
+
+
+@pytest.mark.parametrize("text, options, reason", [
+    ("z" * 300, {}, "repetitive"),
+    ("ab" * 150, {"screen_min_entropy": 1.5}, "low-entropy"),
+], ids=["one-symbol", "low-entropy"])
+def test_the_byte_screen_refuses_in_one_line_without_logging_or_using_the_rate_limit(trained, tmp_path, text, options,
+                                                                                       reason):
+    e = engine(trained, tmp_path / "state", learn_per_minute=2, **options)
+    c = TestClient(make_app(e, TOKEN))
+    r = c.post("/v1/learn", json={"text": text}, headers=AUTH)
+    assert r.status_code == 422 and r.json()["reason"] == reason, r.text
+    assert r.json()["error"].startswith("document refused by the screen") and "\n" not in r.json()["error"]
+    assert "--serve-screen-" in r.json()["error"] and e.seq == 0 and e.wal.records == []
+    assert f'forgetless_learn_rejected_total{{reason="{reason}"}} 1' in c.get("/v1/metrics").text
+    assert [c.post("/v1/learn", json={"text": d}, headers=AUTH).status_code for d in DOCS[:3]] == [200, 200, 429]
+
+
+def test_the_loss_screen_refuses_an_outlier_after_its_warm_up(trained, tmp_path):
+    e = engine(trained, tmp_path / "state", screen_warmup=4)
+    c = TestClient(make_app(e, TOKEN))
+    noise = "".join(chr(random.Random(0).randrange(256)) for _ in range(400))
+    assert c.post("/v1/learn", json={"text": DOCS[0]}, headers=AUTH).status_code == 200
+    assert c.post("/v1/learn", json={"text": DOCS[1][::-1]}, headers=AUTH).status_code == 200  # warm-up: accepted
+    for doc in DOCS[2:4]:
+        assert c.post("/v1/learn", json={"text": doc}, headers=AUTH).status_code == 200
+    r = c.post("/v1/learn", json={"text": noise}, headers=AUTH)
+    assert r.status_code == 422 and r.json()["reason"] == "outlier" and "raise --serve-screen-k" in r.json()["error"]
+    assert re.search(r"its loss [\d.]+ nats/token is above [\d.]+ = median [\d.]+ \+ 5 x spread", r.json()["error"])
+    assert e.seq == 4 and len(e.recent) == 4  # not logged, not in the window
+    assert c.post("/v1/learn", json={"text": DOCS[4]}, headers=AUTH).json()["seq"] == 5
+    off = engine(trained, tmp_path / "off", screen_warmup=4, screen_k=0)
+    for doc in DOCS[:4]:
+        off.learn(doc)
+    assert off.learn(noise)["seq"] == 5  # screen_k 0: no loss screen
+
+
+def test_the_screen_window_survives_a_restart(trained, tmp_path):
+    e = engine(trained, tmp_path / "state")
+    for doc in DOCS[:6]:  # snapshot at 4; 5 and 6 replayed
+        e.learn(doc)
+    recent = list(e.recent)
+    e.close()
+    again = engine(trained, tmp_path / "state")
+    assert list(again.recent) == recent and len(recent) == 6
+
+
+def test_rollback_reaches_any_kept_state_and_a_restart_keeps_it(trained, tmp_path):
+    e = engine(trained, tmp_path / "state", keep_states=2, max_canary_rise=1.0)  # no automatic rollback
+    c = TestClient(make_app(e, TOKEN))
+    weights = {}
+    for i, doc in enumerate(DOCS[:12], 1):  # snapshots (kept) at 4, 8, 12
+        c.post("/v1/learn", json={"text": doc}, headers=AUTH)
+        weights[i] = {k: v.clone() for k, v in e.learner.model.state_dict().items()}
+    states = c.get("/v1/states").json()
+    assert [s["seq"] for s in states["kept"]] == [0, 8, 12]  # the first start's and the last 2
+    assert states["canary_limit"] == states["canary_reference"] + 1.0 and states["seq"] == 12
+    assert sorted(p.name for p in (tmp_path / "state" / "kept").iterdir()) == \
+        ["000000000.safetensors", "000000008.safetensors", "000000012.safetensors"]
+    missing = c.post("/v1/rollback", json={"seq": 4}, headers=AUTH)
+    assert missing.status_code == 422 and "no kept state at document 4; kept: 0, 8, 12" in missing.json()["error"]
+    r = c.post("/v1/rollback", json={"seq": 8}, headers=AUTH).json()
+    assert r["restored_seq"] == 8 and r["seq"] == r["good_seq"] == 12
+    assert all(torch.equal(v, weights[8][k]) for k, v in e.learner.model.state_dict().items())
+    assert c.post("/v1/score", json={"text": DOCS[0]}).json()["version"] == 12
+    c.post("/v1/learn", json={"text": DOCS[12]}, headers=AUTH)
+    after = {k: v.clone() for k, v in e.learner.model.state_dict().items()}
+    origin = c.post("/v1/rollback", json={"seq": 0}, headers=AUTH).json()  # as far back as the first start
+    assert origin["restored_seq"] == 0 and e.canary_last == e.reference
+    e.close()
+    again = engine(trained, tmp_path / "state", keep_states=2, max_canary_rise=1.0)  # the rollback was written: a restart keeps it
+    assert again.seq == 13 and again.canary_loss() == again.reference
+    again.close()
+    assert not all(torch.equal(after[k], v) for k, v in weights[8].items())
+
+
+def test_the_limit_is_measured_from_the_operators_reference(trained, tmp_path):
+    e = engine(trained, tmp_path / "state", canary_reference=0.5, screen_k=0)
+    c = TestClient(make_app(e, TOKEN))
+    stats = c.get("/v1/stats").json()
+    assert stats["canary_reference"] == 0.5 and stats["canary_limit"] == 0.55 and e.reference > 1
+    replies = [c.post("/v1/learn", json={"text": d}, headers=AUTH).json() for d in DOCS[:2]]
+    assert replies[1]["rolled_back"]  # the canary is far above 0.55 at the first check
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"screen_max_symbol_share": 0}, "serve.screen_max_symbol_share must be in (0, 1]"),
+    ({"screen_k": -1}, "serve.screen_k must be a finite number >= 0"),
+    ({"screen_warmup": 100}, "serve.screen_warmup (100) must not exceed serve.screen_window (64)"),
+    ({"keep_states": 0}, "serve.keep_states must be positive"),
+])
+def test_bad_screen_settings_are_one_line_errors(options, message):
+    with pytest.raises(ForgetlessError, match=re.escape(message)):
+        ServeConfig(**options)

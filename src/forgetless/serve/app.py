@@ -1,5 +1,6 @@
 """The HTTP API of `forgetless serve` (FastAPI): score, generate (streamed), learn (bearer token), metrics
-(Prometheus text), stats (JSON) and the dashboard page that draws them, health, snapshot, rollback. Bad
+(Prometheus text), stats (JSON) and the dashboard page that draws them, health, snapshot, rollback (to the last
+good state or a kept one), states (the kept ones). Bad
 input gets a 4xx with a one-line reason, as JSON `{"error": "..."}`: the token is checked before the body
 is read, and the body is capped while it is read, before it is parsed."""
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from forgetless.errors import ForgetlessError
-from forgetless.serve.engine import Engine, KeyReused
+from forgetless.serve.engine import Engine, KeyReused, Screened
 
 DASHBOARD = Path(__file__).with_name("dashboard.html")
 MIN_TOKEN = 16  # characters
@@ -78,6 +79,10 @@ class GenerateIn(Strict):
     seed: int = Field(default=0, ge=0, lt=2 ** 64)
 
 
+class RollbackIn(Strict):
+    seq: int | None = Field(default=None, ge=0)
+
+
 class Refused(Exception):
     def __init__(self, status: int, reason: str, headers: dict | None = None):
         self.status, self.reason, self.headers = status, reason, headers
@@ -104,8 +109,9 @@ def make_app(engine: Engine, token: str | None) -> FastAPI:
             refuse(401, f"{what} needs the header 'Authorization: Bearer <token>' with the server's token", "auth",
                    {"WWW-Authenticate": "Bearer"})
 
-    async def parsed(request: Request, model: type[Strict], counted: bool = False):
-        """The body as `model`, refused (413) as soon as more than the body limit has been read."""
+    async def parsed(request: Request, model: type[Strict], counted: bool = False, optional: bool = False):
+        """The body as `model`, refused (413) as soon as more than the body limit has been read (`optional`: an
+        empty body is the model's defaults)."""
         declared, body = request.headers.get("content-length", ""), bytearray()
         if not (declared.isdigit() and int(declared) > body_limit):
             async for chunk in request.stream():
@@ -115,6 +121,8 @@ def make_app(engine: Engine, token: str | None) -> FastAPI:
         if len(body) > body_limit or declared.isdigit() and int(declared) > body_limit:
             refuse(413, f"the body is over {body_limit} bytes (6 x --serve-max-doc-bytes + 1 KiB); send a smaller "
                         "document", "oversize" if counted else None)
+        if optional and not body.strip():
+            return model()
         try:
             return model.model_validate_json(bytes(body))
         except ValidationError as e:
@@ -156,7 +164,8 @@ def make_app(engine: Engine, token: str | None) -> FastAPI:
 
     @app.exception_handler(ForgetlessError)
     async def bad_input(request: Request, e: ForgetlessError):
-        return JSONResponse({"error": str(e)}, 409 if isinstance(e, KeyReused) else 422)
+        reason = {"reason": e.reason} if isinstance(e, Screened) else {}  # the screen's refusals name their rule
+        return JSONResponse({"error": str(e), **reason}, 409 if isinstance(e, KeyReused) else 422)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
@@ -193,9 +202,14 @@ def make_app(engine: Engine, token: str | None) -> FastAPI:
         return engine.snapshot()
 
     @app.post("/v1/rollback")
-    def rollback(request: Request):
+    async def rollback(request: Request):
         authorize(request, "a rollback")
-        return engine.manual_rollback()
+        body = await parsed(request, RollbackIn, optional=True)
+        return await run_in_threadpool(engine.manual_rollback, body.seq)
+
+    @app.get("/v1/states")
+    def states():
+        return JSONResponse(finite(engine.states()))
 
     @app.get("/v1/metrics")
     def metrics():

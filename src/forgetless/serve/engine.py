@@ -4,10 +4,18 @@ learns from accepted documents (docs/DESIGN.md §3.6).
 - **No torn reads.** The learner trains its own copy; after each accepted document a fresh copy of its
   weights is published (copy-on-write). A request takes the copy published when it starts and keeps it
   to the end, so it never sees a half-applied update. Learning, snapshots and rollbacks hold one lock.
-- **Guardrails.** Every `canary_every` accepted documents the canary (held-out windows of the original
-  text) is scored; a loss more than `max_canary_rise` nats/token above the reference (the model's at
-  first start) rolls the learner back to the last good state (logged with the documents undone);
-  otherwise the state becomes the last good one.
+- **Guardrails.** Before a document is logged it is screened (`screen`): refused when its bytes are mostly one
+  symbol (the most frequent byte over `screen_max_symbol_share` of them) or nearly constant (byte entropy under
+  `screen_min_entropy` bits), or when its loss under the current weights is an outlier against the documents
+  accepted last: above median + `screen_k` x spread of the last `screen_window` accepted losses, spread =
+  max(1.4826 x MAD, `screen_min_spread` x median), once `screen_warmup` documents have been accepted. Refused
+  documents are not logged, not learned and do not enter the window, so poison cannot move the median.
+  Every `canary_every` accepted documents the canary (held-out windows of the original text) is scored; a
+  loss more than `max_canary_rise` nats/token above the reference (the canary loss at first start, or the
+  operator's `canary_reference`; never the last good state, so damage below the limit cannot ratchet the
+  limit up) rolls the learner back to the last good state (logged with the documents undone); otherwise the
+  state becomes the last good one. Every snapshot is also kept (`kept/`, the last `keep_states` and the first
+  start's): `/v1/rollback` can restore any of them.
 - **Durability.** One server holds the state folder (an OS lock). A document is appended to the
   write-ahead log (checksummed, fsync) before it is learned and acknowledged. Every `snapshot_every`
   documents, a good state (weights, optimizer, hook state, RNG) is written as safetensors. A restart
@@ -18,8 +26,12 @@ from __future__ import annotations
 
 import collections
 import copy
+import json
 import logging
 import math
+import os
+import shutil
+import statistics
 import threading
 import time
 import zlib
@@ -41,13 +53,21 @@ from forgetless.serve.wal import WriteAheadLog, lock_folder
 from forgetless.train import TrainConfig, TrainingDiverged
 
 log = logging.getLogger("forgetless.serve")
-SNAPSHOT, WAL = "snapshot.safetensors", "wal.jsonl"
+SNAPSHOT, WAL, KEPT = "snapshot.safetensors", "wal.jsonl", "kept"
 HISTORY = 2000  # points of each dashboard curve kept (the latest)
 KEYS = 1000  # idempotency keys remembered (the latest), with their first answers
 
 
 class KeyReused(ForgetlessError):
     """An idempotency key sent again with another text."""
+
+
+class Screened(ForgetlessError):
+    """A document the screen refused; `reason` is its short name (the metrics' label)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -61,13 +81,29 @@ class ServeConfig:
         "help": "roll back when the canary loss rises more than this (nats/token) above its value at first start"})
     snapshot_every: int = field(default=32, metadata={
         "help": "write a safetensors snapshot every N accepted documents (a multiple of canary_every)"})
+    canary_reference: float = field(default=0.0, metadata={
+        "help": "canary loss (nats/token) the rollback limit is measured from; 0: the canary loss at first start"})
+    keep_states: int = field(default=8, metadata={
+        "help": "snapshots kept in STATE_DIR/kept as /v1/rollback targets (the latest N, and the first start's)"})
+    screen_k: float = field(default=5.0, metadata={
+        "help": "refuse a document whose loss is above median + K x spread of the recently accepted ones (0: off)"})
+    screen_window: int = field(default=64, metadata={"help": "accepted documents whose losses the screen compares"})
+    screen_warmup: int = field(default=8, metadata={
+        "help": "accepted documents before the loss screen starts (the byte screen always runs)"})
+    screen_min_spread: float = field(default=0.02, metadata={
+        "help": "least spread of the loss screen, as a share of the median (1.4826 x MAD when larger)"})
+    screen_max_symbol_share: float = field(default=0.5, metadata={
+        "help": "refuse a document whose most frequent byte is more than this share of its bytes (1: off)"})
+    screen_min_entropy: float = field(default=1.0, metadata={
+        "help": "refuse a document whose byte entropy is below this many bits per byte (0: off)"})
     max_doc_bytes: int = field(default=65536, metadata={"help": "largest document /v1/learn and /v1/score accept"})
     learn_per_minute: int = field(default=120, metadata={"help": "rate limit of /v1/learn (0: none)"})
     max_new_tokens: int = field(default=512, metadata={"help": "most tokens /v1/generate produces per request"})
     seed: int = field(default=0, metadata={"help": "seed of the method's initialisation and mixed rows"})
 
     def __post_init__(self):
-        for name in ("steps_per_doc", "canary_every", "snapshot_every", "max_doc_bytes", "max_new_tokens"):
+        for name in ("steps_per_doc", "canary_every", "snapshot_every", "max_doc_bytes", "max_new_tokens", "keep_states",
+                     "screen_window", "screen_warmup"):
             if getattr(self, name) <= 0:
                 raise ForgetlessError(f"serve.{name} must be positive, got {getattr(self, name)}")
         if self.snapshot_every % self.canary_every:
@@ -75,6 +111,15 @@ class ServeConfig:
                                   f"({self.canary_every}): a snapshot is a checked state")
         if self.learn_per_minute < 0 or not self.max_canary_rise >= 0:
             raise ForgetlessError("serve.learn_per_minute and serve.max_canary_rise must not be negative")
+        for name in ("canary_reference", "screen_k", "screen_min_spread", "screen_min_entropy"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ForgetlessError(f"serve.{name} must be a finite number >= 0, got {getattr(self, name)}")
+        if not 0 < self.screen_max_symbol_share <= 1:
+            raise ForgetlessError(f"serve.screen_max_symbol_share must be in (0, 1] (1: off), got "
+                                  f"{self.screen_max_symbol_share}")
+        if self.screen_warmup > self.screen_window:
+            raise ForgetlessError(f"serve.screen_warmup ({self.screen_warmup}) must not exceed serve.screen_window "
+                                  f"({self.screen_window})")
 
 
 class Engine:
@@ -99,6 +144,8 @@ class Engine:
         self.seq, self.snapshot_seq, self.good, self.undone_to = 0, 0, None, 0
         self.counters = {"accepted": 0, "rollbacks": 0, "undone": 0, "score": 0, "generate": 0, "replayed": 0}
         self.rejected: dict[str, int] = {}
+        self.recent: collections.deque = collections.deque(maxlen=cfg.screen_window)  # losses of accepted documents
+        self.kept: dict[int, float] = {}  # seq of a kept snapshot -> its canary loss
         self.answers: collections.OrderedDict = collections.OrderedDict()  # key -> (text checksum, first answer)
         self.last_prequential, self.prequential_sum = float("nan"), 0.0
         # the dashboard's curves: (seq, prequential loss), (seq, canary loss), (seq, documents undone)
@@ -112,6 +159,8 @@ class Engine:
             self.restore(snapshot)
             for key, crc, answer in snapshot["meta"].get("answers", []):
                 self.answers[key] = (crc, answer)
+            self.recent.extend(snapshot["meta"].get("recent", []))
+            self.kept = kept_states(self.state_dir / KEPT)
         else:
             self.reference = self.canary_loss()
             self.canary_last = self.reference
@@ -166,15 +215,17 @@ class Engine:
 
     # ---- learning --------------------------------------------------------------------------------
     def learn(self, text: str, key: str | None = None) -> dict:
-        """Log `text` (fsync), learn it, check the canary when due; returns what happened. A `key` seen before
-        returns the first answer instead (KeyReused when it came with another text)."""
+        """Screen `text` (Screened when refused), log it (fsync), learn it, check the canary when due; returns
+        what happened. A `key` seen before returns the first answer instead (KeyReused when it came with another
+        text)."""
         windows = self.windows(text)
         with self.lock:
             if key is not None and key in self.answers:
                 return self.answered(key, text)
+            prequential = self.screen(text, windows)
             seq = self.seq + 1
             self.wal.append(seq, text, key)
-            result = self.apply(seq, text, windows)
+            result = self.apply(seq, text, windows, prequential)
             self.remember(key, text, result)
             self.publish()
         return result
@@ -186,16 +237,36 @@ class Engine:
             raise KeyReused(f"key {key!r} was already sent with another text; send a new key for each document")
         return answer
 
+    def screen(self, text: str, windows: torch.Tensor) -> float:
+        """The document's loss under the current weights, or Screened (logged and counted by reason) when its bytes
+        are mostly one symbol or nearly constant, or its loss is an outlier against the last accepted ones."""
+        cfg = self.cfg
+        refusal = byte_screen(text.encode(), cfg.screen_max_symbol_share, cfg.screen_min_entropy)
+        loss = math.nan
+        if refusal is None:
+            loss = evaluate(self.learner.model, windows)["loss"]
+            refusal = loss_screen(loss, list(self.recent), cfg)
+        if refusal is not None:
+            reason, why = refusal
+            self.rejected[reason] = self.rejected.get(reason, 0) + 1
+            log.warning("refused a document (%s): %s", reason, why)
+            raise Screened(reason, f"document refused by the screen: {why}")
+        return loss
+
     def remember(self, key: str | None, text: str, answer: dict):
         if key is not None:
             self.answers[key] = (text_checksum(text), answer)
             while len(self.answers) > KEYS:
                 self.answers.popitem(last=False)
 
-    def apply(self, seq: int, text: str, windows: torch.Tensor | None = None) -> dict:
-        """Learn document `seq` (also on replay): prequential loss, updates, the canary when due."""
+    def apply(self, seq: int, text: str, windows: torch.Tensor | None = None, prequential: float | None = None) -> dict:
+        """Learn document `seq` (also on replay): prequential loss (given when the screen measured it: the same
+        number), updates, the canary when due."""
         windows = self.windows(text) if windows is None else windows
-        prequential = evaluate(self.learner.model, windows)["loss"]  # before it is learned
+        if prequential is None:
+            prequential = evaluate(self.learner.model, windows)["loss"]  # before it is learned
+        if math.isfinite(prequential):
+            self.recent.append(prequential)
         if self.routed:
             self.usage = patch_usage(self.learner.model, windows)
         self.seq = seq
@@ -220,8 +291,8 @@ class Engine:
         loss = self.canary_loss()
         self.canary_last = loss
         self.history["canary"].append((self.seq, loss))
-        if loss > self.reference + self.cfg.max_canary_rise:
-            self.rollback(f"canary loss {loss:.4f} > reference {self.reference:.4f} + {self.cfg.max_canary_rise}")
+        if not loss <= self.limit():  # NaN fails too
+            self.rollback(f"canary loss {loss:.4f} > reference {self.reference_loss():.4f} + {self.cfg.max_canary_rise}")
             return False
         self.good = self.capture()
         if self.seq % self.cfg.snapshot_every == 0:
@@ -244,6 +315,14 @@ class Engine:
     def canary_loss(self) -> float:
         return evaluate(self.learner.model, self.canary)["loss"]
 
+    def reference_loss(self) -> float:
+        """What the rollback limit is measured from: the operator's `canary_reference`, else the canary loss at
+        first start (never the last good state's)."""
+        return self.cfg.canary_reference or self.reference
+
+    def limit(self) -> float:
+        return self.reference_loss() + self.cfg.max_canary_rise
+
     def publish(self):
         """Copy the learner's weights for serving (copy-on-write: requests in flight keep the older copy)."""
         model = copy.deepcopy(self.learner.model, graph_free(self.learner.model)).eval()
@@ -261,13 +340,31 @@ class Engine:
             self.publish()
         return {"seq": self.seq, "rolled_back": not passed, "path": str(self.state_dir / SNAPSHOT)}
 
-    def manual_rollback(self) -> dict:
-        """Restore the last good state now and write it to disk."""
+    def manual_rollback(self, target: int | None = None) -> dict:
+        """Restore the last good state, or the kept snapshot of document `target` (`states()`), now; it becomes
+        the last good state and is written to disk (so a restart replays from it)."""
         with self.lock:
-            self.rollback("asked for by /v1/rollback")
+            if target is None:
+                restored = self.good["meta"]["seq"]
+                self.rollback("asked for by /v1/rollback")
+            else:
+                path = self.state_dir / KEPT / kept_name(target)
+                if target not in self.kept or not path.is_file():
+                    raise ForgetlessError(f"no kept state at document {target}; kept: "
+                                          f"{', '.join(map(str, sorted(self.kept))) or 'none'} (GET /v1/states)")
+                restored, self.good = target, self.read_snapshot(path)
+                self.rollback(f"to the kept state of document {target}, asked for by /v1/rollback")
+            self.good = self.capture()
             self.write_snapshot()
             self.publish()
-        return {"seq": self.seq, "good_seq": self.good["meta"]["seq"], "canary_loss": self.canary_last}
+        return {"seq": self.seq, "restored_seq": restored, "good_seq": self.good["meta"]["seq"],
+                "canary_loss": self.canary_last}
+
+    def states(self) -> dict:
+        """The rollback targets: the last good state and the kept snapshots (seq, canary loss), oldest first."""
+        return {"seq": self.seq, "good_seq": self.good["meta"]["seq"], "canary_reference": self.reference_loss(),
+                "canary_limit": self.limit(),
+                "kept": [{"seq": seq, "canary_loss": loss} for seq, loss in sorted(self.kept.items())]}
 
     # ---- state -----------------------------------------------------------------------------------
     def capture(self) -> dict:
@@ -304,8 +401,27 @@ class Engine:
     def write_snapshot(self):
         state = self.capture()
         answers = [[key, crc, answer] for key, (crc, answer) in self.answers.items()]
-        save_checkpoint(self.state_dir / SNAPSHOT, state["tensors"], {**state["meta"], "answers": answers})
+        save_checkpoint(self.state_dir / SNAPSHOT, state["tensors"], {**state["meta"], "answers": answers,
+                                                                      "recent": list(self.recent)})
         self.snapshot_seq = self.seq
+        self.keep()
+
+    def keep(self):
+        """Keep the snapshot just written as kept/SEQ (a hard link: no copy) and drop the oldest beyond
+        `keep_states` (the first start's, seq 0, stays)."""
+        folder = self.state_dir / KEPT
+        folder.mkdir(exist_ok=True)
+        tmp = folder / f".{kept_name(self.seq)}.tmp"
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(self.state_dir / SNAPSHOT, tmp)
+        except OSError:  # a file system without hard links
+            shutil.copyfile(self.state_dir / SNAPSHOT, tmp)
+        os.replace(tmp, folder / kept_name(self.seq))
+        self.kept[self.seq] = self.canary_last
+        for seq in [s for s in sorted(self.kept) if s][:-self.cfg.keep_states]:
+            (folder / kept_name(seq)).unlink(missing_ok=True)
+            del self.kept[seq]
 
     def read_snapshot(self, path: Path) -> dict:
         tensors, meta = load_checkpoint(path)
@@ -335,7 +451,8 @@ class Engine:
             "score_requests_total": ("counter", "/v1/score requests", self.counters["score"]),
             "generate_requests_total": ("counter", "/v1/generate requests", self.counters["generate"]),
             "canary_loss": ("gauge", "last canary loss (nats/token)", self.canary_last),
-            "canary_reference_loss": ("gauge", "canary loss at first start (nats/token)", self.reference),
+            "canary_reference_loss": ("gauge", "canary loss the rollback limit is measured from (nats/token)",
+                                      self.reference_loss()),
             "prequential_loss_last": ("gauge", "loss of the last accepted document before it was learned", self.last_prequential),
             "prequential_loss_mean": ("gauge", "mean prequential loss of the accepted documents", mean),
             "sequence": ("gauge", "sequence number of the last accepted document", self.seq),
@@ -348,10 +465,57 @@ class Engine:
         mean = self.prequential_mean()
         return {"method": self.cfg.method, "seq": self.seq, "snapshot_seq": self.snapshot_seq,
                 "updates": self.learner.steps, "counters": dict(self.counters), "rejected": dict(self.rejected),
-                "canary_reference": self.reference, "canary_limit": self.reference + self.cfg.max_canary_rise,
+                "canary_reference": self.reference_loss(), "canary_limit": self.limit(),
                 "canary_loss": self.canary_last, "prequential_mean": mean, "uptime_seconds": time.time() - self.started,
                 **{k: [list(p) for p in list(v)] for k, v in self.history.items()},  # list(deque): one C call
                 "usage": self.usage}
+
+
+def byte_screen(data: bytes, max_share: float, min_entropy: float) -> tuple[str, str] | None:
+    """(reason, why) when `data` is mostly one byte (its most frequent byte over `max_share` of it) or nearly
+    constant (Shannon entropy of its bytes under `min_entropy` bits per byte); else None."""
+    counts = collections.Counter(data)
+    if not counts:
+        return None
+    top, count = counts.most_common(1)[0]
+    if count / len(data) > max_share:
+        return ("repetitive", f"byte {bytes([top])!r} is {count / len(data):.0%} of its {len(data)} bytes (more than "
+                              f"{max_share:.0%}: --serve-screen-max-symbol-share)")
+    entropy = -sum(c / len(data) * math.log2(c / len(data)) for c in counts.values())
+    if entropy < min_entropy:
+        return ("low-entropy", f"its bytes carry {entropy:.2f} bits each (less than {min_entropy}: "
+                               "--serve-screen-min-entropy)")
+    return None
+
+
+def loss_screen(loss: float, recent: list[float], cfg: ServeConfig) -> tuple[str, str] | None:
+    """("outlier", why) when `loss` is above median + k x spread of `recent` (the losses of the last accepted
+    documents), spread = max(1.4826 x MAD, min_spread x median); None before `screen_warmup` of them, or when
+    `screen_k` is 0. A non-finite loss is an outlier."""
+    if not cfg.screen_k or len(recent) < cfg.screen_warmup:
+        return None
+    median = statistics.median(recent)
+    spread = max(1.4826 * statistics.median(abs(x - median) for x in recent), cfg.screen_min_spread * abs(median))
+    limit = median + cfg.screen_k * spread
+    if loss <= limit:
+        return None
+    return ("outlier", f"its loss {loss:.3f} nats/token is above {limit:.3f} = median {median:.3f} + "
+                       f"{cfg.screen_k:g} x spread {spread:.3f} of the last {len(recent)} accepted documents; if it "
+                       "is good data, raise --serve-screen-k (0: no loss screen)")
+
+
+def kept_name(seq: int) -> str:
+    return f"{seq:09d}.safetensors"
+
+
+def kept_states(folder: Path) -> dict[int, float]:
+    """Seq -> canary loss of the snapshots kept in `folder` (read from their headers)."""
+    from safetensors import safe_open
+    kept = {}
+    for path in sorted(folder.glob("[0-9]*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            kept[int(path.stem)] = json.loads(f.metadata()["forgetless"])["canary"]
+    return kept
 
 
 def text_checksum(text: str) -> str:
