@@ -74,6 +74,16 @@ def test_a_missing_extra_is_a_one_line_error_naming_it(tmp_path):
                      "forgetless.data.mix needs the datasets package: pip install 'forgetless[data]'"]
 
 
+def test_adapt_data_report_skips_its_figure_without_matplotlib(tmp_path, monkeypatch, capsys):
+    from forgetless.continual import user_adapt
+    from forgetless.report import figures
+    monkeypatch.setattr(figures, "available", lambda: False)
+    assert user_adapt.figure({}, tmp_path / "report.png") is False
+    assert not (tmp_path / "report.png").exists()
+    assert "figures skipped: matplotlib is not installed (pip install 'forgetless[plots]', then run again)" in \
+        capsys.readouterr().err
+
+
 def test_need_passes_on_a_broken_optional_package(tmp_path, monkeypatch):
     """An optional package that is installed but cannot import one of its own dependencies is not reported
     as missing: its own error shows."""

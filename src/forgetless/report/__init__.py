@@ -60,5 +60,5 @@ def write_report(results: dict, out: Path) -> list[Path]:
 def skipped(files: list[Path]) -> list[Path]:
     """The files written when matplotlib is missing, after one line on the console saying how to get figures."""
     from forgetless.progress import console
-    console.print(drawing.PLOTS_MISSING, markup=False, highlight=False)
+    console.print(drawing.PLOTS_MISSING, markup=False, highlight=False, soft_wrap=True)
     return files
