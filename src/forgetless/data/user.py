@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from forgetless.data.instructions import IGNORE, Example, encode, first_line, quiet_datasets
-from forgetless.errors import ForgetlessError
+from forgetless.errors import ForgetlessError, need
 from forgetless.progress import progress_task
 
 TEXT_SUFFIXES = {".txt", ".md", ".text"}
@@ -32,6 +32,7 @@ def load(source, tokenizer, max_length: int = 512, split: str = "train"):
     """A `datasets.Dataset` with input_ids and labels (-100 on tokens not trained) of `source` (see the
     module docstring), each row at most `max_length` tokens. `tokenizer`: a transformers tokenizer (or
     the one forgetless.models.hf.load_model returns)."""
+    need("datasets", "data", "forgetless.data.load")
     if max_length < 2:
         raise ForgetlessError(f"max_length must be at least 2 tokens, got {max_length}")
     hf = getattr(tokenizer, "hf", tokenizer)
@@ -59,7 +60,7 @@ def mix(new, old=None, fraction: float = 0.2, seed: int = 0):
     """`new` plus rows of `old` (both from `load`) making `fraction` of the result, shuffled, with a
     `retained` column (True on the old rows): replay, and the rows on which distillation's KL and
     Neutral's l1 term act. Old rows are drawn without replacement while they last."""
-    import datasets
+    datasets = need("datasets", "data", "forgetless.data.mix")
     with quiet_datasets(datasets):
         return mixed(datasets, new, old, fraction, seed)
 
@@ -113,7 +114,7 @@ class Collator:
 # ---- reading -------------------------------------------------------------------------------
 def read_records(source, split: str):
     """A `datasets.Dataset` of the records of `source`."""
-    import datasets
+    datasets = need("datasets", "data", "forgetless.data.load")
     if isinstance(source, datasets.DatasetDict):
         if split not in source:
             raise ForgetlessError(f"the DatasetDict has no split {split!r}; its splits: {', '.join(source)}")
@@ -220,5 +221,5 @@ def render(hf, messages: list[dict], add_generation_prompt: bool = False) -> lis
 
 
 def as_dataset(rows: list[dict]):
-    import datasets
+    datasets = need("datasets", "data", "forgetless.data.load")
     return datasets.Dataset.from_list(rows)

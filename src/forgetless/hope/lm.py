@@ -105,7 +105,7 @@ def markdown(results: dict) -> str:
 
 
 def figures(results: dict, out: Path) -> list[Path]:
-    import matplotlib.pyplot as plt
+    from forgetless.report.figures import plt
 
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
     for arm, s in results["arms"].items():

@@ -148,7 +148,7 @@ def markdown(results: dict) -> str:
 
 
 def figures(results: dict, out: Path) -> list[Path]:
-    import matplotlib.pyplot as plt
+    from forgetless.report.figures import plt
 
     edges = results["config"]["bins"]
     centers = [(lo + hi - 1) / 2 for lo, hi in zip(edges, edges[1:])]

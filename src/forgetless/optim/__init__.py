@@ -63,6 +63,9 @@ def adamw(params: Named, cfg, model=None, options=None):
 def muon(params: Named, cfg, model=None, options=None):
     """Muon on the 2-D weights of hidden layers; AdamW on embeddings (and the tied head), biases, norms.
     Muon's step is scaled to AdamW's update RMS (`match_rms_adamw`), so the same lr schedule applies."""
+    if not hasattr(torch.optim, "Muon"):
+        raise ForgetlessError(f"the muon optimizer needs torch >= 2.9 (torch.optim.Muon); this is torch {torch.__version__}: "
+                              "upgrade torch or choose another optimizer")
     embeddings = {id(p) for m in (model.modules() if model is not None else []) if isinstance(m, nn.Embedding)
                   for p in m.parameters()}
     hidden = [(n, p) for n, p in params if p.dim() == 2 and id(p) not in embeddings]

@@ -1,10 +1,12 @@
-"""Write a run's results: JSON (the contract), CSV, Markdown and figures."""
+"""Write a run's results: JSON (the contract), CSV, Markdown and figures (figures need the `plots` extra,
+matplotlib: without it the tables are written and the figures skipped, with one line saying so)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from forgetless import distributed
 from forgetless.checkpoint import write_json
+from forgetless.report import figures as drawing
 from forgetless.report.figures import method_figures, r_heatmaps, write_figures
 from forgetless.report.online import online_figure, online_markdown, online_tradeoff, write_online_csv
 from forgetless.report.frontier import (curves, frontier_figure, frontier_markdown, matched, matched_markdown,
@@ -28,10 +30,12 @@ def write_report(results: dict, out: Path) -> list[Path]:
     if results["protocol"] == "online":
         write_online_csv(results, out / "results.csv")
         (out / "results.md").write_text(online_markdown(results))
+        tables = [out / "results.json", out / "results.csv", out / "results.md"]
+        if not drawing.available():
+            return skipped(tables)
         online_figure(results, out / "online.png")
         online_tradeoff(results, out / "online_tradeoff.png")
-        return [out / "results.json", out / "results.csv", out / "results.md", out / "online.png",
-                out / "online_tradeoff.png"]
+        return [*tables, out / "online.png", out / "online_tradeoff.png"]
     sequence = results["protocol"] == "sequence"
     (write_sequence_csv if sequence else write_csv)(results, out / "results.csv")
     text = sequence_markdown(results) if sequence else markdown(results)
@@ -40,6 +44,9 @@ def write_report(results: dict, out: Path) -> list[Path]:
     if results.get("matched"):
         text += "\n".join(matched_markdown(results)) + "\n"
     (out / "results.md").write_text(text)
+    tables = [out / "results.json", out / "results.csv", out / "results.md"]
+    if not drawing.available():
+        return skipped(tables)
     if sequence:
         r_heatmaps(results, out / "r_matrix.png")
         figures = [out / "r_matrix.png", *method_figures(results, out)]
@@ -47,4 +54,11 @@ def write_report(results: dict, out: Path) -> list[Path]:
         figures = write_figures(results, out)
     if frontier_figure(results, out / "frontier.png"):
         figures.append(out / "frontier.png")
-    return [out / "results.json", out / "results.csv", out / "results.md", *figures]
+    return [*tables, *figures]
+
+
+def skipped(files: list[Path]) -> list[Path]:
+    """The files written when matplotlib is missing, after one line on the console saying how to get figures."""
+    from forgetless.progress import console
+    console.print(drawing.PLOTS_MISSING, markup=False, highlight=False, soft_wrap=True)
+    return files

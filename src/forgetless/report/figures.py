@@ -3,13 +3,38 @@ mixing sweep, optimizer pretraining curves and frontier (two-domain), R heatmaps
 method draws its own diagnostics (`Method.figures`: APN routing, Neutral gates, CMS levels, MoRAM atoms)."""
 from __future__ import annotations
 
+import functools
+import importlib.util
 import re
 from pathlib import Path
 
-import matplotlib
+from forgetless.errors import need
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+PLOTS_MISSING = "figures skipped: matplotlib is not installed (pip install 'forgetless[plots]', then `forgetless report DIR`)"
+
+
+def available() -> bool:
+    """Whether matplotlib is installed (the `plots` extra): without it a bench writes its tables and no figures."""
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+@functools.cache
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, imported on first use, or a one-line error naming the extra."""
+    need("matplotlib", "plots", "drawing figures").use("Agg")
+    import matplotlib.pyplot
+    return matplotlib.pyplot
+
+
+class LazyPyplot:
+    """Stands for matplotlib.pyplot and imports it when first used, so that `import forgetless` and every
+    non-drawing path run without matplotlib."""
+
+    def __getattr__(self, name: str):
+        return getattr(pyplot(), name)
+
+
+plt = LazyPyplot()
 
 
 def save(fig, path: Path, dpi: int = 110):
