@@ -33,13 +33,10 @@ Source: Nayak et al., Sculpting Subspaces: Constrained Full Fine-Tuning in LLMs 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
-from peft import OSFConfig, inject_adapter_in_model
-from peft.tuners.osf.layer import OSFLayer
-from peft.utils.constants import TRANSFORMERS_MODELS_TO_OSF_TARGET_MODULES_MAPPING as PEFT_OSF_DEFAULTS
-
 from forgetless.errors import ForgetlessError
 from forgetless.methods.base import ALL_LINEAR, Method, MethodConfig, find_modules, register_method, replace_module
 from forgetless.models.gpt import GPT
@@ -94,7 +91,7 @@ class OSF(Method):
             rules = ["c_attn", "c_proj", "c_fc"]
         else:
             model_type = getattr(getattr(model, "config", None), "model_type", None)
-            rules = list(PEFT_OSF_DEFAULTS.get(model_type) or [ALL_LINEAR])
+            rules = list(peft_osf().TRANSFORMERS_MODELS_TO_OSF_TARGET_MODULES_MAPPING.get(model_type) or [ALL_LINEAR])
         return find_modules(model, rules, self.cfg.exclude_modules)
 
     def check_base(self, model):
@@ -113,10 +110,11 @@ class OSF(Method):
     def wrap(self, model: nn.Module, task: int) -> nn.Module:
         """peft's OSF on every target linear, with the SVD of its current weight and task `task`'s frozen share."""
         names = [n for n, _ in self.targets(model)]
-        return inject_adapter_in_model(OSFConfig(target_modules=names, effective_rank=self.preserved(task)), model)
+        osf = peft_osf()
+        return osf.inject_adapter_in_model(osf.OSFConfig(target_modules=names, effective_rank=self.preserved(task)), model)
 
-    def layers(self, model: nn.Module) -> list[tuple[str, OSFLayer]]:
-        return [(n, m) for n, m in model.named_modules() if isinstance(m, OSFLayer)]
+    def layers(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        return [(n, m) for n, m in model.named_modules() if isinstance(m, peft_osf().OSFLayer)]
 
     def on_task_start(self, model, task):
         """Task t > 1: merge the delta learned so far into the weights, then decompose them again, freezing
@@ -165,3 +163,16 @@ class OSF(Method):
             replace_module(model, name, base)
         model.__dict__.pop("peft_config", None)  # peft's record of the adapter, gone with its layers
         return model
+
+
+def peft_osf():
+    """peft's OSF names (peft >= 0.18), imported when osf is used, so older peft versions serve every other method."""
+    try:
+        import peft
+        from peft.tuners.osf.layer import OSFLayer
+        from peft.utils import constants
+    except ImportError as e:
+        raise ForgetlessError(f"osf needs peft >= 0.18 with OSF ({e}): pip install -U 'peft>=0.18'") from e
+    return SimpleNamespace(OSFConfig=peft.OSFConfig, inject_adapter_in_model=peft.inject_adapter_in_model,
+                           OSFLayer=OSFLayer, TRANSFORMERS_MODELS_TO_OSF_TARGET_MODULES_MAPPING=(
+                               constants.TRANSFORMERS_MODELS_TO_OSF_TARGET_MODULES_MAPPING))
