@@ -13,6 +13,11 @@ windows of play 36, the probe 64 windows of play 37. The serve engine (`serve.en
   engine on that folder, checks that every document the child had acknowledged is in the log, sends the stream
   again from the first unanswered document (same keys: one that was logged but not acknowledged is answered
   from the log, not learned twice) and compares every weight with the uninterrupted run's (torch.equal).
+- sweep (`--sweep N`, off by default): the same, but the forked server dies (`os._exit`: no buffer flushed, as
+  abrupt as kill -9) at every Nth of its crash points, deterministically: before and after each fsync, rename,
+  link and unlink, the log append, the snapshot file, and each step of the engine's learn, check, rollback,
+  snapshot and kept-link path (`crash_points`). The restart must also keep the same kept states and leave no
+  temporary file.
 - corruptions: the uninterrupted run's log in a fresh folder with one byte changed at a random place: the start
   replays it whole (then the weights equal the uninterrupted run's), or refuses with one line naming the line
   that holds the byte; then `repair` moves the damaged line(s) to the quarantine and the start replays the rest.
@@ -23,7 +28,7 @@ windows of play 36, the probe 64 windows of play 37. The serve engine (`serve.en
   rollback alone, then an operator rollback to the kept pre-poison state), `clean` (the clean documents alone).
   Probe loss at the end against the pre-poison one; a figure of the canary over the stream.
 
-    python benchmarks/serve_faults.py [--kills 20] [--corruptions 10] [--seed 0] [--figure PNG] [--json FILE]
+    python benchmarks/serve_faults.py [--kills 20] [--sweep 0] [--corruptions 10] [--seed 0] [--figure PNG] [--json FILE]
 """
 from __future__ import annotations
 
@@ -50,7 +55,7 @@ from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPT
 from forgetless.presets import build_config
 from forgetless.serve import wal
-from forgetless.serve.engine import WAL, Engine, Screened, ServeConfig
+from forgetless.serve.engine import KEPT, WAL, Engine, Screened, ServeConfig, kept_name
 
 CORPUS = "shakespeare-modern"
 SERVE = {"canary_every": 4, "snapshot_every": 8}  # else the server's defaults
@@ -134,16 +139,23 @@ def kill_stream(setup: Setup, rng: random.Random) -> list[str]:
     return docs
 
 
-def serve_in_child(setup: Setup, stream: list[str], folder: Path, acks: Path) -> int:
+def serve_in_child(setup: Setup, stream: list[str], folder: Path, acks: Path, die_at: int = 0,
+                   points: Path | None = None) -> int:
     """Fork a server that runs `stream` on `folder`, appending "i seq" to `acks` after each answer (what its
-    client saw acknowledged; seq -1: refused); returns its pid."""
+    client saw acknowledged; seq -1: refused); returns its pid. `die_at` k > 0: it dies (os._exit, as abruptly
+    as kill -9: no buffer flushed) at its k-th crash point (`crash_points`); `points`: append their names there."""
     fd = os.open(acks, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     pid = os.fork()
     if pid == 0:
         code = 0
         try:
+            point = crash_points(die_at, points) if die_at or points else lambda name: None
             engine = setup.engine(folder, **KILL)
-            send(engine, stream, answered=lambda i, a: os.write(fd, f"{i} {a.get('seq', -1)}\n".encode()))
+
+            def answered(i, a):
+                os.write(fd, f"{i} {a.get('seq', -1)}\n".encode())
+                point(f"acknowledged {i}")
+            send(engine, stream, answered=answered)
         except BaseException:
             traceback.print_exc()
             code = 3
@@ -153,6 +165,78 @@ def serve_in_child(setup: Setup, stream: list[str], folder: Path, acks: Path) ->
     return pid
 
 
+DIED = 9  # the exit status of a child that died at its crash point
+
+
+def crash_points(die_at: int, points: Path | None):
+    """In a forked child: count the crash points (before and after each file system call that makes state
+    durable, and each step of the engine's learn, snapshot and rollback paths) and die at the `die_at`-th;
+    returns the function that marks one (the caller's own points)."""
+    import forgetless.checkpoint as checkpoint
+    from forgetless.continual.learner import Learner
+    count = [0]
+    names = open(points, "a") if points else None
+
+    def point(name: str):
+        count[0] += 1
+        if names:
+            names.write(f"{count[0]} {name}\n")
+            names.flush()
+        if count[0] == die_at:
+            os._exit(DIED)
+
+    def wrap(owner, attr: str, label: str):
+        inner = getattr(owner, attr)
+
+        def wrapped(*args, **kwargs):
+            point(f"before {label}")
+            out = inner(*args, **kwargs)
+            point(f"after {label}")
+            return out
+        setattr(owner, attr, wrapped)
+
+    for attr in ("fsync", "replace", "link", "unlink", "truncate"):
+        wrap(os, attr, f"os.{attr}")
+    wrap(checkpoint, "save_file", "save_file")
+    wrap(wal.WriteAheadLog, "append", "wal.append")
+    wrap(Learner, "learn", "Learner.learn")
+    for attr in ("apply", "check", "rollback", "write_snapshot", "keep", "publish", "remember"):
+        wrap(Engine, attr, f"Engine.{attr}")
+    return point
+
+
+def recover(setup: Setup, stream: list[str], folder: Path, acks: Path, whole: dict, trial: dict) -> dict:
+    """Restart on the folder a killed server left, check that every document it acknowledged (`acks`) is in the
+    log, send the stream again from the first unacknowledged document (same keys) and compare the weights, the
+    answers and the kept states with the uninterrupted run's (`whole`: weights, answers, kept); no unfinished
+    file may be left. The trial's record (`ok`: all held)."""
+    expected, answers = whole["weights"], whole["answers"]
+    acked = [tuple(map(int, line.split())) for line in acks.read_text().splitlines()]
+    log = (folder / WAL).read_bytes() if (folder / WAL).exists() else b""
+    trial = {**trial, "acknowledged": len(acked), "torn_tail": bool(log) and not log.endswith(b"\n")}
+    try:
+        engine = setup.engine(folder, **KILL)
+    except ForgetlessError as e:
+        return {**trial, "ok": False, "error": str(e)}
+    logged = {r["seq"]: r["text"] for r in engine.wal.records}
+    trial["lost"] = [i for i, seq in acked if seq >= 0 and logged.get(seq) != stream[i]]
+    trial["logged_unacknowledged"] = len(logged) - sum(seq >= 0 for _, seq in acked)
+    trial["replayed"] = engine.counters["replayed"]
+    resent = send(engine, stream, start=len(acked))
+    trial["same_weights"] = same(weights(engine), expected)
+    trial["same_answers"] = answers[len(acked):] == resent
+    if not trial["same_answers"]:
+        trial["answers"] = [answers[len(acked):], resent]
+    trial["same_kept"] = sorted(engine.kept) == whole["kept"] and sorted(
+        p.name for p in (folder / KEPT).iterdir()) == [kept_name(seq) for seq in whole["kept"]]
+    trial["leftovers"] = sorted(str(p.relative_to(folder)) for p in folder.rglob(".*tmp*"))
+    trial["ok"] = not trial["lost"] and trial["same_weights"] and trial["same_answers"] and trial["same_kept"] and \
+        not trial["leftovers"]
+    engine.close()
+    shutil.rmtree(folder)
+    return trial
+
+
 def kills(setup: Setup, n: int, seed: int, root: Path) -> dict:
     """kill -9 at `n` random points of a learn stream; each restart must end in the uninterrupted weights."""
     rng = random.Random(seed)
@@ -160,7 +244,8 @@ def kills(setup: Setup, n: int, seed: int, root: Path) -> dict:
     t0 = time.perf_counter()
     whole = setup.engine(root / "whole", **KILL)
     answers = send(whole, stream)
-    expected, seconds = weights(whole), time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    reference = {"weights": weights(whole), "answers": answers, "kept": sorted(whole.kept)}
     whole.close()
     t0 = time.perf_counter()
     _, status = os.waitpid(serve_in_child(setup, stream, root / "timed", root / "timed.acks"), 0)
@@ -182,29 +267,31 @@ def kills(setup: Setup, n: int, seed: int, root: Path) -> dict:
                 raise AssertionError("the killed run failed on its own (its traceback is above)")
             child = min(child, delay)  # it ran faster than the timed run: aim the next kills earlier
             continue  # it finished before the kill: not a trial
-        acked = [tuple(map(int, line.split())) for line in acks.read_text().splitlines()]
-        log = (folder / WAL).read_bytes() if (folder / WAL).exists() else b""
-        trial = {"delay_s": round(delay, 3), "acknowledged": len(acked), "torn_tail": bool(log) and not log.endswith(b"\n")}
-        try:
-            engine = setup.engine(folder, **KILL)
-        except ForgetlessError as e:
-            trials.append({**trial, "ok": False, "error": str(e)})
-            continue
-        logged = {r["seq"]: r["text"] for r in engine.wal.records}
-        trial["lost"] = [i for i, seq in acked if seq >= 0 and logged.get(seq) != stream[i]]
-        trial["logged_unacknowledged"] = len(logged) - sum(seq >= 0 for _, seq in acked)
-        trial["replayed"] = engine.counters["replayed"]
-        resent = send(engine, stream, start=len(acked))
-        trial["same_weights"] = same(weights(engine), expected)
-        trial["same_answers"] = answers[len(acked):] == resent
-        if not trial["same_answers"]:
-            trial["answers"] = [answers[len(acked):], resent]
-        trial["ok"] = not trial["lost"] and trial["same_weights"] and trial["same_answers"]
-        engine.close()
-        trials.append(trial)
-        shutil.rmtree(folder)
+        trials.append(recover(setup, stream, folder, acks, reference, {"delay_s": round(delay, 3)}))
     survived = sum(t["ok"] for t in trials)
     return {**summary, "kills": len(trials), "survived": survived, "attempts": attempts, "trials": trials}
+
+
+def sweep(setup: Setup, root: Path, every: int = 1) -> dict:
+    """Die at every `every`-th crash point of the kill stream (deterministic, unlike the timed kills); each
+    restart must lose no acknowledged document and end in the uninterrupted weights and answers."""
+    stream = kill_stream(setup, random.Random(0))
+    whole = setup.engine(root / "whole", **KILL)
+    reference = {"answers": send(whole, stream), "weights": weights(whole), "kept": sorted(whole.kept)}
+    whole.close()
+    names = root / "points"
+    _, status = os.waitpid(serve_in_child(setup, stream, root / "count", root / "count.acks", points=names), 0)
+    assert status == 0, "the counting run failed (its traceback is above)"
+    listed = [line.split(" ", 1) for line in names.read_text().splitlines()]
+    trials = []
+    for k, name in listed[::every]:
+        folder, acks = root / f"point{k}", root / f"point{k}.acks"
+        _, status = os.waitpid(serve_in_child(setup, stream, folder, acks, die_at=int(k)), 0)
+        if not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == DIED):
+            raise AssertionError(f"the run meant to die at point {k} ({name}) ended otherwise: status {status}")
+        trials.append(recover(setup, stream, folder, acks, reference, {"point": int(k), "at": name}))
+    return {"points": len(listed), "tried": len(trials), "survived": sum(t["ok"] for t in trials),
+            "failed": [t for t in trials if not t["ok"]], "trials": trials}
 
 
 def corruptions(setup: Setup, n: int, seed: int, root: Path) -> dict:
@@ -344,6 +431,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--corruptions", type=int, default=10)
+    parser.add_argument("--sweep", type=int, default=0, help="also die at every Nth crash point of the kill stream "
+                        "(1: all of them; 0: no sweep)")
     parser.add_argument("--poison", action=argparse.BooleanOptionalAction, default=True, help="run the poison stream")
     parser.add_argument("--garbage", type=int, default=16, help="garbage documents in the poison stream")
     parser.add_argument("--warm", type=int, default=16, help="clean documents before the poison (a snapshot multiple)")
@@ -368,10 +457,11 @@ def main(argv=None):
         root = Path(folder)
         timings = {"setup_s": time.perf_counter() - t0}
         for name, run in (("kills", lambda: kills(setup, args.kills, args.seed, root / "k")),
+                          ("sweep", lambda: sweep(setup, root / "s", args.sweep)),
                           ("corruptions", lambda: corruptions(setup, args.corruptions, args.seed, root / "c")),
                           ("two_servers", lambda: two_servers(setup, root / "t")),
                           ("poison", lambda: poison(setup, args.seed, args.warm, args.garbage, root / "p"))):
-            if (name == "kills" and not args.kills) or (name == "corruptions" and not args.corruptions) or \
+            if (name == "kills" and not args.kills) or (name == "sweep" and not args.sweep) or (name == "corruptions" and not args.corruptions) or \
                     (name == "poison" and not args.poison):
                 continue
             (root / name[0]).mkdir(exist_ok=True)
@@ -396,6 +486,10 @@ def report(r: dict):
               f"{sorted(t['acknowledged'] for t in k['trials'])}; logged but unacknowledged: "
               f"{sum(t.get('logged_unacknowledged', 0) > 0 for t in k['trials'])}; torn tails cut: "
               f"{sum(t['torn_tail'] for t in k['trials'])}")
+    if "sweep" in r:
+        w = r["sweep"]
+        print(f"crash points: {w['survived']}/{w['tried']} survived (of {w['points']} points); failed at: "
+              f"{[t['at'] for t in w['failed']]}")
     if "corruptions" in r:
         c = r["corruptions"]
         print(f"corruptions: {c['handled']}/{c['corruptions']} handled ({c['refused']} refused naming the line, "

@@ -468,6 +468,61 @@ def test_a_key_is_learned_once_and_a_retry_gets_the_first_answer_after_a_restart
     assert again.get("/v1/health").json()["seq"] == 5
 
 
+
+def state_of(e: Engine) -> dict:
+    return {k: v.clone() for k, v in e.learner.model.state_dict().items()}
+
+
+def test_the_key_of_the_document_a_snapshot_was_written_at_survives_a_restart(trained, tmp_path):
+    """The snapshot at document 4 is written while document 4 is learned: it must hold document 4's answer,
+    since the log after the snapshot does not. A kill after the snapshot's rename, before the answer reached the
+    client, left this folder: the client's retry must get the first answer, not learn the document again."""
+    e = engine(trained, tmp_path / "state", max_canary_rise=1.0)
+    first = [e.learn(doc, key=f"k{i}") for i, doc in enumerate(DOCS[:4])]
+    assert e.snapshot_seq == 4 and first[3]["seq"] == 4
+    weights = state_of(e)
+    e.close()
+    again = engine(trained, tmp_path / "state", max_canary_rise=1.0)
+    assert again.counters["replayed"] == 0 and list(again.answers) == ["k0", "k1", "k2", "k3"]
+    assert again.learn(DOCS[3], key="k3") == first[3] and again.seq == 4
+    assert all(torch.equal(v, weights[k]) for k, v in state_of(again).items())
+    again.close()
+
+
+def test_a_kill_mid_snapshot_or_before_its_kept_link_recovers_the_uninterrupted_state(trained, tmp_path):
+    """The folders a kill leaves at each step of writing the snapshot at document 4 (the log already holds
+    document 4): the snapshot's temporary file not yet renamed (a restart replays documents 1-4 from the older
+    snapshot 0), or renamed but not yet linked into kept/ (a restart links it). Each restart ends in the
+    uninterrupted weights, answers, kept states, and leaves no temporary file."""
+    whole = engine(trained, tmp_path / "whole", max_canary_rise=1.0)
+    answers = [whole.learn(doc, key=f"k{i}") for i, doc in enumerate(DOCS[:4])]
+    weights, kept = state_of(whole), dict(whole.kept)
+    assert sorted(kept) == [0, 4]
+    whole.close()
+
+    mid = tmp_path / "mid"  # killed while writing the snapshot: documents 1-4 logged, snapshot 0 on disk
+    e = engine(trained, mid, max_canary_rise=1.0)
+    [e.learn(doc, key=f"k{i}") for i, doc in enumerate(DOCS[:3])]
+    e.wal.append(4, DOCS[3], "k3")
+    e.close()
+    (mid / f".{SNAPSHOT}.tmp-4242").write_bytes(b"half a snapshot")
+    (mid / "kept" / ".000000004.safetensors.tmp").write_bytes(b"")
+
+    linked = tmp_path / "linked"  # killed after the snapshot's rename, before its kept link
+    shutil.copytree(tmp_path / "whole", linked)
+    (linked / "kept" / "000000004.safetensors").unlink()
+    (linked / "lock").unlink()
+
+    for folder, replayed in ((mid, 4), (linked, 0)):
+        again = engine(trained, folder, max_canary_rise=1.0)
+        assert again.counters["replayed"] == replayed and again.seq == again.snapshot_seq == 4
+        assert [again.learn(doc, key=f"k{i}") for i, doc in enumerate(DOCS[:4])] == answers and again.seq == 4
+        assert all(torch.equal(v, weights[k]) for k, v in state_of(again).items())
+        assert again.kept == kept and sorted(p.name for p in (folder / "kept").iterdir()) == \
+            ["000000000.safetensors", "000000004.safetensors"]
+        assert not [p for p in folder.rglob(".*tmp*")]
+        again.close()
+
 # ---- one server per state folder, token file, CLI errors ---------------------------------------------
 
 

@@ -153,6 +153,8 @@ class Engine:
         self.routed = any(isinstance(m, APN) for m in self.learner.model.modules())
         self.usage: list[list[float]] | None = None  # routed methods: share of each patch per layer, last document
         self.started = time.time()
+        for stale in [*self.state_dir.glob(f".{SNAPSHOT}.tmp-*"), *(self.state_dir / KEPT).glob(".*.tmp")]:
+            stale.unlink()  # a snapshot or kept link a kill left unfinished (never renamed: never read)
         path = self.state_dir / SNAPSHOT
         if path.exists():
             snapshot = self.read_snapshot(path)
@@ -161,13 +163,15 @@ class Engine:
                 self.answers[key] = (crc, answer)
             self.recent.extend(snapshot["meta"].get("recent", []))
             self.kept = kept_states(self.state_dir / KEPT)
+            if self.seq not in self.kept:  # a kill between the snapshot's rename and its kept link
+                self.keep()
         else:
             self.reference = self.canary_loss()
             self.canary_last = self.reference
             self.good = self.capture()
             self.write_snapshot()
         for record in self.wal.after(self.seq):  # what the snapshot lacks: the same updates, checks, rollbacks
-            self.remember(record.get("key"), record["text"], self.apply(record["seq"], record["text"]))
+            self.apply(record["seq"], record["text"], record.get("key"))
             self.counters["replayed"] += 1
         self.publish()
 
@@ -225,8 +229,7 @@ class Engine:
             prequential = self.screen(text, windows)
             seq = self.seq + 1
             self.wal.append(seq, text, key)
-            result = self.apply(seq, text, windows, prequential)
-            self.remember(key, text, result)
+            result = self.apply(seq, text, key, windows, prequential)
             self.publish()
         return result
 
@@ -259,9 +262,12 @@ class Engine:
             while len(self.answers) > KEYS:
                 self.answers.popitem(last=False)
 
-    def apply(self, seq: int, text: str, windows: torch.Tensor | None = None, prequential: float | None = None) -> dict:
+    def apply(self, seq: int, text: str, key: str | None = None, windows: torch.Tensor | None = None,
+              prequential: float | None = None) -> dict:
         """Learn document `seq` (also on replay): prequential loss (given when the screen measured it: the same
-        number), updates, the canary when due."""
+        number), updates, the canary when due; remember the answer under `key`, then write the snapshot when one
+        is due (so it holds this document's answer: a restart from it answers a retry of the document, which the
+        log after the snapshot no longer holds)."""
         windows = self.windows(text) if windows is None else windows
         if prequential is None:
             prequential = evaluate(self.learner.model, windows)["loss"]  # before it is learned
@@ -282,12 +288,16 @@ class Engine:
             rolled_back = self.rollback(f"a non-finite loss on document {seq}")
         if not rolled_back and seq % self.cfg.canary_every == 0:
             rolled_back = not self.check()
-        return {"seq": seq, "prequential_loss": prequential, "updates": self.learner.steps, "rolled_back": rolled_back,
-                "canary_loss": self.canary_last}
+        result = {"seq": seq, "prequential_loss": prequential, "updates": self.learner.steps,
+                  "rolled_back": rolled_back, "canary_loss": self.canary_last}
+        self.remember(key, text, result)
+        if not rolled_back and seq % self.cfg.snapshot_every == 0:  # a passed check (a multiple of canary_every)
+            self.write_snapshot()
+        return result
 
     def check(self) -> bool:
         """Score the canary: too far above the reference rolls back (False); else the state is the last good
-        one, written to disk when a snapshot is due (True)."""
+        one (True). The caller writes the snapshot when one is due."""
         loss = self.canary_loss()
         self.canary_last = loss
         self.history["canary"].append((self.seq, loss))
@@ -295,8 +305,6 @@ class Engine:
             self.rollback(f"canary loss {loss:.4f} > reference {self.reference_loss():.4f} + {self.cfg.max_canary_rise}")
             return False
         self.good = self.capture()
-        if self.seq % self.cfg.snapshot_every == 0:
-            self.write_snapshot()
         return True
 
     def rollback(self, why: str) -> bool:
