@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 mkdir -p runs
 
 SECTIONS=(frontier-two-domain frontier-sequence frontier-two-domain-mix frontier-two-domain-capacity frontier-two-domain-ewc frontier-two-domain-goal frontier-two-domain-goal-mix30 frontier-two-domain-goal-confirm frontier-two-domain-goal-more frontier-two-domain-goal-confirm-ewc frontier-two-domain-stdlib frontier-sequence-replay two-domain-quick tiny-renamed apn-ablation two-domain-neutral sequence-quick sequence-ablation
-          two-domain-cms sequence-cms optimizers-quick real-standard real-standard-seeds real-standard-replay real-standard-retrofits real-standard-neutral real-trace real-two-domain real-two-domain-folio
+          two-domain-cms sequence-cms optimizers-quick real-standard real-standard-seeds real-standard-replay real-standard-retrofits real-standard-neutral real-trace real-two-domain real-two-domain-folio real-neutral-pace
           online-quick hope-two-domain hope-lm hope-needle hope-speed serve first-run benchmarks aunn)
 
 publish() {  # publish RUN_DIR SECTION: its table and the figures RESULTS.md or README.md show, next to RESULTS.md
@@ -18,6 +18,19 @@ publish() {  # publish RUN_DIR SECTION: its table and the figures RESULTS.md or 
     for f in $(grep -ho "figures/$2/[A-Za-z0-9_.-]*\.png" docs/RESULTS.md README.md | sort -u); do
         cp "$1/${f##*/}" "docs/figures/$2/"; done
     echo "published $1 -> docs/figures/$2 (all its figures stay in $1)"
+}
+
+# Neutral Residues read the raw FFN input, and on a pretrained model (--model) trained at lr 1e-3, in every section
+# measured before 2026-11-26: `forgetless bench` here pins both so those sections reproduce; real-neutral-pace runs
+# today's defaults (unit-RMS input; lr 3e-4 on pretrained models). first-run calls the program itself: unpinned.
+forgetless() {
+    if [[ $1 == bench && ${PIN_NEUTRAL:-1} == 1 ]]; then
+        local pins=(--set neutral.normalize_input=false)
+        [[ " $* " == *" --model "* ]] && pins+=(--set neutral.lr=1e-3)
+        command forgetless "$@" "${pins[@]}"
+    else
+        command forgetless "$@"
+    fi
 }
 
 bench() {  # bench SECTION ARGS...: one forgetless bench into runs/SECTION, then publish it
@@ -128,6 +141,12 @@ run_section() {
                             --methods full,lora,adapter,neutral,moram,apn,cms ;;
     real-two-domain-folio) bench real-two-domain-folio --model smollm2-135m --preset real --seeds 1 --domain-a pydoc-topics \
                             --domain-b shakespeare-folio --methods 'full,full[lr=1e-4],full[lr=2e-4],lora,lora[lr=3e-3],full[mix=0.1;lr=2e-4],distill[lr=2e-4],neutral,neutral[lr=3e-3]' ;;  # ~85 min
+    real-neutral-pace)  PIN_NEUTRAL=0 forgetless bench --model smollm2-135m --preset real --seeds 1 --domain-a pydoc-topics \
+                            --domain-b shakespeare-folio --methods 'full,lora,neutral[lr=1e-3]' --out runs/neutral-default-folio
+                        forgetless adapt --model smollm2-135m --preset real --domain-a pydoc-topics \
+                            --domain-b shakespeare-folio --method 'neutral[lr=3e-4]' --out runs/neutral-folio-lr3e-4
+                        forgetless adapt --model smollm2-135m --preset real --domain-a pydoc-topics \
+                            --domain-b python-stdlib --method 'neutral[lr=3e-4]' --out runs/neutral-python-lr3e-4 ;;  # ~40 min
     online-quick)       OMP_NUM_THREADS=1 bench online-quick --preset quick --protocol online --methods all --seeds 3 \
                             --base-seeds 3                                                                        # ~1.5 h
                         OMP_NUM_THREADS=1 forgetless bench --preset quick --protocol online --methods moram --seeds 3 \

@@ -198,3 +198,12 @@ def test_a_save_made_before_normalize_input_existed_loads_as_it_was_trained(tmp_
     del config["options"]["normalize_input"]  # as written by forgetless before the option existed
     (tmp_path / CONFIG).write_text(json.dumps(config))
     assert from_pretrained(ours(), tmp_path).method.cfg.normalize_input is False
+
+
+def test_on_a_pretrained_model_neutral_starts_at_the_lr_chosen_for_it():
+    """3e-4 on the real presets (LoRA's pace on SmolLM2, chosen on validation windows); 1e-3 on the byte GPT."""
+    from forgetless.presets import build_config
+    for preset in ("real", "real-full"):
+        assert build_method("neutral", build_config(preset).methods.get("neutral")).cfg.lr == 3e-4
+    for preset in ("smoke", "first", "quick", "paper"):
+        assert build_method("neutral", build_config(preset).methods.get("neutral")).cfg.lr == 1e-3

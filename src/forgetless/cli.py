@@ -289,7 +289,7 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
     from forgetless.guide import advice_for
     from forgetless.methods.base import as_specs
     from forgetless.models.hf import load_model
-    from forgetless.presets import FULL_WEIGHT_LRS
+    from forgetless.presets import PRETRAINED_LRS
 
     if model is None or base is not None or domain_b is not None:
         raise ForgetlessError("--data trains a pretrained --model (smollm2-135m, hf:PATH, a .gguf) on your data; "
@@ -301,7 +301,7 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
         method = advice.method
         out_console.print(f"method {method} ({advice.situation}: `forgetless methods`)", highlight=False)
     (spec,) = as_specs([method])
-    options = {**FULL_WEIGHT_LRS.get(spec.name, {}), **cfg.methods.get(spec.name, {})}  # pretrained weights: 5e-5
+    options = {**PRETRAINED_LRS.get(spec.name, {}), **cfg.methods.get(spec.name, {})}  # pretrained weights
     m = spec.build(options)
     refuse_joint(spec.label, m, "choose another --method (`forgetless methods`)")
     needs = m.needs_previous and "its Fisher" or m.reads_retained

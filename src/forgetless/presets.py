@@ -107,6 +107,10 @@ SECTIONS = {"model": GPTConfig, "pretrain": PretrainConfig, "adapt": AdaptConfig
 # on a pretrained model, methods that train its own weights start at the usual fine-tuning lr (transformers'
 # Trainer default); the preset's 5e-4 suits the small added modules and wrecks a pretrained model's weights
 FULL_WEIGHT_LRS = {name: {"lr": 5e-5} for name in ("full", "mtl", "ffn", "ewc", "distill", "wise-ft", "ewc-distill", "osf")}
+# and Neutral Residues' zero-initialised adapters at 3e-4, where on SmolLM2 they learn at LoRA's pace (chosen on
+# validation windows: docs/RESULTS.md, "Neutral Residues at LoRA's pace on a pretrained model"); on the byte GPT
+# its own 1e-3 does
+PRETRAINED_LRS = {**FULL_WEIGHT_LRS, "neutral": {"lr": 3e-4}}
 
 PRESETS: dict[str, dict] = {
     "smoke": dict(
@@ -137,13 +141,13 @@ PRESETS: dict[str, dict] = {
         adapt=dict(steps=32, batch_size=8, lr=5e-4, warmup=3, eval_every=1000, ckpt_every=8),
         data=dict(domain_a="pydoc-topics", domain_b="python-stdlib", tasks=["dbpedia", "amazon", "yahoo", "agnews"],
                   held_out_tasks=["FOMC"], train_examples=256, test_rows=50, eval_windows=32),
-        methods=FULL_WEIGHT_LRS),
+        methods=PRETRAINED_LRS),
     "real-full": dict(  # every example, more test rows: for GPUs
         model=dict(block_size=512),
         adapt=dict(steps=63, batch_size=8, lr=5e-4, warmup=5, eval_every=1000, ckpt_every=16),
         data=dict(domain_a="pydoc-topics", domain_b="python-stdlib", tasks=["dbpedia", "amazon", "yahoo", "agnews"],
                   held_out_tasks=["FOMC", "ScienceQA"], train_examples=500, test_rows=0, eval_windows=128),
-        methods=FULL_WEIGHT_LRS),
+        methods=PRETRAINED_LRS),
 }
 
 
