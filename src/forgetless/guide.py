@@ -34,12 +34,12 @@ GUIDE = [
            "ewc-with-distillation-and-apn-local-with-replay-2026-11-25"),
     Advice("old general text, a general-purpose model whose general perplexity must hold", "neutral",
            "10 % rows of the general text (an l1 term on the adapters' output acts on them); lr 3e-4 on a "
-           "pretrained model (adapt and bench set it; in Trainer set learning_rate=3e-4)",
-           "SmolLM2-135M-Instruct, prose -> First Folio, 1 seed, lr chosen on validation windows: adapts at "
-           "LoRA's pace (G 0.671 vs 0.627) and lowers the old text's perplexity 3.3 % where LoRA raised it 0.7 %, "
-           "but it replays old rows and LoRA did not; on a 4-task stream (2 seeds, before its input scaling and "
-           "lr were set) general perplexity +1.6 / +2.2 % where LoRA's rose 23-33 %, its tasks forgetting like "
-           "LoRA's; the gates open on old text too",
+           "pretrained model (the real presets and adapt --data set it; in Trainer set learning_rate=3e-4)",
+           "SmolLM2-135M-Instruct, prose -> First Folio, 1 seed, lr chosen there on validation windows: adapts at "
+           "LoRA's pace (G 0.671 vs 0.627), old-text perplexity -3.3 % where LoRA's rose 0.7 %, but it replays old "
+           "rows (LoRA did not) and trains 58x LoRA's parameters; on a 4-task stream (2 seeds, before its input "
+           "scaling and lr were set) general perplexity +1.6 / +2.2 % where LoRA's rose 23-33 %, its tasks "
+           "forgetting like LoRA's; the gates open on old text too",
            "neutral-residues-at-loras-pace-on-a-pretrained-model-input-scale-and-lr-2026-11-26-one-seed"),
     Advice("no old data, one new domain", "full[lr=5e-5]", "the new data only",
            "SmolLM2-135M-Instruct, prose -> First Folio, 1 seed, 32 steps of batch 8 (longer training untested), "
