@@ -146,7 +146,9 @@ run_section() {
                         forgetless adapt --model smollm2-135m --preset real --domain-a pydoc-topics \
                             --domain-b shakespeare-folio --method 'neutral[lr=3e-4]' --out runs/neutral-folio-lr3e-4
                         forgetless adapt --model smollm2-135m --preset real --domain-a pydoc-topics \
-                            --domain-b python-stdlib --method 'neutral[lr=3e-4]' --out runs/neutral-python-lr3e-4 ;;  # ~40 min
+                            --domain-b python-stdlib --method 'neutral[lr=3e-4]' --out runs/neutral-python-lr3e-4
+                        OMP_NUM_THREADS=1 PIN_NEUTRAL=0 forgetless bench --preset first --seeds 3 \
+                            --methods 'neutral,neutral[normalize_input=false]' --out runs/neutral-norm-first ;;  # ~50 min
     online-quick)       OMP_NUM_THREADS=1 bench online-quick --preset quick --protocol online --methods all --seeds 3 \
                             --base-seeds 3                                                                        # ~1.5 h
                         OMP_NUM_THREADS=1 forgetless bench --preset quick --protocol online --methods moram --seeds 3 \
