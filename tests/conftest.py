@@ -35,3 +35,12 @@ def text_file(tmp_path):
     path = tmp_path / "play.txt"
     path.write_text("\n".join(lines))
     return path
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Models this small run fastest on one thread (two threads on a busy 2-core machine: ten times slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

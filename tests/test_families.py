@@ -36,13 +36,7 @@ METHODS = forgetless.method_names()
 SMALL_OPTIONS = {"apn": {"apn": {"n_patches": 8, "top_k": 2, "rank": 4}}}  # the apn arms: few small patches
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Models this small run fastest on one thread (two threads on a busy 2-core machine: ten times slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def build(family: str) -> nn.Module:

@@ -14,12 +14,7 @@ from tiny_models import bpe_tokenizer, gguf_llama, hf_llama, ours
 X = torch.randint(0, 256, (4, 13), generator=torch.Generator().manual_seed(1))  # (B, T+1) windows
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 def steps(adapted, n: int = 2, opt_cls=torch.optim.AdamW, lr: float = 1e-2, x: torch.Tensor = X):

@@ -245,7 +245,7 @@ class Method(StepHooks):
         return {name: p.detach() for name, p in model.named_parameters() if name in own}
 
     def load_state_dict(self, model: nn.Module, tensors: dict[str, torch.Tensor]):
-        own = dict(model.named_parameters())
+        own = dict([*model.named_parameters(), *model.named_buffers()])
         unknown = sorted(set(tensors) - set(own))
         if unknown:
             raise ForgetlessError(f"method state has tensors the model lacks ({unknown[0]}, ...); attach the method first")

@@ -35,8 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-import torch
 import torch.nn as nn
+
 from forgetless.errors import ForgetlessError
 from forgetless.methods.base import ALL_LINEAR, Method, MethodConfig, find_modules, register_method, replace_module
 from forgetless.models.gpt import GPT
@@ -137,20 +137,10 @@ class OSF(Method):
         return {**own, **merged}
 
     def load_state_dict(self, model, tensors):
-        have = dict([*model.named_parameters(), *model.named_buffers()])
-        for name, t in tensors.items():
-            if name not in have:
-                raise ForgetlessError(f"osf state has tensors the model lacks ({name}, ...); attach osf first, with "
-                                      "the options it was saved with")
-            if t.shape != have[name].shape:
-                raise ForgetlessError(f"osf state {name} has shape {tuple(t.shape)} but the attached osf has "
-                                      f"{tuple(have[name].shape)}; attach it with the options it was saved with "
-                                      "(effective_rank, rank_step, target_modules)")
-        with torch.no_grad():
-            for name, t in tensors.items():
-                have[name].copy_(t)
-                if name.endswith(".base_layer.weight"):
-                    setattr(model.get_submodule(name.rsplit(".", 1)[0]), MERGED, True)
+        super().load_state_dict(model, tensors)
+        for name in tensors:  # base weights an earlier task was merged into
+            if name.endswith(".base_layer.weight"):
+                setattr(model.get_submodule(name.rsplit(".", 1)[0]), MERGED, True)
 
     def merge(self, model, mark: bool = False):
         """peft's merge of every OSF layer (W + U_low S_low V_low - U_init S_init V_init, the factored delta
