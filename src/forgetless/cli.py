@@ -406,6 +406,90 @@ def report(run: Path = typer.Argument(..., help="a bench output folder (holds re
 
 
 @app.command()
+@friendly(resume="run the same command again: the finished arms of every phase are reused")
+@with_training_flags
+def study(stream: str = typer.Argument("standard", help="standard (O-LoRA's orders 1-3 of dbpedia, amazon, yahoo, "
+                                       "agnews), trace (FOMC, ScienceQA, NumGLUE-cm, NumGLUE-ds), or task specs "
+                                       "separated by commas, orders by ';'"),
+          orders: Optional[str] = typer.Option(None, "--orders", help="the orders to run at the chosen lrs, e.g. 1 or "
+                                               "1,2,3 [default: all of the stream's]"),
+          methods: Optional[str] = typer.Option(None, help="arms, as for bench [default: seq-lora, mtl (the joint "
+                                                "ceiling), seq-lora\\[mix=0.2] (replay), ewc-distill, osf, o-lora, moram]"),
+          lr_grid: Optional[list[str]] = typer.Option(None, "--lr-grid", help="the lrs each method runs at on order 1, "
+                                                      "scoring validation rows only, before its lr is chosen: factors of "
+                                                      "its own lr (x1/3,x1,x3, the default), lrs (1e-4,3e-4,1e-3), "
+                                                      "LABEL=VALUES for one arm (repeatable), or none. The choice: the "
+                                                      "highest validation OP after the last task; ties (within 1e-9) go "
+                                                      "to the lower lr"),
+          seeds: int = typer.Option(1, help="seeds on every order (the field runs each order once)"),
+          order1_seeds: int = typer.Option(3, "--order1-seeds", help="seeds on order 1 (at least --seeds): its "
+                                           "intervals include the seeds"),
+          seed_start: int = typer.Option(0, "--seed-start", help="first seed (the grid runs this one)"),
+          paired_with: Optional[str] = typer.Option(None, "--paired-with", help="the arm every other is compared with, "
+                                                    "paired on the same rows and seeds [default: mtl if run, else the "
+                                                    "first arm]"),
+          resamples: int = typer.Option(2000, "--resamples", help="bootstrap replicates of the intervals"),
+          plan: bool = typer.Option(False, "--plan", help="print the arms and their estimated minutes (steps and scoring "
+                                    "timed here; saved arms count 0) as a table, and run nothing"),
+          preset: str = typer.Option("real", "--preset", help="the training budget per task (real: 32 steps of batch 8; "
+                                     "real-full: for GPUs); the study scores every test row and carves 50 validation "
+                                     "rows per task from training unless --data-test-rows / --data-dev-rows say otherwise"),
+          out: Optional[Path] = typer.Option(None, help="output folder (default runs/study-<stream>-<preset>)"),
+          force: bool = typer.Option(False, "--force", help="run in an --out folder of another configuration"),
+          model: str = typer.Option("smollm2-135m", "--model", help="smollm2-135m, hf:PATH or a .gguf file"),
+          device: str = DEVICE, precision: Optional[str] = PRECISION, config_file: Optional[Path] = CONFIG,
+          set_: Optional[list[str]] = SET, flags: dict = None):
+    """An instruction stream as the field reports it: each method's lr chosen on validation rows from a grid on order 1,
+    then every order at that lr (more seeds on order 1); OP, BWT and general-PPL change with intervals over test rows
+    and seeds, beside the published rows (results.json/md, R matrices, OP against BWT)."""
+    code_fingerprint(), git_commit()
+    from forgetless.continual.study import check_study, loaded, parse_grid, plan_study, run_study, study_defaults
+    from forgetless.data.streams import DEFAULT_METHODS, pick_orders, stream_orders
+    from forgetless.methods.base import parse_method_specs
+    from forgetless.presets import build_config
+    from forgetless.report import write_report
+    from forgetless.report.study import plan_markdown, study_terminal_rows
+
+    chosen_orders, grid_order = pick_orders(stream, orders), stream_orders(stream)["1"]
+    if model == "byte-gpt":
+        raise ForgetlessError("a study runs instruction tasks on a pretrained model: give --model smollm2-135m, hf:PATH "
+                              "or a .gguf file")
+    if seeds <= 0 or order1_seeds < seeds or seed_start < 0 or resamples < 100:
+        raise ForgetlessError(f"give --seeds >= 1, --order1-seeds >= --seeds, --seed-start >= 0 and --resamples >= 100 "
+                              f"(got {seeds}, {order1_seeds}, {seed_start}, {resamples})")
+    set_precision(flags, precision)
+    overrides = merge_overrides(config_file, flags, set_, ("methods",), "METHOD.OPTION", "lora.r=16")
+    for section, values in study_defaults(stream).items():
+        overrides[section] = {**values, **(overrides.get(section) or {})}
+    cfg = build_config(preset, overrides)
+    specs, grid = parse_method_specs(methods or DEFAULT_METHODS), parse_grid(lr_grid)
+    seed_list = list(range(seed_start, seed_start + seeds))
+    order1_list = list(range(seed_start, seed_start + order1_seeds))
+    check_study(cfg, specs, grid, seed_list, order1_list, paired_with)
+    out = out or Path("runs") / f"study-{stream if ',' not in stream else 'tasks'}-{preset}"
+    if plan:
+        lm, tokenizer, _ = loaded(model, device, cfg)
+        typer.echo(plan_markdown(plan_study(lm, tokenizer, cfg, specs, chosen_orders, grid_order, seed_list,
+                                            order1_list, grid, out, model)))
+        return
+    with claim(out, force, study=stream, orders=list(chosen_orders), preset=preset, model=model,
+               methods=[s.label for s in specs], lr_grid=lr_grid, config=cfg.to_dict()) as out:
+        lm, tokenizer, made_by = loaded(model, device, cfg)
+        results = {**run_study(lm, tokenizer, cfg, specs, stream, chosen_orders, grid_order, seed_list, order1_list,
+                               grid, out, preset, model, resamples, paired_with), **made_by}
+    files = write_report(results, out)
+    heads, body = study_terminal_rows(results)
+    table = Table(title=f"study · {stream} · {preset} · {model}", caption=f"intervals: 95 % over test rows and seeds; "
+                  f"published rows are reference points, not like-for-like; all of it in {out / 'results.md'}")
+    for h in heads:
+        table.add_column(h, justify="left" if h == "method" else "right", overflow="fold")
+    for r in body:
+        table.add_row(*map(escape, r))
+    out_console.print(table)
+    out_console.print("wrote " + ", ".join(str(f) for f in files))
+
+
+@app.command()
 @friendly
 def corpora(spec: Optional[list[str]] = typer.Argument(None, help="corpus specs to inspect (default: all registered)"),
             val_fraction: float = 0.1):

@@ -14,7 +14,8 @@ from forgetless.models.gpt import aux_loss, logits_of, recorded_forward, takes_l
 
 @torch.no_grad()
 def evaluate(model: nn.Module, windows: torch.Tensor, batch_size: int = 64) -> dict:
-    """PPL = exp(mean token cross-entropy) over all tokens of `windows` (W, T+1); acc = top-1.
+    """PPL = exp(mean token cross-entropy) over all tokens of `windows` (W, T+1); acc = top-1;
+    `window_loss`: each window's mean cross-entropy (W values, for intervals over windows).
     Under torchrun each rank scores its slice of the windows and the sums are added up; every rank runs
     the same number of forward passes (an FSDP forward gathers weights from all ranks): a rank whose
     slice ran out scores the first window again and counts nothing."""
@@ -22,21 +23,25 @@ def evaluate(model: nn.Module, windows: torch.Tensor, batch_size: int = 64) -> d
     model.eval()
     device = next(model.parameters()).device
     ranks = distributed.world_size()
-    mine = windows.tensor_split(ranks)[distributed.rank()]
+    slices = windows.tensor_split(ranks)
+    mine, offset = slices[distributed.rank()], sum(len(s) for s in slices[:distributed.rank()])
     total_loss, total_correct, n = 0.0, 0, 0
+    window_loss = [0.0] * len(windows)  # this rank's windows filled in; the sum over ranks fills all
     for i in range(0, -(-len(windows) // ranks), batch_size):  # over the largest slice
         chunk = mine[i:i + batch_size] if i < len(mine) else windows[:1]
         x, y = chunk[:, :-1].to(device), chunk[:, 1:].to(device)  # (b, T)
         logits = logits_of(model, x)        # (b, T, V)
         if i >= len(mine):
             continue
-        total_loss += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
+        per_token = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none").view_as(y)  # (b, T)
+        window_loss[offset + i:offset + i + len(chunk)] = per_token.mean(1).tolist()
+        total_loss += per_token.sum().item()
         total_correct += (logits.argmax(-1) == y).sum().item()
         n += y.numel()
     model.train(was_training)
-    total_loss, total_correct, n = distributed.total([total_loss, total_correct, n], device)
+    total_loss, total_correct, n, *window_loss = distributed.total([total_loss, total_correct, n, *window_loss], device)
     loss = total_loss / n
-    return {"loss": loss, "ppl": math.exp(loss), "acc": total_correct / n}
+    return {"loss": loss, "ppl": math.exp(loss), "acc": total_correct / n, "window_loss": window_loss}
 
 
 def module_stats(model: nn.Module, windows: torch.Tensor, max_windows: int = 16) -> dict:
