@@ -113,8 +113,10 @@ def test_the_lr_grid_and_its_rule_ties_going_to_the_lower_lr(stream):
     lora, mtl, replay, moram = parse_method_specs("lora,mtl,seq-lora[mix=0.2],moram[lr=5e-3]")
     assert grid_lrs(parse_grid(None), lora, cfg) == [0.000333, 0.001, 0.003]          # lora's own 1e-3 x 1/3, 1, 3
     assert grid_lrs(parse_grid(None), mtl, cfg) == [1.67e-05, 5e-05, 0.00015]          # the preset's 5e-5 for full weights
-    grid = parse_grid(["x1/3,x1,x3", "seq-lora[mix=0.2]=1e-4,3e-4", "moram=x1,x2"])
+    grid = parse_grid(["seq-lora[mix=0.2]=1e-4,3e-4", "moram=x1,x2"])
     assert grid_lrs(grid, replay, cfg) == [1e-4, 3e-4] and grid_lrs(grid, moram, cfg) == [0.005, 0.01]
+    assert grid_lrs(grid, lora, cfg) == [0.000333, 0.001, 0.003]                      # the default for the others
+    assert grid_lrs(parse_grid(["2e-4,1e-4"]), mtl, cfg) == [1e-4, 2e-4]
     assert parse_grid(["none"]) is None
     for bad in (["x"], ["fast"], ["1e-3,-1"], ["lora="]):
         with pytest.raises(ForgetlessError, match="--lr-grid"):

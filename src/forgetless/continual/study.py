@@ -60,12 +60,13 @@ def loaded(model: str, device: str, cfg: RunConfig):
 # ---- the lr grid ----------------------------------------------------------------------------------
 def parse_grid(entries: list[str] | None) -> dict[str, list[tuple[str, float]]] | None:
     """--lr-grid entries -> {label or "": [("x", factor) | ("=", lr)]}; None for "none". An entry is
-    `[LABEL=]V1,V2,...`: `x1/3` multiplies the method's lr, `3e-4` is an lr; "" is every other method's."""
-    entries = entries or [DEFAULT_GRID]
+    `[LABEL=]V1,V2,...`: `x1/3` multiplies the method's lr, `3e-4` is an lr; "" is every other arm's (default
+    `DEFAULT_GRID`)."""
+    entries = entries or []
     if [e.strip() for e in entries] == ["none"]:
         return None
     grid = {}
-    for entry in entries:
+    for entry in [DEFAULT_GRID, *entries]:
         label, _, values = entry.rpartition("=") if "=" in entry.split("[")[-1].split("]")[-1] else ("", "", entry)
         try:
             points = [("x", float(Fraction(v.strip()[1:]))) if v.strip().startswith("x") else ("=", float(v))
@@ -82,9 +83,7 @@ def parse_grid(entries: list[str] | None) -> dict[str, list[tuple[str, float]]] 
 def grid_lrs(grid: dict, spec: MethodSpec, cfg: RunConfig) -> list[float]:
     """The lrs `spec` runs at in the grid, ascending: its entry's (else the default's) around its own lr."""
     base = spec.build(cfg.methods.get(spec.name)).own("lr", cfg.adapt.lr)
-    points = grid.get(spec.label, grid.get(spec.name, grid.get("")))
-    if points is None:
-        raise ForgetlessError(f"--lr-grid names no points for {spec.label}; add a default entry, e.g. x1/3,x1,x3")
+    points = grid.get(spec.label, grid.get(spec.name, grid[""]))
     return sorted({float(lr_text(base * v if kind == "x" else v)) for kind, v in points})
 
 
@@ -188,7 +187,7 @@ def study_results(cfg, specs, chosen, grids, per_order, stream, orders, grid, se
     results["study"] = {
         "stream": stream, "orders": {k: list(v) for k, v in orders.items()}, "main_order": main,
         "seeds_per_order": len(seeds), "order1_seeds": list(order1_seeds),
-        "lr_grid": grid and {label: [[kind, v] for kind, v in points] for label, points in grid.items()},
+        "lr_grid": grid and {label or "*": [[kind, v] for kind, v in points] for label, points in grid.items()},
         "lr_rule": LR_RULE if grid else "none: each method at its own lr", "grid_order": "1", "grid_seed": seeds[0],
         "bootstrap": {"resamples": resamples, "level": bootstrap.LEVEL, "how": BOOTSTRAP_HOW},
         "paired_with": paired_with, "references": references(stream)}
