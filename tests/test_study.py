@@ -19,7 +19,7 @@ from forgetless.methods.base import parse_method_specs
 from forgetless.presets import build_config
 from forgetless.report import write_report
 from forgetless.report.references import references
-from forgetless.report.study import plan_markdown, study_markdown, study_terminal_rows
+from forgetless.report.study import plan_markdown, study_markdown, terminal_tables
 from tiny_lm import tiny_llama, tiny_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -191,9 +191,10 @@ def test_the_table_prints_published_rows_as_references(study):
     text = study_markdown(results)
     assert "| MTL | T5-large | 80.0 |" in text and "| InfLoRA | LLaMA-2-7B-chat | 79.6 |" in text
     assert "not a like-for-like comparison" in text and f"| lora | {results['methods']['lora']['lr']:.3g} |" in text
-    heads, rows = study_terminal_rows(results)
-    assert heads[:2] == ["method", "lr (chosen on validation)"] and len(rows) == 2 + 8
-    assert rows[-1][0] == "MTL (LLaMA-2-7B-chat; published)" and "80.9" in rows[-1]
+    ours, published = terminal_tables(results, "study", "caption")
+    assert [c.header for c in ours.columns][:2] == ["method", "lr (chosen on validation)"] and ours.row_count == 2
+    assert published.row_count == 8 and list(published.columns[2].cells)[-1] == "80.9"
+    assert len(terminal_tables(study["results"], "study", "caption")) == 1  # no published rows: ours alone
     trace = {r["method"] + " " + r["model"]: r for r in references("trace")}
     assert trace["MoRAM LLaMA-2-7B-Chat"]["op"] == 44.54 and trace["MoRAM LLaMA-2-7B-Chat"]["bwt"] == -1.37
     assert trace["OSF Llama-3.1-8B"]["op"] == 53.4 and trace["OSF Llama-3.1-8B"]["bwt"] is None

@@ -448,7 +448,7 @@ def study(stream: str = typer.Argument("standard", help="standard (O-LoRA's orde
     from forgetless.methods.base import parse_method_specs
     from forgetless.presets import build_config
     from forgetless.report import write_report
-    from forgetless.report.study import plan_markdown, study_terminal_rows
+    from forgetless.report.study import plan_markdown, terminal_tables
 
     chosen_orders, grid_order = pick_orders(stream, orders), stream_orders(stream)["1"]
     if model == "byte-gpt":
@@ -478,14 +478,9 @@ def study(stream: str = typer.Argument("standard", help="standard (O-LoRA's orde
         results = {**run_study(lm, tokenizer, cfg, specs, stream, chosen_orders, grid_order, seed_list, order1_list,
                                grid, out, preset, model, resamples, paired_with), **made_by}
     files = write_report(results, out)
-    heads, body = study_terminal_rows(results)
-    table = Table(title=f"study · {stream} · {preset} · {model}", caption=f"intervals: 95 % over test rows and seeds; "
-                  f"published rows are reference points, not like-for-like; all of it in {out / 'results.md'}")
-    for h in heads:
-        table.add_column(h, justify="left" if h == "method" else "right", overflow="fold")
-    for r in body:
-        table.add_row(*map(escape, r))
-    out_console.print(table)
+    for table in terminal_tables(results, f"study · {stream} · {preset} · {model}",
+                                 f"intervals: 95 % over test rows and seeds; all of it in {out / 'results.md'}"):
+        out_console.print(table)
     out_console.print("wrote " + ", ".join(str(f) for f in files))
 
 

@@ -71,7 +71,10 @@ def write_study(results: dict, out: Path) -> list[Path]:
     tables = [out / "results.json", out / "results.csv", out / "results.md"]
     if not drawing.available():
         return skipped(tables)
-    r_heatmaps(results, out / "r_matrix.png")
+    study = results["study"]
+    r_heatmaps(results, out / "r_matrix.png", title=f"R of each method: order {study['main_order']} of the "
+               f"{study['stream'] if ',' not in study['stream'] else 'task'} stream, mean over seeds "
+               f"{results['seeds']}; column 0: general text")
     op_vs_bwt(results, out / "op_vs_bwt.png")
     return [*tables, out / "r_matrix.png", out / "op_vs_bwt.png"]
 

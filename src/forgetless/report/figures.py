@@ -231,8 +231,8 @@ def method_figures(results: dict, folder: Path) -> list[Path]:
     return [path for cls, labels in by_draw.values() for path in cls.figures(results, labels, folder)]
 
 
-def r_heatmaps(results: dict, path: Path, per_row: int = 4):
-    """One heatmap of R per method (rows: after task t; columns: task i), `per_row` to a row."""
+def r_heatmaps(results: dict, path: Path, per_row: int = 4, title: str | None = None):
+    """One heatmap of R per method (rows: after task t; columns: task i), `per_row` to a row, under `title`."""
     methods = results["methods"]
     rows, cols = -(-len(methods) // per_row), min(per_row, len(methods))
     fig, axes = plt.subplots(rows, cols, figsize=(2.9 * cols + 1.2, 2.8 * rows), squeeze=False,
@@ -252,5 +252,7 @@ def r_heatmaps(results: dict, path: Path, per_row: int = 4):
         if k % cols == 0:
             ax.set_ylabel("after task t", fontsize=8)
     fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="accuracy %")
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -87,17 +87,24 @@ def study_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def study_terminal_rows(results: dict) -> tuple[list[str], list[list[str]]]:
-    """Our rows, then the published ones in the same columns (OP in the order-1 column, marked)."""
-    heads, body = study_rows(results)
-    op = next(i for i, h in enumerate(heads) if h.startswith("OP, order"))
-    refs = []
-    for r in results["study"]["references"]:
-        row = [""] * len(heads)
-        row[0], row[1] = f"{r['method']} ({r['model']}; published)", "—"
-        row[op], row[op + 1] = f"{r['op']:.1f}", "—" if r["bwt"] is None else f"{r['bwt']:+.1f}"
-        refs.append(row)
-    return heads, body + refs
+def terminal_tables(results: dict, title: str, caption: str) -> list:
+    """The rich tables `forgetless study` prints: ours, then the published rows (when the stream has some)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    tables = []
+    heads, body = reference_rows(results)
+    published = (heads[:-1], [r[:-1] for r in body])  # without the source column: results.md has it
+    for (heads, body), ours in ((study_rows(results), True), (published, False)):
+        if not body:
+            continue
+        table = Table(title=title if ours else None, caption=caption if ours else None)
+        for i, h in enumerate(heads):  # our numbers right-aligned; the published rows' text left
+            table.add_column(h, justify="right" if ours and i else "left", overflow="fold")
+        for r in body:
+            table.add_row(*map(escape, r))
+        tables.append(table)
+    return tables
 
 
 def op_vs_bwt(results: dict, path: Path):
