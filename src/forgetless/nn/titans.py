@@ -13,9 +13,13 @@ chunk's starting weights, all tokens at once and in closed form; momentum and de
 of scalar gates, summed with a (C, C) mask (no loop over tokens). The chunk's rates are scaled by one s <= 1 so
 that its step times the curvature of its loss is at most 1 (`step_scale`): the write is stable at any width and
 rate. Queries of chunk n read the memory as written by chunks 0..n-1, so the output at t never sees a later
-token. The memory starts from its learned initial weights for every sequence (batch row) and carries its state
-from chunk to chunk. With `self_modify` the q/k/v and gate projections are linear memories of each sequence
-too, written by the same rule (HOPE's self-modifying Titans).
+token. Only each chunk's surprise (its gradients at the weights the chunks before it wrote) must wait for the
+previous chunk: `parallel_scan` computes the surprises in a light pass without a graph, then every chunk's
+write, the chunk-to-chunk recurrence and the reads at once; `sequential_scan`, one chunk at a time in the graph,
+is the reference (the same values to float rounding). The memory starts from its learned initial weights for
+every sequence (batch row) and carries its state from chunk to chunk. With `self_modify` the q/k/v and gate
+projections are linear memories of each sequence too, written by the same rule (HOPE's self-modifying Titans;
+chunk by chunk, as the projections of a chunk's keys depend on the chunks before).
 
 Source: Nested Learning (Behrouz, Razaviyayn, Zhong, Mirrokni), building on Titans: Learning to Memorize at
 Test Time (Behrouz, Zhong, Mirrokni).
@@ -73,7 +77,8 @@ class NeuralMemory(nn.Module):
     """Titans memory as a sequence layer: (B, T, d) -> (B, T, d). `writes = False` freezes the memory at its
     learned initial weights (reads only), e.g. to measure what test-time writes do. `checkpoint = True` keeps
     only x for backward and runs the forward again there: the per-chunk weights (B, H, F, D), four tensors per
-    chunk, then exist for one layer at a time instead of for every layer (same values and gradients)."""
+    chunk, then exist for one layer at a time instead of for every layer (same values and gradients). `scan`
+    picks how the chunks run (SCANS; the same values to float rounding)."""
 
     def __init__(self, d: int, opts: TitansConfig, bias: bool = True):
         super().__init__()
@@ -84,7 +89,7 @@ class NeuralMemory(nn.Module):
         if opts.self_modify and w != d:
             raise ForgetlessError(f"titans self_modify writes projections of the block's input: it needs width = d "
                                   f"({d}), got {w}; drop width or self_modify")
-        self.cfg, self.writes, self.checkpoint = opts, True, False
+        self.cfg, self.writes, self.checkpoint, self.scan = opts, True, False, "parallel"
         H, D = opts.heads, w // opts.heads
         Fh = opts.mem_mult * D
         self.c_qkv = nn.Linear(d, 3 * w, bias=bias)
@@ -112,7 +117,8 @@ class NeuralMemory(nn.Module):
             qkv = self.conv(qkv.transpose(1, 2))[..., :T].transpose(1, 2)  # causal: left context only
         q, k, v, eta, alpha, mu = self.split(qkv, self.c_gates(x) + self.gate_bias)
         chunk = self.cfg.chunk if self.writes else T
-        y = memory_scan(q, k, v, eta, alpha, mu, self.w1, self.w2, chunk, self.cfg.backprop_writes)  # (B, H, T, D)
+        y = memory_scan(q, k, v, eta, alpha, mu, self.w1, self.w2, chunk, self.cfg.backprop_writes,
+                        self.scan)  # (B, H, T, D)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, w) -> (B, T, d)
 
     def split(self, qkv, gates):
@@ -180,9 +186,25 @@ class Recompute(torch.autograd.Function):
         return None, *(next(grads) if need else None for need in needs)
 
 
-def memory_scan(q, k, v, eta, alpha, mu, w1, w2, chunk: int, backprop_writes: bool = False):
+SCANS = ("parallel", "sequential")
+
+
+def memory_scan(q, k, v, eta, alpha, mu, w1, w2, chunk: int, backprop_writes: bool = False, scan: str = "parallel"):
     """Reads of the memory written chunk by chunk. q, k, v (B, H, T, D); eta, alpha, mu (B, H, T) (mu None: no
-    momentum); w1 (H, F, D), w2 (H, D, F) the initial weights. Returns the reads M_{chunk start}(q_t), (B, H, T, D)."""
+    momentum); w1 (H, F, D), w2 (H, D, F) the initial weights. Returns the reads M_{chunk start}(q_t), (B, H, T, D).
+    `scan`: "parallel" (`parallel_scan`) or "sequential" (`sequential_scan`, the reference), the same math;
+    backprop_writes needs the graph through every chunk's surprise and always runs sequentially."""
+    if scan not in SCANS:
+        raise ForgetlessError(f"titans scan must be one of {', '.join(SCANS)}, got {scan!r}")
+    if q.shape[2] <= chunk:  # one chunk: nothing is written before it is read
+        return mlp(w1, w2, q)
+    if backprop_writes or scan == "sequential":
+        return sequential_scan(q, k, v, eta, alpha, mu, w1, w2, chunk, backprop_writes)
+    return parallel_scan(q, k, v, eta, alpha, mu, w1, w2, chunk)
+
+
+def sequential_scan(q, k, v, eta, alpha, mu, w1, w2, chunk: int, backprop_writes: bool = False):
+    """The reference: one chunk at a time, its reads, then its write (`write`), all in the graph."""
     B, H, T, D = q.shape
     W1, W2 = w1.expand(B, *w1.shape), w2.expand(B, *w2.shape)  # (B, H, F, D), (B, H, D, F)
     S1 = S2 = None
@@ -196,7 +218,107 @@ def memory_scan(q, k, v, eta, alpha, mu, w1, w2, chunk: int, backprop_writes: bo
     return torch.cat(reads, dim=2)
 
 
-def mlp(W1, W2, x):  # W1 (B, H, F, D), W2 (B, H, D, F), x (B, H, C, D) -> (B, H, C, D)
+def parallel_scan(q, k, v, eta, alpha, mu, w1, w2, chunk: int):
+    """`sequential_scan` with stop-gradient writes, in three passes. (1) Without a graph, chunk after chunk: each
+    chunk's surprise (`surprise`: its gradient pieces and curvature) at the weights the chunks before it wrote,
+    the one step that must wait for the previous chunk. (2) In the graph, all chunks at once: the gates'
+    coefficients, every chunk's write as one batched matmul, and the writes accumulated from chunk to chunk by the
+    gated linear recurrence (`ChunkScan`, which has no graph per chunk). (3) Every chunk's reads in one matmul."""
+    B, H, T, D = q.shape
+    N = -(-T // chunk) - 1  # chunks that write: all but the last (maybe partial) one, which is only read
+
+    def chunks(t, n=N):  # (B, H, T, ...) -> (n, B, H, C, ...): chunk-major, so that each chunk is contiguous
+        return None if t is None else t[:, :, :n * chunk].unflatten(2, (n, chunk)).movedim(2, 0).contiguous()
+    k, v, eta, alpha, mu = map(chunks, (k.detach(), v.detach(), eta, alpha, mu))  # (N, B, H, C, D), (N, B, H, C)
+    fixed = [None if g is None else g.detach() for g in (eta, alpha, mu)]
+    dz, err, a, curv = surprises(w1, w2, k, v, *fixed)  # (N, B, H, C, .), curv (N, B, H, C)
+    c, decay, carry, keep, m = coefficients(eta * step_scale(gain(eta, mu), curv), alpha, mu)  # (N, B, H, C), (N, B, H)
+    G1, G2, M1, M2 = chunk_write(c, m, dz, k, err, a)  # G1, M1 (N, B, H, F, D), G2, M2 (N, B, H, D, F)
+    W1, W2 = ChunkScan.apply(decay, carry, keep, w1.expand(B, *w1.shape), G1, M1, w2.expand(B, *w2.shape), G2, M2)
+    reads = mlp(W1, W2, chunks(F.pad(q, (0, 0, 0, (N + 1) * chunk - T)), N + 1))  # (N+1, B, H, C, D)
+    return reads.movedim(0, 2).flatten(2, 3)[:, :, :T]
+
+
+@torch.no_grad()
+def surprises(w1, w2, k, v, eta, alpha, mu):
+    """Pass 1 of `parallel_scan`: chunk n's surprise at the weights chunks 0..n-1 wrote. k, v (N, B, H, C, D),
+    gates (N, B, H, C) -> dz (N, B, H, C, F), err (N, B, H, C, D), a (N, B, H, C, F), curv (N, B, H, C)."""
+    B = k.shape[1]
+    c, decay, carry, keep, m = coefficients(eta, alpha, mu)  # at the unscaled rates: the write is linear in them
+    gains = gain(eta, mu)
+    W1, W2 = w1.expand(B, *w1.shape), w2.expand(B, *w2.shape)
+    S1 = S2 = None
+    out = []
+    per_chunk = [[None] * len(k) if t is None else t.unbind(0) for t in (k, v, c, m, decay, carry, keep, gains)]
+    for n, (kn, vn, cn, mn, *gates, gn) in enumerate(zip(*per_chunk)):
+        out.append(surprise(W1, W2, kn, vn))
+        if n + 1 < len(k):
+            dz, err, a, curv = out[-1]
+            s = step_scale(gn, curv)  # (B, H, 1)
+            G1, G2, M1, M2 = chunk_write(s * cn, None if mn is None else s * mn, dz, kn, err, a)
+            W1, S1 = advance(W1, S1, *gates, G1, M1)
+            W2, S2 = advance(W2, S2, *gates, G2, M2)
+    return [torch.stack(t) for t in zip(*out)]
+
+
+class ChunkScan(torch.autograd.Function):
+    """The weights each chunk reads: W_0 = the initial ones, then W_{n+1} = decay_n W_n + carry_n S_n - G_n and
+    S_{n+1} = keep_n S_n - M_n (S_0 = 0), a linear recurrence whose inputs are all known. Forward and backward
+    (the adjoint recurrence, run backwards) are a few in-place whole-matrix ops per chunk into preallocated
+    stacks, without a graph. Gates (N, B, H) (carry, keep None: no momentum), then for each weight matrix W0
+    (B, H, ., .), G, M (N, B, H, ., .) (M None: no momentum) -> for each, the states W_0..W_N (N+1, B, H, ., .)."""
+
+    @staticmethod
+    def forward(ctx, decay, carry, keep, *tensors):
+        N = len(decay)
+        gates = [[None] * N if g is None else g[..., None, None].unbind(0) for g in (decay, carry, keep)]
+        outputs, saved = [], []
+        for W0, G, M in zip(*[iter(tensors)] * 3):  # each weight matrix
+            wide = torch.promote_types(torch.promote_types(W0.dtype, G.dtype), decay.dtype)  # as sequential_scan's
+            Ws = G.new_empty((N + 1, *W0.shape), dtype=wide)
+            Ws[0] = W0
+            Ss = None if M is None else G.new_zeros((N, *W0.shape), dtype=wide)  # S_0..S_{N-1}
+            for n, (d, c, k) in enumerate(zip(*gates)):
+                torch.mul(Ws[n], d, out=Ws[n + 1]).sub_(G[n])
+                if Ss is not None and n > 0:
+                    Ws[n + 1].addcmul_(Ss[n], c)
+                if Ss is not None and n + 1 < N:
+                    torch.mul(Ss[n], k, out=Ss[n + 1]).sub_(M[n])
+            outputs.append(Ws)
+            saved += [Ws, Ss]
+        ctx.save_for_backward(decay, carry, keep, *saved)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):  # each (N+1, B, H, ., .)
+        decay, carry, keep, *saved = ctx.saved_tensors
+        gates = [[None] * len(decay) if g is None else g[..., None, None].unbind(0) for g in (decay, carry, keep)]
+        out = [None, None, None]  # the gates' gradients, summed over the weight matrices
+        for grad, Ws, Ss in zip(grads, saved[::2], saved[1::2]):
+            d_G = torch.empty_like(Ws[1:])  # -d loss / d W_{n+1}
+            d_M = None if Ss is None else torch.empty_like(Ss)  # -d loss / d S_{n+1}
+            lam_w, lam_s = grad[-1].clone(), torch.zeros_like(grad[-1])  # d loss / d W_{n+1}, d loss / d S_{n+1}
+            for n in reversed(range(len(decay))):
+                d, c, k = (g[n] for g in gates)
+                torch.neg(lam_w, out=d_G[n])
+                if Ss is not None:
+                    torch.neg(lam_s, out=d_M[n])
+                    lam_s.mul_(k).addcmul_(lam_w, c)
+                lam_w.mul_(d).add_(grad[n])
+            parts = [-dot(d_G, Ws[:-1]), None, None]
+            if Ss is not None:
+                parts[1:] = -dot(d_G, Ss), -dot(d_M, Ss)
+            out[:3] = [p if o is None else o + p for o, p in zip(out, parts)]
+            out += [lam_w, d_G, d_M]
+        return tuple(out)
+
+
+def dot(a, b):
+    """<a, b> over the last two dims without a temporary: (..., m, n), (..., m, n) -> (...)."""
+    return (a.flatten(-2)[..., None, :] @ b.flatten(-2)[..., :, None])[..., 0, 0]
+
+
+def mlp(W1, W2, x):  # W1 (..., F, D), W2 (..., D, F), x (..., C, D) -> (..., C, D)
     return x + F.gelu(x @ W1.transpose(-1, -2)) @ W2.transpose(-1, -2)
 
 
@@ -206,23 +328,46 @@ def write(W1, W2, S1, S2, k, v, eta, alpha, mu, backprop_writes: bool):
     U1, U2 = (W1, W2) if backprop_writes else (W1.detach(), W2.detach())
     if not backprop_writes:
         k, v = k.detach(), v.detach()
-    z = k @ U1.transpose(-1, -2)                                     # (B, H, C, F)
+    dz, err, a, curv = surprise(U1, U2, k, v)
+    c, decay, carry, keep, m = coefficients(eta * step_scale(gain(eta, mu), curv), alpha, mu)
+    G1, G2, M1, M2 = chunk_write(c, m, dz, k, err, a)
+    W1, S1 = advance(W1, S1, decay, carry, keep, G1, M1)
+    W2, S2 = advance(W2, S2, decay, carry, keep, G2, M2)
+    return W1, W2, S1, S2
+
+
+def surprise(W1, W2, k, v):
+    """A chunk's gradient pieces of loss_t = ||M(k_t) - v_t||^2 at W1 (..., F, D), W2 (..., D, F) in closed form:
+    grad_W1 = dz_t k_t^T, grad_W2 = err_t a_t^T. k, v (..., C, D) -> dz (..., C, F), err (..., C, D), a (..., C, F)
+    and curv (..., C), the bound 2 (|a|^2 + |k|^2 |W2 diag(GELU'(z))|_F^2) >= the top eigenvalue of the Gauss-Newton
+    matrix of loss_t."""
+    z = k @ W1.transpose(-1, -2)                                     # (..., C, F)
     a, slope = F.gelu(z), gelu_grad(z)
-    err = 2 * (k + a @ U2.transpose(-1, -2) - v)                     # (B, H, C, D): d loss / d M(k)
-    dz = (err @ U2) * slope                                          # (B, H, C, F)
-    # curvature bound of loss_t: 2 (|a|^2 + |k|^2 |W2 diag(GELU'(z))|_F^2) >= top eigenvalue of its Gauss-Newton
-    curv = 2 * (a.square().sum(-1) + k.square().sum(-1) * (slope.square() @ U2.square().sum(-2)[..., None])[..., 0])
-    c, decay, carry, keep, m = coefficients(eta * step_scale(eta, mu, curv), alpha, mu)
-    G1 = weighted(c, dz, k)                                          # sum_t c_t grad_W1 loss_t: (B, H, F, D)
-    G2 = weighted(c, err, a)                                         # (B, H, D, F)
-    W1, W2 = decay[..., None, None] * W1 - G1, decay[..., None, None] * W2 - G2
-    if mu is None:
-        return W1, W2, None, None
-    M1, M2 = weighted(m, dz, k), weighted(m, err, a)
-    if S1 is not None:  # momentum carried in from the previous chunks
-        W1, W2 = W1 + carry[..., None, None] * S1, W2 + carry[..., None, None] * S2
-        M1, M2 = M1 - keep[..., None, None] * S1, M2 - keep[..., None, None] * S2
-    return W1, W2, -M1, -M2
+    err = 2 * (k + a @ W2.transpose(-1, -2) - v)                     # (..., C, D): d loss / d M(k)
+    dz = (err @ W2) * slope                                          # (..., C, F)
+    curv = 2 * (a.square().sum(-1) + k.square().sum(-1) * (slope.square() @ W2.square().sum(-2)[..., None])[..., 0])
+    return dz, err, a, curv
+
+
+def chunk_write(c, m, dz, k, err, a):
+    """sum_t c_t grad_t for W1 and W2 (G1, G2), and with m for the momentum (M1, M2; None without momentum).
+    c, m (..., C); dz, k, err, a (..., C, .)."""
+    M = (None, None) if m is None else (weighted(m, dz, k), weighted(m, err, a))
+    return weighted(c, dz, k), weighted(c, err, a), *M
+
+
+def advance(W, S, decay, carry, keep, G, M):
+    """One chunk of the gated recurrence in closed form (`coefficients`): W' = decay W + carry S - G and
+    S' = keep S - M; S None for zero (the first chunk), M None without momentum. Gates (B, H) or (.., B, H)
+    broadcast over W's last dims."""
+    decay, carry, keep = (None if g is None else g.view(*g.shape, *[1] * (W.dim() - g.dim()))
+                          for g in (decay, carry, keep))
+    W = decay * W - G
+    if M is None:
+        return W, None
+    if S is None:
+        return W, -M
+    return W + carry * S, keep * S - M
 
 
 def write_linear(P, P0, S, keys, values, eta, alpha, mu, backprop_writes: bool):
@@ -231,23 +376,22 @@ def write_linear(P, P0, S, keys, values, eta, alpha, mu, backprop_writes: bool):
     U = P if backprop_writes else P.detach()
     k = keys if backprop_writes else keys.detach()
     err = 2 * (k @ U.transpose(-1, -2) - (values @ P.transpose(-1, -2)).detach())  # (B, C, out)
-    c, decay, carry, keep, m = coefficients(eta * step_scale(eta, mu, 2 * k.square().sum(-1)), alpha, mu)
-    P = P0 + decay[..., None, None] * (P - P0) - weighted(c, err, k)
-    if mu is None:
-        return P, None
-    M = weighted(m, err, k)
-    if S is not None:
-        P, M = P + carry[..., None, None] * S, M - keep[..., None, None] * S
-    return P, -M
+    c, decay, carry, keep, m = coefficients(eta * step_scale(gain(eta, mu), 2 * k.square().sum(-1)), alpha, mu)
+    P, S = advance(P - P0, S, decay, carry, keep, weighted(c, err, k), None if m is None else weighted(m, err, k))
+    return P0 + P, S
 
 
-def step_scale(eta, mu, curv):
-    """The chunk's write rates scaled so that rho = sum_t eta_t curv_t / (1 - mu_t) <= 1: each token's step with
-    what momentum adds in later chunks, times its curvature bound. At rho <= 1 the chunked scan of a quadratic loss
+def gain(eta, mu):
+    """Each token's rate with what its momentum adds in later chunks, eta / (1 - mu) (eta without momentum)."""
+    return eta if mu is None else eta / (1 - mu).clamp_min(1e-6)
+
+
+def step_scale(gains, curv):
+    """The chunk's write rates scaled so that rho = sum_t gain_t curv_t <= 1 (`gain`): each token's step with what
+    momentum adds in later chunks, times its curvature bound. At rho <= 1 the chunked scan of a quadratic loss
     is stable for any chunk, momentum and retention (DESIGN §2.4); below 1 the rates are unchanged.
-    eta, mu (..., C) (mu None: no momentum), curv (..., C) -> (..., 1)."""
-    gain = eta if mu is None else eta / (1 - mu).clamp_min(1e-6)
-    return 1 / (gain * curv).sum(-1, keepdim=True).clamp_min(1)
+    gains, curv (..., C) -> (..., 1)."""
+    return 1 / (gains * curv).sum(-1, keepdim=True).clamp_min(1)
 
 
 def coefficients(eta, alpha, mu):
