@@ -16,7 +16,7 @@ from forgetless.errors import ForgetlessError
 from forgetless.methods import build_method
 from forgetless.models.gpt import GPT, GPTConfig
 from forgetless.nn.hope import HOPE
-from forgetless.nn.titans import ChunkScan, NeuralMemory, TitansConfig, memory_scan, write
+from forgetless.nn.titans import NeuralMemory, TitansConfig, gain, memory_scan, surprise, write
 from forgetless.train import TrainConfig, train
 
 B, H, T, D, Fh = 2, 2, 11, 4, 6
@@ -135,20 +135,22 @@ def test_parallel_form_equals_the_sequential_one_in_float32(momentum):
 
 
 @pytest.mark.parametrize("momentum", [True, False])
-def test_chunk_scan_backward_is_the_adjoint_of_its_forward(momentum):
-    """The hand-written backward of the chunk-to-chunk recurrence against finite differences (gradcheck)."""
-    g = torch.Generator().manual_seed(4)
-    N, Bn, Hn = 3, 2, 2
-    gates = [0.5 + 0.5 * torch.rand(N, Bn, Hn, generator=g, dtype=torch.double) for _ in range(3)]
-    if not momentum:
-        gates[1:] = [None, None]
-    mats = []
-    for shape in ((3, 2), (2, 3)):
-        mats += [torch.randn(Bn, Hn, *shape, generator=g, dtype=torch.double),
-                 torch.randn(N, Bn, Hn, *shape, generator=g, dtype=torch.double),
-                 torch.randn(N, Bn, Hn, *shape, generator=g, dtype=torch.double) if momentum else None]
-    args = [t.requires_grad_() if t is not None else None for t in (*gates, *mats)]
-    assert torch.autograd.gradcheck(ChunkScan.apply, args)
+def test_parallel_gradients_on_both_sides_of_the_step_cap(momentum):
+    """The cap s = 1 / max(1, rho) binds in chunk 0 (rho > 1: the gradient also flows through rho) and not in
+    chunk 1 (rho < 1); the parallel form's hand-written backward still gives the sequential form's gradients."""
+    q, k, v, eta, alpha, mu, w1, w2 = inputs(momentum)
+    eta = (eta * torch.tensor([30.0] * 4 + [0.01] * 7, dtype=torch.double)).detach().requires_grad_()
+    with torch.no_grad():  # rho of the two chunks that write, at the weights they see
+        W1, W2, S1, S2, rho = w1.expand(B, *w1.shape), w2.expand(B, *w2.shape), None, None, []
+        for part in (slice(0, 4), slice(4, 8)):
+            gates = [eta[..., part], alpha[..., part], None if mu is None else mu[..., part]]
+            rho.append((gain(gates[0], gates[2]) * surprise(W1, W2, k[:, :, part], v[:, :, part])[3]).sum(-1))
+            W1, W2, S1, S2 = write(W1, W2, S1, S2, k[:, :, part], v[:, :, part], *gates, False)
+    assert (rho[0] > 1.5).all() and (rho[1] < 0.5).all()
+    args = [q, k, v, eta, alpha, mu, w1, w2]
+    got, want = (memory_scan(*args, 4, False, scan) for scan in ("parallel", "sequential"))
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+    assert_same_gradients(got, want, [t for t in args if t is not None], rtol=1e-8, atol=1e-10)
 
 
 def test_writes_leak_no_gradient_unless_asked():

@@ -14,9 +14,10 @@ of scalar gates, summed with a (C, C) mask (no loop over tokens). The chunk's ra
 that its step times the curvature of its loss is at most 1 (`step_scale`): the write is stable at any width and
 rate. Queries of chunk n read the memory as written by chunks 0..n-1, so the output at t never sees a later
 token. Only each chunk's surprise (its gradients at the weights the chunks before it wrote) must wait for the
-previous chunk: `parallel_scan` computes the surprises in a light pass without a graph, then every chunk's
-write, the chunk-to-chunk recurrence and the reads at once; `sequential_scan`, one chunk at a time in the graph,
-is the reference (the same values to float rounding). The memory starts from its learned initial weights for
+previous chunk: `parallel_scan` runs the chunks' surprises and writes as one autograd Function, a few ops per
+chunk without a graph and its adjoint by hand in backward, and the gates' coefficients and all reads batched
+over the chunks; `sequential_scan`, one chunk at a time in the graph, is the reference (the same values to float
+rounding; the only form before 2026-11-26). The memory starts from its learned initial weights for
 every sequence (batch row) and carries its state from chunk to chunk. With `self_modify` the q/k/v and gate
 projections are linear memories of each sequence too, written by the same rule (HOPE's self-modifying Titans;
 chunk by chunk, as the projections of a chunk's keys depend on the chunks before).
@@ -219,103 +220,90 @@ def sequential_scan(q, k, v, eta, alpha, mu, w1, w2, chunk: int, backprop_writes
 
 
 def parallel_scan(q, k, v, eta, alpha, mu, w1, w2, chunk: int):
-    """`sequential_scan` with stop-gradient writes, in three passes. (1) Without a graph, chunk after chunk: each
-    chunk's surprise (`surprise`: its gradient pieces and curvature) at the weights the chunks before it wrote,
-    the one step that must wait for the previous chunk. (2) In the graph, all chunks at once: the gates'
-    coefficients, every chunk's write as one batched matmul, and the writes accumulated from chunk to chunk by the
-    gated linear recurrence (`ChunkScan`, which has no graph per chunk). (3) Every chunk's reads in one matmul."""
+    """`sequential_scan` with stop-gradient writes, the graph taken apart. Batched over all chunks: the gates'
+    coefficients (in closed form, `coefficients`) and, after the writes, every chunk's reads. Chunk by chunk
+    (`Writes`): each chunk's surprise at the weights the chunks before it wrote and its write, the one step that
+    must wait for the previous chunk, a few whole-matrix ops per chunk with no graph, and its adjoint in backward."""
     B, H, T, D = q.shape
     N = -(-T // chunk) - 1  # chunks that write: all but the last (maybe partial) one, which is only read
 
     def chunks(t, n=N):  # (B, H, T, ...) -> (n, B, H, C, ...): chunk-major, so that each chunk is contiguous
         return None if t is None else t[:, :, :n * chunk].unflatten(2, (n, chunk)).movedim(2, 0).contiguous()
-    k, v, eta, alpha, mu = map(chunks, (k.detach(), v.detach(), eta, alpha, mu))  # (N, B, H, C, D), (N, B, H, C)
-    fixed = [None if g is None else g.detach() for g in (eta, alpha, mu)]
-    dz, err, a, curv = surprises(w1, w2, k, v, *fixed)  # (N, B, H, C, .), curv (N, B, H, C)
-    c, decay, carry, keep, m = coefficients(eta * step_scale(gain(eta, mu), curv), alpha, mu)  # (N, B, H, C), (N, B, H)
-    G1, G2, M1, M2 = chunk_write(c, m, dz, k, err, a)  # G1, M1 (N, B, H, F, D), G2, M2 (N, B, H, D, F)
-    W1, W2 = ChunkScan.apply(decay, carry, keep, w1.expand(B, *w1.shape), G1, M1, w2.expand(B, *w2.shape), G2, M2)
+    eta, alpha, mu = map(chunks, (eta, alpha, mu))  # (N, B, H, C)
+    c, decay, carry, keep, m = coefficients(eta, alpha, mu)  # (N, B, H, C), (N, B, H): at the unscaled rates
+    W1, W2 = Writes.apply(c, m, gain(eta, mu), decay, carry, keep, w1.expand(B, *w1.shape),
+                          w2.expand(B, *w2.shape), chunks(k.detach()), chunks(v.detach()))  # (N+1, B, H, ., .)
     reads = mlp(W1, W2, chunks(F.pad(q, (0, 0, 0, (N + 1) * chunk - T)), N + 1))  # (N+1, B, H, C, D)
     return reads.movedim(0, 2).flatten(2, 3)[:, :, :T]
 
 
-@torch.no_grad()
-def surprises(w1, w2, k, v, eta, alpha, mu):
-    """Pass 1 of `parallel_scan`: chunk n's surprise at the weights chunks 0..n-1 wrote. k, v (N, B, H, C, D),
-    gates (N, B, H, C) -> dz (N, B, H, C, F), err (N, B, H, C, D), a (N, B, H, C, F), curv (N, B, H, C)."""
-    B = k.shape[1]
-    c, decay, carry, keep, m = coefficients(eta, alpha, mu)  # at the unscaled rates: the write is linear in them
-    gains = gain(eta, mu)
-    W1, W2 = w1.expand(B, *w1.shape), w2.expand(B, *w2.shape)
-    S1 = S2 = None
-    out = []
-    per_chunk = [[None] * len(k) if t is None else t.unbind(0) for t in (k, v, c, m, decay, carry, keep, gains)]
-    for n, (kn, vn, cn, mn, *gates, gn) in enumerate(zip(*per_chunk)):
-        out.append(surprise(W1, W2, kn, vn))
-        if n + 1 < len(k):
-            dz, err, a, curv = out[-1]
-            s = step_scale(gn, curv)  # (B, H, 1)
-            G1, G2, M1, M2 = chunk_write(s * cn, None if mn is None else s * mn, dz, kn, err, a)
-            W1, S1 = advance(W1, S1, *gates, G1, M1)
-            W2, S2 = advance(W2, S2, *gates, G2, M2)
-    return [torch.stack(t) for t in zip(*out)]
-
-
-class ChunkScan(torch.autograd.Function):
-    """The weights each chunk reads: W_0 = the initial ones, then W_{n+1} = decay_n W_n + carry_n S_n - G_n and
-    S_{n+1} = keep_n S_n - M_n (S_0 = 0), a linear recurrence whose inputs are all known. Forward and backward
-    (the adjoint recurrence, run backwards) are a few in-place whole-matrix ops per chunk into preallocated
-    stacks, without a graph. Gates (N, B, H) (carry, keep None: no momentum), then for each weight matrix W0
-    (B, H, ., .), G, M (N, B, H, ., .) (M None: no momentum) -> for each, the states W_0..W_N (N+1, B, H, ., .)."""
+class Writes(torch.autograd.Function):
+    """The weights each chunk reads, W_0 = the initial ones and W_{n+1} = decay_n W_n + carry_n S_n - s_n G_n,
+    S_{n+1} = keep_n S_n - s_n M_n (S_0 = 0), with G_n = sum_t c_t grad_t and M_n = sum_t m_t grad_t over chunk
+    n's tokens, grad_t the gradient of its loss at W_n (`surprise`, a constant: the writes are stop-gradient) and
+    s_n = 1 / max(1, sum_t gains_t curv_t) (`step_scale`). Forward and backward (the adjoint, run backwards) are
+    a few ops per chunk into preallocated stacks, without a graph. c, m, gains (N, B, H, C); decay, carry, keep
+    (N, B, H) (m, carry, keep None: no momentum); W1 (B, H, F, D), W2 (B, H, D, F); k, v (N, B, H, C, D), not
+    differentiated -> W_0..W_N for W1 (N+1, B, H, F, D) and W2 (N+1, B, H, D, F)."""
 
     @staticmethod
-    def forward(ctx, decay, carry, keep, *tensors):
-        N = len(decay)
-        gates = [[None] * N if g is None else g[..., None, None].unbind(0) for g in (decay, carry, keep)]
-        outputs, saved = [], []
-        for W0, G, M in zip(*[iter(tensors)] * 3):  # each weight matrix
-            wide = torch.promote_types(torch.promote_types(W0.dtype, G.dtype), decay.dtype)  # as sequential_scan's
-            Ws = G.new_empty((N + 1, *W0.shape), dtype=wide)
-            Ws[0] = W0
-            Ss = None if M is None else G.new_zeros((N, *W0.shape), dtype=wide)  # S_0..S_{N-1}
-            for n, (d, c, k) in enumerate(zip(*gates)):
-                torch.mul(Ws[n], d, out=Ws[n + 1]).sub_(G[n])
-                if Ss is not None and n > 0:
-                    Ws[n + 1].addcmul_(Ss[n], c)
-                if Ss is not None and n + 1 < N:
-                    torch.mul(Ss[n], k, out=Ss[n + 1]).sub_(M[n])
-            outputs.append(Ws)
-            saved += [Ws, Ss]
-        ctx.save_for_backward(decay, carry, keep, *saved)
-        return tuple(outputs)
+    def forward(ctx, c, m, gains, decay, carry, keep, W1, W2, k, v):
+        N = len(k)
+        wide = torch.promote_types(torch.promote_types(W1.dtype, decay.dtype), c.dtype)  # as sequential_scan's W
+        Ws = [W.new_empty((N + 1, *W.shape), dtype=wide) for W in (W1, W2)]
+        Ss = [None, None] if m is None else [W.new_zeros((N, *W.shape), dtype=wide) for W in (W1, W2)]  # S_0..
+        pieces, rhos = [], []
+        Ws[0][0], Ws[1][0] = W1, W2
+        for n in range(N):
+            dz, err, a, curv = surprise(Ws[0][n], Ws[1][n], k[n], v[n])
+            rhos.append((gains[n] * curv).sum(-1))  # (B, H)
+            s = 1 / rhos[-1].clamp_min(1)[..., None]
+            increments = chunk_write(s * c[n], None if m is None else s * m[n], dz, k[n], err, a)
+            for W, S, G, M in zip(Ws, Ss, increments[:2], increments[2:]):
+                torch.mul(W[n], decay[n, ..., None, None], out=W[n + 1]).sub_(G)
+                if S is not None and n > 0:
+                    W[n + 1].addcmul_(S[n], carry[n, ..., None, None])
+                if S is not None and n + 1 < N:
+                    torch.mul(S[n], keep[n, ..., None, None], out=S[n + 1]).sub_(M)
+            pieces.append((dz, err, a, curv))
+        ctx.save_for_backward(c, m, gains, decay, carry, keep, k, torch.stack(rhos), *Ws, *Ss,
+                              *(torch.stack(t) for t in zip(*pieces)))
+        return tuple(Ws)
 
     @staticmethod
-    def backward(ctx, *grads):  # each (N+1, B, H, ., .)
-        decay, carry, keep, *saved = ctx.saved_tensors
-        gates = [[None] * len(decay) if g is None else g[..., None, None].unbind(0) for g in (decay, carry, keep)]
-        out = [None, None, None]  # the gates' gradients, summed over the weight matrices
-        for grad, Ws, Ss in zip(grads, saved[::2], saved[1::2]):
-            d_G = torch.empty_like(Ws[1:])  # -d loss / d W_{n+1}
-            d_M = None if Ss is None else torch.empty_like(Ss)  # -d loss / d S_{n+1}
-            lam_w, lam_s = grad[-1].clone(), torch.zeros_like(grad[-1])  # d loss / d W_{n+1}, d loss / d S_{n+1}
-            for n in reversed(range(len(decay))):
-                d, c, k = (g[n] for g in gates)
-                torch.neg(lam_w, out=d_G[n])
-                if Ss is not None:
-                    torch.neg(lam_s, out=d_M[n])
-                    lam_s.mul_(k).addcmul_(lam_w, c)
-                lam_w.mul_(d).add_(grad[n])
-            parts = [-dot(d_G, Ws[:-1]), None, None]
-            if Ss is not None:
-                parts[1:] = -dot(d_G, Ss), -dot(d_M, Ss)
-            out[:3] = [p if o is None else o + p for o, p in zip(out, parts)]
-            out += [lam_w, d_G, d_M]
-        return tuple(out)
+    def backward(ctx, grad1, grad2):  # (N+1, B, H, F, D), (N+1, B, H, D, F)
+        c, m, gains, decay, carry, keep, k, rho, W1s, W2s, S1s, S2s, dz, err, a, curv = ctx.saved_tensors
+        momentum = m is not None
+        d_c, d_gains, d_decay = torch.empty_like(c), torch.empty_like(gains), torch.empty_like(decay)
+        d_m, d_carry, d_keep = (torch.empty_like(t) if momentum else None for t in (m, carry, keep))
+        lam_w = [g[-1].clone() for g in (grad1, grad2)]  # d loss / d W_{n+1}, then d loss / d S_{n+1}
+        lam_s = [torch.zeros_like(t) for t in lam_w] if momentum else None
+        for n in reversed(range(len(k))):
+            def along(lam):  # <lam1, grad_t W1> + <lam2, grad_t W2> for the chunk's tokens: (B, H, C)
+                return ((k[n] @ lam[0].transpose(-1, -2)) * dz[n]).sum(-1) + ((a[n] @ lam[1].transpose(-1, -2))
+                                                                              * err[n]).sum(-1)
+            s = 1 / rho[n].clamp_min(1)  # (B, H)
+            u = along(lam_w)
+            d_s = -(c[n] * u).sum(-1)
+            d_c[n] = -s[..., None] * u
+            d_decay[n] = inner(lam_w, (W1s[n], W2s[n]))
+            if momentum:
+                w = along(lam_s)
+                d_s -= (m[n] * w).sum(-1)
+                d_m[n] = -s[..., None] * w
+                d_carry[n], d_keep[n] = inner(lam_w, (S1s[n], S2s[n])), inner(lam_s, (S1s[n], S2s[n]))
+                for ls, lw in zip(lam_s, lam_w):
+                    ls.mul_(keep[n, ..., None, None]).addcmul_(lw, carry[n, ..., None, None])
+            # s = 1 / max(1, rho): d s / d rho = -1 / rho^2 where rho >= 1 (as clamp_min passes the gradient)
+            d_gains[n] = (d_s * torch.where(rho[n] >= 1, -s.square(), 0))[..., None] * curv[n]
+            for lw, g in zip(lam_w, (grad1, grad2)):
+                lw.mul_(decay[n, ..., None, None]).add_(g[n])
+        return d_c, d_m, d_gains, d_decay, d_carry, d_keep, *lam_w, None, None
 
 
-def dot(a, b):
-    """<a, b> over the last two dims without a temporary: (..., m, n), (..., m, n) -> (...)."""
-    return (a.flatten(-2)[..., None, :] @ b.flatten(-2)[..., :, None])[..., 0, 0]
+def inner(xs, ys):
+    """sum_i <x_i, y_i> over the last two dims: pairs of (B, H, ., .) -> (B, H)."""
+    return sum((x * y).sum((-1, -2)) for x, y in zip(xs, ys))
 
 
 def mlp(W1, W2, x):  # W1 (..., F, D), W2 (..., D, F), x (..., C, D) -> (..., C, D)
