@@ -42,10 +42,11 @@ class HopeMethodConfig(MethodConfig, HopeConfig):
                 "layer's at a time (batch 8 x 200 beside SmolLM2's 30 MLPs with model-wide memories, width=576: "
                 "tens of GB otherwise; little at a retrofit's default width); same values"})
     scan: str = field(default="parallel", metadata={
-        "help": "how each memory runs its chunks: parallel (each chunk's surprise in a light pass without a graph, "
-                "then every chunk's write, the chunk-to-chunk scan and the reads at once) or sequential (one chunk "
-                "at a time in the graph: the reference); the same math, equal to float rounding. backprop_writes "
-                "always runs sequential"})
+        "help": "how each memory runs its chunks: parallel (each chunk's surprise and write in one pass without a "
+                "graph, its adjoint written out for backward; the gates' coefficients and the reads batched over "
+                "the chunks) or sequential (one chunk at a time in the graph: the reference, and the form of "
+                "results before 2026-11-26); the same math, equal to float rounding. backprop_writes always runs "
+                "sequential"})
 
     def __post_init__(self):
         super().__post_init__()

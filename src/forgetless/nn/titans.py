@@ -241,69 +241,73 @@ class Writes(torch.autograd.Function):
     """The weights each chunk reads, W_0 = the initial ones and W_{n+1} = decay_n W_n + carry_n S_n - s_n G_n,
     S_{n+1} = keep_n S_n - s_n M_n (S_0 = 0), with G_n = sum_t c_t grad_t and M_n = sum_t m_t grad_t over chunk
     n's tokens, grad_t the gradient of its loss at W_n (`surprise`, a constant: the writes are stop-gradient) and
-    s_n = 1 / max(1, sum_t gains_t curv_t) (`step_scale`). Forward and backward (the adjoint, run backwards) are
-    a few ops per chunk into preallocated stacks, without a graph. c, m, gains (N, B, H, C); decay, carry, keep
-    (N, B, H) (m, carry, keep None: no momentum); W1 (B, H, F, D), W2 (B, H, D, F); k, v (N, B, H, C, D), not
-    differentiated -> W_0..W_N for W1 (N+1, B, H, F, D) and W2 (N+1, B, H, D, F)."""
+    s_n = 1 / max(1, rho_n), rho_n = sum_t gains_t curv_t (`step_scale`). Each weight matrix's state X = [W; S]
+    (K = 2 with momentum, [W] without) goes to A_n X - s_n [G; M], A_n = [[decay, carry], [0, keep]]. Forward and
+    backward (the adjoint, run backwards) are a few ops per chunk into preallocated stacks, without a graph.
+    c, m, gains (N, B, H, C); decay, carry, keep (N, B, H) (m, carry, keep None: no momentum); W1 (B, H, F, D),
+    W2 (B, H, D, F); k, v (N, B, H, C, D), not differentiated -> W_0..W_N for W1 (N+1, B, H, F, D) and W2."""
 
     @staticmethod
     def forward(ctx, c, m, gains, decay, carry, keep, W1, W2, k, v):
-        N = len(k)
+        N, B, H = decay.shape
+        K = 1 if m is None else 2
         wide = torch.promote_types(torch.promote_types(W1.dtype, decay.dtype), c.dtype)  # as sequential_scan's W
-        Ws = [W.new_empty((N + 1, *W.shape), dtype=wide) for W in (W1, W2)]
-        Ss = [None, None] if m is None else [W.new_zeros((N, *W.shape), dtype=wide) for W in (W1, W2)]  # S_0..
+        Xs = [W.new_zeros((N + 1, B, H, K, *W.shape[2:]), dtype=wide) for W in (W1, W2)]  # (N+1, B, H, K, ., .)
+        Xs[0][0, :, :, 0], Xs[1][0, :, :, 0] = W1, W2
+        cm = c[..., None] if m is None else torch.stack([c, m], -1)  # (N, B, H, C, K)
+        diag = decay[..., None] if m is None else torch.stack([decay, keep], -1)  # (N, B, H, K)
         pieces, rhos = [], []
-        Ws[0][0], Ws[1][0] = W1, W2
-        for n in range(N):
-            dz, err, a, curv = surprise(Ws[0][n], Ws[1][n], k[n], v[n])
-            rhos.append((gains[n] * curv).sum(-1))  # (B, H)
-            s = 1 / rhos[-1].clamp_min(1)[..., None]
-            increments = chunk_write(s * c[n], None if m is None else s * m[n], dz, k[n], err, a)
-            for W, S, G, M in zip(Ws, Ss, increments[:2], increments[2:]):
-                torch.mul(W[n], decay[n, ..., None, None], out=W[n + 1]).sub_(G)
-                if S is not None and n > 0:
-                    W[n + 1].addcmul_(S[n], carry[n, ..., None, None])
-                if S is not None and n + 1 < N:
-                    torch.mul(S[n], keep[n, ..., None, None], out=S[n + 1]).sub_(M)
+        carries = [None] * N if m is None else carry[..., None, None].unbind(0)
+        for n, (kn, vn, cmn, gn, dn, cn) in enumerate(zip(k, v, cm, gains, diag[..., None, None], carries)):
+            dz, err, a, curv = surprise(Xs[0][n, :, :, 0], Xs[1][n, :, :, 0], kn, vn)
+            rhos.append((gn * curv).sum(-1))  # (B, H)
+            w = cmn * rhos[-1].clamp_min(1).reciprocal()[..., None, None]  # (B, H, C, K): s c_t, s m_t
+            for X, GM in zip(Xs, (spread(w, dz, kn), spread(w, err, a))):
+                torch.mul(X[n], dn, out=X[n + 1])  # decay W, keep S
+                if K == 2:
+                    X[n + 1, :, :, 0].addcmul_(X[n, :, :, 1], cn)  # + carry S
+                X[n + 1].sub_(GM)
             pieces.append((dz, err, a, curv))
-        ctx.save_for_backward(c, m, gains, decay, carry, keep, k, torch.stack(rhos), *Ws, *Ss,
-                              *(torch.stack(t) for t in zip(*pieces)))
-        return tuple(Ws)
+        ctx.save_for_backward(cm, diag, carry, torch.stack(rhos), k, *Xs, *(torch.stack(t) for t in zip(*pieces)))
+        return Xs[0][:, :, :, 0], Xs[1][:, :, :, 0]
 
     @staticmethod
     def backward(ctx, grad1, grad2):  # (N+1, B, H, F, D), (N+1, B, H, D, F)
-        c, m, gains, decay, carry, keep, k, rho, W1s, W2s, S1s, S2s, dz, err, a, curv = ctx.saved_tensors
-        momentum = m is not None
-        d_c, d_gains, d_decay = torch.empty_like(c), torch.empty_like(gains), torch.empty_like(decay)
-        d_m, d_carry, d_keep = (torch.empty_like(t) if momentum else None for t in (m, carry, keep))
-        lam_w = [g[-1].clone() for g in (grad1, grad2)]  # d loss / d W_{n+1}, then d loss / d S_{n+1}
-        lam_s = [torch.zeros_like(t) for t in lam_w] if momentum else None
-        for n in reversed(range(len(k))):
-            def along(lam):  # <lam1, grad_t W1> + <lam2, grad_t W2> for the chunk's tokens: (B, H, C)
-                return ((k[n] @ lam[0].transpose(-1, -2)) * dz[n]).sum(-1) + ((a[n] @ lam[1].transpose(-1, -2))
-                                                                              * err[n]).sum(-1)
-            s = 1 / rho[n].clamp_min(1)  # (B, H)
-            u = along(lam_w)
-            d_s = -(c[n] * u).sum(-1)
-            d_c[n] = -s[..., None] * u
-            d_decay[n] = inner(lam_w, (W1s[n], W2s[n]))
-            if momentum:
-                w = along(lam_s)
-                d_s -= (m[n] * w).sum(-1)
-                d_m[n] = -s[..., None] * w
-                d_carry[n], d_keep[n] = inner(lam_w, (S1s[n], S2s[n])), inner(lam_s, (S1s[n], S2s[n]))
-                for ls, lw in zip(lam_s, lam_w):
-                    ls.mul_(keep[n, ..., None, None]).addcmul_(lw, carry[n, ..., None, None])
-            # s = 1 / max(1, rho): d s / d rho = -1 / rho^2 where rho >= 1 (as clamp_min passes the gradient)
-            d_gains[n] = (d_s * torch.where(rho[n] >= 1, -s.square(), 0))[..., None] * curv[n]
-            for lw, g in zip(lam_w, (grad1, grad2)):
-                lw.mul_(decay[n, ..., None, None]).add_(g[n])
-        return d_c, d_m, d_gains, d_decay, d_carry, d_keep, *lam_w, None, None
+        cm, diag, carry, rho, k, X1s, X2s, dz, err, a, curv = ctx.saved_tensors
+        N, B, H, K = diag.shape
+        s = rho.clamp_min(1).reciprocal()  # (N, B, H)
+        ds_drho = torch.where(rho >= 1, -s.square(), torch.zeros_like(s))  # as clamp_min passes the gradient
+        d_cm, d_gains, d_A = torch.empty_like(cm), torch.empty_like(curv), diag.new_empty((N, B, H, K, K))
+        lams = [X.new_zeros(X.shape[1:]) for X in (X1s, X2s)]  # d loss / d X_{n+1}: (B, H, K, ., .)
+        for lam, g in zip(lams, (grad1, grad2)):
+            lam[:, :, 0] = g[-1]
+        for n in reversed(range(N)):
+            dn = diag[n, ..., None, None]  # (B, H, K, 1, 1)
+            # <lam_i, grad_t> for each state i and token t: (B, H, C, K)
+            u = along(lams[0], k[n], dz[n]) + along(lams[1], a[n], err[n])
+            d_cm[n] = -s[n, ..., None, None] * u
+            d_gains[n] = (-(cm[n] * u).sum((-1, -2)) * ds_drho[n])[..., None] * curv[n]
+            d_A[n] = sum(lam.flatten(-2) @ X[n].flatten(-2).transpose(-1, -2) for lam, X in zip(lams, (X1s, X2s)))
+            for lam, g in zip(lams, (grad1, grad2)):  # lam <- A^T lam + [d loss / d W_n (its reads); 0]
+                if K == 2:
+                    lam[:, :, 1].mul_(dn[:, :, 1]).addcmul_(lam[:, :, 0], carry[n, ..., None, None])
+                lam[:, :, 0].mul_(dn[:, :, 0]).add_(g[n])
+        d_c, d_m = d_cm[..., 0], d_cm[..., 1] if K == 2 else None
+        d_decay, d_carry, d_keep = d_A[..., 0, 0], *((d_A[..., 0, 1], d_A[..., 1, 1]) if K == 2 else (None, None))
+        return d_c, d_m, d_gains, d_decay, d_carry, d_keep, lams[0][:, :, 0], lams[1][:, :, 0], None, None
 
 
-def inner(xs, ys):
-    """sum_i <x_i, y_i> over the last two dims: pairs of (B, H, ., .) -> (B, H)."""
-    return sum((x * y).sum((-1, -2)) for x, y in zip(xs, ys))
+def spread(w, x, y):
+    """sum_t w_ti x_t y_t^T for each i: w (..., C, K), x (..., C, m), y (..., C, n) -> (..., K, m, n), one matmul."""
+    wx = (w[..., :, None] * x[..., None, :]).flatten(-2)  # (..., C, K m)
+    return (wx.transpose(-1, -2) @ y).unflatten(-2, (w.shape[-1], x.shape[-1]))
+
+
+def along(lam, x, g):
+    """<lam_i, g_t x_t^T> for each state i and token t: lam (..., K, m, n), x (..., C, n), g (..., C, m) ->
+    (..., C, K)."""
+    proj = (x @ lam.flatten(-3, -2).transpose(-1, -2)).unflatten(-1, lam.shape[-3:-1])  # (..., C, K, m)
+    return (proj * g[..., None, :]).sum(-1)
 
 
 def mlp(W1, W2, x):  # W1 (..., F, D), W2 (..., D, F), x (..., C, D) -> (..., C, D)
