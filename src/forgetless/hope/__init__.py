@@ -47,6 +47,16 @@ def arm_config(arm: str, model: GPTConfig) -> GPTConfig:
                key=lambda c: abs(GPT(c).num_params() - target))
 
 
+def arm_model(arm: str, model: GPTConfig, scan: str) -> GPT:
+    """The arm's GPT (`arm_config`), its memories running their chunks by `scan` (nn/titans.py)."""
+    from forgetless.nn.titans import NeuralMemory
+    net = GPT(arm_config(arm, model))
+    for m in net.modules():
+        if isinstance(m, NeuralMemory):
+            m.scan = scan
+    return net
+
+
 def train_for(model: GPT, sampler, cfg: TrainConfig, seconds: float, desc: str) -> dict:
     """Train every parameter of `model` for `seconds` of CPU time (steps set from a short timing; warmup at
     most a tenth of them, cosine to the end). Returns steps, CPU seconds and the loss curve against them."""

@@ -23,7 +23,7 @@ from forgetless.methods.base import Method, MethodConfig, find_ffns, put_beside,
 from forgetless.models.gpt import GPT, GPTConfig, logits_of
 from forgetless.nn.adapter import input_width, n_params, width_for
 from forgetless.nn.hope import HOPE, HopeConfig
-from forgetless.nn.titans import SCANS, NeuralMemory
+from forgetless.nn.titans import NeuralMemory, check_scan
 
 
 @dataclass
@@ -52,8 +52,7 @@ class HopeMethodConfig(MethodConfig, HopeConfig):
         super().__post_init__()
         if not self.retrofit_size > 0:
             raise ForgetlessError(f"hope retrofit_size must be positive, got {self.retrofit_size}")
-        if self.scan not in SCANS:
-            raise ForgetlessError(f"hope scan must be one of {', '.join(SCANS)}, got {self.scan!r}")
+        check_scan(self.scan, "hope")
 
 
 def slots(model) -> list[tuple[str, HOPE]]:

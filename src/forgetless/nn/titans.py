@@ -195,13 +195,17 @@ def memory_scan(q, k, v, eta, alpha, mu, w1, w2, chunk: int, backprop_writes: bo
     momentum); w1 (H, F, D), w2 (H, D, F) the initial weights. Returns the reads M_{chunk start}(q_t), (B, H, T, D).
     `scan`: "parallel" (`parallel_scan`) or "sequential" (`sequential_scan`, the reference), the same math;
     backprop_writes needs the graph through every chunk's surprise and always runs sequentially."""
-    if scan not in SCANS:
-        raise ForgetlessError(f"titans scan must be one of {', '.join(SCANS)}, got {scan!r}")
+    check_scan(scan, "titans")
     if q.shape[2] <= chunk:  # one chunk: nothing is written before it is read
         return mlp(w1, w2, q)
     if backprop_writes or scan == "sequential":
         return sequential_scan(q, k, v, eta, alpha, mu, w1, w2, chunk, backprop_writes)
     return parallel_scan(q, k, v, eta, alpha, mu, w1, w2, chunk)
+
+
+def check_scan(scan: str, owner: str):
+    if scan not in SCANS:
+        raise ForgetlessError(f"{owner} scan must be one of {', '.join(SCANS)}, got {scan!r}")
 
 
 def sequential_scan(q, k, v, eta, alpha, mu, w1, w2, chunk: int, backprop_writes: bool = False):
