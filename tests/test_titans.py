@@ -134,6 +134,26 @@ def test_parallel_form_equals_the_sequential_one_in_float32(momentum):
             torch.testing.assert_close(parallel, sequential, rtol=1e-4, atol=1e-5)
 
 
+def test_parallel_form_runs_under_bf16_autocast_as_the_sequential_one():
+    """Under CPU bf16 autocast (--precision bf16) the surprises are bf16 and the weights' stacks stay float32: the
+    two forms give the same reads and gradients to bf16 precision."""
+    torch.manual_seed(0)
+    mem = NeuralMemory(16, TitansConfig(heads=2, chunk=4))
+    with torch.no_grad():
+        mem.gate_bias[:2] = 1.0
+    x = torch.randn(2, 19, 16)
+    runs = []
+    for scan in ("parallel", "sequential"):
+        mem.scan = scan
+        mem.zero_grad()
+        with torch.autocast("cpu", torch.bfloat16):
+            y = mem(x)
+        y.float().square().sum().backward()
+        runs.append([y.float().detach(), *(p.grad for p in mem.parameters())])
+    for parallel, sequential in zip(*runs):
+        torch.testing.assert_close(parallel, sequential, rtol=2e-2, atol=2e-2 * sequential.abs().max().item())
+
+
 @pytest.mark.parametrize("momentum", [True, False])
 def test_parallel_gradients_on_both_sides_of_the_step_cap(momentum):
     """The cap s = 1 / max(1, rho) binds in chunk 0 (rho > 1: the gradient also flows through rho) and not in

@@ -278,6 +278,7 @@ class Writes(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad1, grad2):  # (N+1, B, H, F, D), (N+1, B, H, D, F)
         cm, diag, carry, rho, k, X1s, X2s, dz, err, a, curv = ctx.saved_tensors
+        k, dz, err, a = (t.to(X1s.dtype) for t in (k, dz, err, a))  # the surprises may be autocast's bf16
         N, B, H, K = diag.shape
         s = rho.clamp_min(1).reciprocal()  # (N, B, H)
         ds_drho = torch.where(rho >= 1, -s.square(), torch.zeros_like(s))  # as clamp_min passes the gradient
