@@ -117,14 +117,15 @@ def main():
                 ms[name].append(step_ms(m, x, args.iters))
         rows.append(row(T, x.shape[0], ms))
         print(f"context {T:5d} (batch {x.shape[0]}):")
-        for name, r in rows[-1]["layers"].items():
+        for name in models:
+            r = rows[-1][name]
             vs_peer = f", x{r['vs_peer']:.2f} the peer's" if "vs_peer" in r else ""
             print(f"  {name:28s} {r['ms']:9.1f} ms [{r['min_ms']:.1f}-{r['max_ms']:.1f}] "
-                  f"({r['tokens_per_s']:,} tok/s), x{r['vs_attention']:.2f} attention's{vs_peer}")
-    first = rows[0]["layers"]
+                  f"({r['tokens_per_s']:,} tok/s), x{r['ratio']:.2f} attention's{vs_peer}")
+    first = rows[0]
     candidate = first.get("HOPE block", first.get("memory alone", first["attention block"]))
     print(json.dumps({"bench": "titans", "provenance": provenance(titans_pytorch="titans-pytorch"),
-                      "ratio": candidate["vs_attention"], "baseline_ms": first["attention block"]["ms"],
+                      "ratio": candidate["ratio"], "baseline_ms": first["attention block"]["ms"],
                       "candidate_ms": candidate["ms"],
                       "config": {"d": args.d, "tokens": args.tokens, "chunk": args.chunk, "params": params,
                                  "device": args.device, "threads": torch.get_num_threads(), "repeats": args.repeats,
@@ -133,15 +134,17 @@ def main():
 
 
 def row(T: int, batch: int, ms: dict[str, list[float]]) -> dict:
-    """One context's medians (ms, spread, tokens/s) and their ratios to the attention block and the peer."""
+    """One context's medians (ms, spread, tokens/s) and their ratios to the attention block (`ratio`) and the
+    peer (`vs_peer`)."""
     med = {name: statistics.median(v) for name, v in ms.items()}
-    out = {}
+    out = {"context": T, "batch": batch}
     for name, v in med.items():
-        out[name] = {"ms": round(v, 2), "min_ms": round(min(ms[name]), 2), "max_ms": round(max(ms[name]), 2),
-                     "tokens_per_s": round(batch * T / v * 1000), "vs_attention": round(v / med["attention block"], 3)}
+        out[name] = {"ms": round(v, 2), "tokens_per_s": round(batch * T / v * 1000),
+                     "ratio": round(v / med["attention block"], 3), "min_ms": round(min(ms[name]), 2),
+                     "max_ms": round(max(ms[name]), 2)}
         if "titans-pytorch" in med:
             out[name]["vs_peer"] = round(v / med["titans-pytorch"], 3)
-    return {"context": T, "batch": batch, "layers": out}
+    return out
 
 
 if __name__ == "__main__":
