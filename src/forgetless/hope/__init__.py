@@ -22,6 +22,9 @@ from forgetless.train import TrainConfig, steps_for_seconds, train
 
 HOPE_OPTIONS = {"titans": {}, "hope": {"self_modify": True}, "hope-noattn": {"self_modify": True, "attention": False}}
 ARMS = ["gpt", *HOPE_OPTIONS]
+SCAN_HELP = ("how the memories of the titans and hope arms run their chunks: parallel, or sequential (the form of "
+             "the results before 2026-11-26): the same math, but sequential is slower, so the titans arm takes "
+             "fewer steps in the CPU budget")
 
 EXPERIMENTS = {
     "lm": ("forgetless.hope.lm", "byte-level language modelling: held-out PPL at equal parameters and CPU time"),

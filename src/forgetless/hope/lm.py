@@ -21,7 +21,7 @@ from forgetless.continual.two_domain import mean_std
 from forgetless.data.domains import load_domains
 from forgetless.data.splits import Sampler
 from forgetless.errors import ForgetlessError
-from forgetless.hope import arm_model, check_arms, has_memory, train_for
+from forgetless.hope import SCAN_HELP, arm_model, check_arms, has_memory, train_for
 from forgetless.methods.hope import cross_entropy, set_writes
 from forgetless.models.gpt import GPTConfig
 from forgetless.nn.titans import check_scan
@@ -39,10 +39,7 @@ class Config:
         "help": "gpt, titans, hope, hope-noattn (forgetless.hope)"})
     budget_s: float = field(default=300.0, metadata={"help": "training CPU seconds of every arm"})
     memory_windows: int = field(default=32, metadata={"help": "held-out windows scored with the memory's writes off"})
-    scan: str = field(default="parallel", metadata={
-        "help": "how the memories of the titans and hope arms run their chunks: parallel, or sequential (the form "
-                "of the results before 2026-11-26): the same math, but sequential is slower, so the titans arm "
-                "takes fewer steps in the CPU budget"})
+    scan: str = field(default="parallel", metadata={"help": SCAN_HELP})
 
     def __post_init__(self):
         check_arms(self.arms)

@@ -18,7 +18,7 @@ from forgetless.aunn.experiments import pm, save_figure
 from forgetless.continual.two_domain import mean_std
 from forgetless.data.splits import Batch
 from forgetless.errors import ForgetlessError
-from forgetless.hope import arm_model, check_arms, has_memory, train_for
+from forgetless.hope import SCAN_HELP, arm_model, check_arms, has_memory, train_for
 from forgetless.methods.hope import set_writes
 from forgetless.models.gpt import GPT, GPTConfig
 from forgetless.nn.titans import check_scan
@@ -43,10 +43,7 @@ class Config:
     eval_sequences: int = field(default=512, metadata={"help": "unseen sequences scored per arm"})
     bins: list[int] = field(default_factory=lambda: [2, 32, 64, 96, 128], metadata={
         "help": "distance bin edges (left-closed)"})
-    scan: str = field(default="parallel", metadata={
-        "help": "how the memories of the titans and hope arms run their chunks: parallel, or sequential (the form "
-                "of the results before 2026-11-26): the same math, but sequential is slower, so the titans arm "
-                "takes fewer steps in the CPU budget"})
+    scan: str = field(default="parallel", metadata={"help": SCAN_HELP})
 
     def __post_init__(self):
         check_arms(self.arms)
