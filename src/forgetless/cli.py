@@ -287,9 +287,8 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
     from forgetless.continual.two_domain import refuse_joint
     from forgetless.continual.user_adapt import adapt_on_data
     from forgetless.guide import advice_for
-    from forgetless.methods.base import as_specs
+    from forgetless.methods.base import METHODS, as_specs
     from forgetless.models.hf import load_model
-    from forgetless.presets import PRETRAINED_LRS
 
     if model is None or base is not None or domain_b is not None:
         raise ForgetlessError("--data trains a pretrained --model (smollm2-135m, hf:PATH, a .gguf) on your data; "
@@ -301,7 +300,8 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
         method = advice.method
         out_console.print(f"method {method} ({advice.situation}: `forgetless methods`)", highlight=False)
     (spec,) = as_specs([method])
-    options = {**PRETRAINED_LRS.get(spec.name, {}), **cfg.methods.get(spec.name, {})}  # pretrained weights
+    on_pretrained = METHODS[spec.name].pretrained_options() if spec.name in METHODS else {}  # unknown: build says
+    options = {**on_pretrained, **cfg.methods.get(spec.name, {})}
     m = spec.build(options)
     refuse_joint(spec.label, m, "choose another --method (`forgetless methods`)")
     needs = m.needs_previous and "its Fisher" or m.reads_retained
@@ -436,19 +436,20 @@ def methods():
     from forgetless.continual.base_model import base_label
     from forgetless.guide import GUIDE, RESULTS
     from forgetless.methods import METHODS, build_method, method_names
+    from forgetless.methods.base import traits_text
     from forgetless.models.gpt import GPTConfig
 
     table = Table()
     table.add_column("method", no_wrap=True)  # names stay whole in a narrow terminal
-    for head in ("base", "in `all` of", "options (default)", "about"):
+    for head in ("base", "in `all` of", "traits", "options (default)", "about"):
         table.add_column(head)
     for name in method_names():
         cls = METHODS[name]
         opts = ", ".join(f"{f.name}={f.default if f.default is not dataclasses.MISSING else f.default_factory()}"
                          for f in dataclasses.fields(cls.Config))
         about = (cls.__doc__ or "").strip().splitlines()[:1]
-        table.add_row(name, base_label(build_method(name).base_config(GPTConfig())), ", ".join(cls.default_for), opts,
-                      *about or [""])
+        table.add_row(name, base_label(build_method(name).base_config(GPTConfig())), ", ".join(cls.default_for),
+                      traits_text(cls), opts, *about or [""])
     guide = Table(title="Which method, when", title_justify="left")
     for head in ("you have", "method", "batches", "evidence"):
         guide.add_column(head, overflow="fold")

@@ -21,10 +21,8 @@ from forgetless.checkpoint import save_checkpoint
 from forgetless.continual.base_model import base_label, load_base
 from forgetless.errors import ForgetlessError
 from forgetless.methods import build_method
+from forgetless.methods.base import PEFT
 from forgetless.models.gpt import GPT, GPTConfig
-
-PEFT_METHODS = ("lora", "seq-lora")
-
 
 def export(run: Path, label: str | None, out: Path, seed: int = 0, model: str | None = None) -> tuple[str, Path]:
     """Export to `out`, returning (form, folder): arm `label` (seed `seed`) of the bench run in `run`, the model
@@ -52,10 +50,11 @@ def export_adapted(adapted: Adapted, spec: str | None, tokenizer, out: Path) -> 
     `out` in the most portable form it allows; returns (form, folder)."""
     out = writable_dir(out)
     base = local_base(adapted.model, spec)
-    if adapted.method.name in PEFT_METHODS and base is not None and adapted.task == 1:  # later tasks: merged
-        return "peft", save_peft(adapted, out, tokenizer, str(base))
-    if not adapted.injected() or merges(adapted):
-        return "merged", save_merged(adapted.merge_and_unload(), out, tokenizer)
+    form = form_of(adapted, base)
+    if form == PEFT:
+        return form, save_peft(adapted, out, tokenizer, str(base))
+    if form == "merged":
+        return form, save_merged(adapted.merge_and_unload(), out, tokenizer)
     adapted.save_pretrained(out)
     (out / "LOADING.md").write_text(loading_example(spec or str(base or "hf:PATH"), out))
     return "forgetless", out
@@ -128,10 +127,14 @@ def base_of(results: dict, saved: Path) -> tuple[nn.Module, object, str]:
     return model, tokenizer, spec
 
 
-def merges(adapted: Adapted) -> bool:
-    """Whether the method folds exactly into the base weights (it overrides Method.merge)."""
-    from forgetless.methods.base import Method
-    return type(adapted.method).merge is not Method.merge
+def form_of(adapted: Adapted, base: Path | None) -> str:
+    """How `adapted` is exported, from its method's traits: a PEFT adapter where its `export_form` says so, on a
+    local transformers `base`, after one task (later tasks: merged); the merged model where it `merges` or
+    injected nothing; else the forgetless folder."""
+    method = adapted.method
+    if method.export_form == PEFT and base is not None and adapted.task == 1:
+        return PEFT
+    return "merged" if method.merges or not adapted.injected() else "forgetless"
 
 
 def save_peft(adapted: Adapted, out: Path, tokenizer, spec: str) -> Path:

@@ -95,6 +95,7 @@ def patches_for(d: int, apn_cfg: APNConfig, budget: float) -> int:
 class APNMethod(Method):
     """APN base (APN FFNs pretrained on A); adapt only the patches, as in the source."""
     Config = APNMethodConfig
+    order = 50
     default_for = ("two-domain",)  # APN bases are costly; run them in a sequence with --methods apn,...
 
     def __init__(self, cfg: APNMethodConfig):
@@ -148,9 +149,9 @@ class APNMethod(Method):
 
     def trainable_parameters(self, model):
         return [(f"{prefix}.{name}", p) for prefix, m in model.named_modules() if isinstance(m, APN)
-                for name, p in m.named_parameters() if self.trains(name)]
+                for name, p in m.named_parameters() if self.trains_tensor(name)]
 
-    def trains(self, name: str) -> bool:
+    def trains_tensor(self, name: str) -> bool:
         if self.cfg.decoders_only and name not in DECODERS:
             return False
         if name in ("prototypes", "route_proj.weight") and not self.cfg.train_prototypes:
@@ -343,17 +344,17 @@ def routing_histograms(results: dict, labels: list[str], path: Path) -> bool:
     return True
 
 
-def arm(name: str, doc: str, **defaults):
-    """Register an APN arm: the same method with other defaults."""
+def arm(name: str, order: int, doc: str, **defaults):
+    """Register an APN arm: the same method with other defaults, at `order` in tables."""
     fields_ = [(k, type(v), field(default=v)) for k, v in defaults.items()]
     config = dataclasses.make_dataclass(f"{name.title().replace('-', '')}Config", fields_, bases=(APNMethodConfig,))
-    cls = type(name.title().replace("-", ""), (APNMethod,), {"Config": config, "__doc__": doc})
+    cls = type(name.title().replace("-", ""), (APNMethod,), {"Config": config, "__doc__": doc, "order": order})
     return register_method(name)(cls)
 
 
-arm("apn-local", "APN base; only active patches update, with per-patch norm caps and router-confidence gating",
+arm("apn-local", 51, "APN base; only active patches update, with per-patch norm caps and router-confidence gating",
     local=True, norm_cap=0.5, gate_on="router", gate_min=0.3)
-arm("apn-param-matched", "APN base with n_patches chosen so its parameters match the dense base",
+arm("apn-param-matched", 52, "APN base with n_patches chosen so its parameters match the dense base",
     param_matched=True)
-arm("apn-retrofit", "APN beside every FFN of the trained dense base; only routing and patches train",
+arm("apn-retrofit", 53, "APN beside every FFN of the trained dense base; only routing and patches train",
     retrofit=True, lr=1e-3)

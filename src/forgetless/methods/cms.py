@@ -54,6 +54,7 @@ def levels(model) -> list[tuple[str, Level]]:
 class CMSMethod(Method):
     """CMS base (FFN = MLP levels updated every 1, 4, 32, 128 steps); the levels adapt on their periods."""
     Config = CMSMethodConfig
+    order = 100
 
     def base_config(self, model_cfg: GPTConfig) -> GPTConfig:
         options = {f.name: getattr(self.cfg, f.name) for f in dataclasses.fields(CMSConfig)}
@@ -117,6 +118,7 @@ class CMSFastConfig(CMSMethodConfig):
 class CMSFast(CMSMethod):
     """CMS base; only the fast levels (period <= 4) adapt, the slow levels stay as pretrained."""
     Config = CMSFastConfig
+    order = 101
 
 
 def level_changes(results: dict, labels: list[str], path: Path) -> bool:

@@ -29,6 +29,7 @@ class MoRAMMethodConfig(BankConfig, MoRAMConfig):
 class MoRAM(GrowingBank):
     """Rank-1 memory atoms beside the linears, r new atoms per task, self-activated retrieval."""
     Config = MoRAMMethodConfig
+    order = 60
     module_cls = MoRAMLinear
     per_task = ("keys", "values")
 
