@@ -150,7 +150,9 @@ out = {}
 for saved in sorted(folder.glob("*/*/" + CONFIG)):
     config = json.loads(saved.read_text())
     kind = saved.parent.parent.name
-    adapted = from_pretrained(tiny(kind, build_method(config["method"], config["options"])), saved.parent).eval()
+    fresh = tiny(kind, build_method(config["method"], config["options"])).eval()  # as transformers loads a model
+    adapted = from_pretrained(fresh, saved.parent)  # no .eval(): what it injects follows the model's mode
+    assert not any(m.training for m in adapted.modules()), f"{saved}: modules in training mode after loading"
     with torch.no_grad():
         out[f"{kind}/{saved.parent.name}"] = logits_of(adapted, x).contiguous()
 save_file(out, folder / "reloaded.safetensors")
@@ -159,8 +161,9 @@ save_file(out, folder / "reloaded.safetensors")
 
 def save_and_reload(kinds: list[str], names: list[str], folder: Path, plugins: tuple[str, ...] = ()) -> dict:
     """Train every method in `names` one step on each model kind (but the pairs attach refuses) and save it
-    in folder/kind/name; one fresh process loads them all onto freshly built models (`plugins`: folders of
-    methods it imports first). Returns (kind, name) -> (logits here, logits there, the fresh base's logits)."""
+    in folder/kind/name; one fresh process loads them all onto freshly built models in eval mode (`plugins`:
+    folders of methods it imports first). Returns (kind, name) -> (logits here in eval mode, logits there, the
+    fresh base's logits): everything that shapes the output, the modules' mode included, must come back."""
     x = windows(seed=3)[:, :-1].contiguous()
     save_file({"x": x}, folder / "input.safetensors")
     here = {}

@@ -67,6 +67,7 @@ class Adapted(nn.Module):
         self.base_fingerprint = architecture_fingerprint(model)
         self.device, self.dtype = placement(model)
         self._base = {id(t) for t in [*model.parameters(), *model.buffers()]}
+        self._base_modules = {id(m) for m in model.modules()}
         with torch.device(self.device):
             model = method.attach(model)
         self.model = model
@@ -185,10 +186,15 @@ class Adapted(nn.Module):
         return {name for name, p in self.model.named_parameters() if id(p) not in self._base}
 
     def _follow_model(self):
-        """New tensors on the model's device and floating dtype; freeze all but what the method trains."""
+        """New tensors on the model's device and floating dtype, new modules (and this one) in its training mode
+        (an eval model stays one: e.g. MoRAM's evaluation threshold acts); freeze all but what the method trains."""
         for t in [*self.model.parameters(), *self.model.buffers()]:
             if id(t) not in self._base and (t.device != self.device or t.is_floating_point() and t.dtype != self.dtype):
                 t.data = t.data.to(self.device, self.dtype if t.is_floating_point() else t.dtype)
+        for m in self.model.modules():
+            if id(m) not in self._base_modules:
+                m.training = self.model.training
+        self.training = self.model.training
         for p in self.model.parameters():
             p.requires_grad_(False)
         for _, p in self.trainable_parameters():

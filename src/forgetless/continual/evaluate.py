@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from forgetless import distributed
 from forgetless.data.splits import Batch
-from forgetless.models.gpt import aux_loss, logits_of, recorded_forward, takes_logits_to_keep
+from forgetless.models.gpt import logits_of, recorded_forward, takes_logits_to_keep
+from forgetless.side import Monitored, aux_loss
 
 
 @torch.no_grad()
@@ -40,8 +41,8 @@ def evaluate(model: nn.Module, windows: torch.Tensor, batch_size: int = 64) -> d
 
 
 def module_stats(model: nn.Module, windows: torch.Tensor, max_windows: int = 16) -> dict:
-    """Mean over modules of `m.stats()` (e.g. APN routing monitors) on a few held-out windows."""
-    modules = [m for m in model.modules() if hasattr(m, "stats") and hasattr(m, "record")]
+    """Mean over the Monitored modules of `m.stats()` (e.g. APN routing monitors) on a few held-out windows."""
+    modules = [m for m in model.modules() if isinstance(m, Monitored)]
     if not modules:
         return {}
     recorded_forward(model, modules, windows[:max_windows])
