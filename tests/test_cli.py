@@ -82,7 +82,7 @@ def test_bench_table_fits_100_columns(smoke_run):
     longest method labels; results.md has every column."""
     from rich.console import Console
 
-    from forgetless.report.tables import terminal_table
+    from forgetless.report import terminal_table
     out, _ = smoke_run
     results = json.loads((out / "results.json").read_text())
     results["methods"]["cms[periods=1,1,1,1;accumulate=updates]"] = next(iter(results["methods"].values()))
@@ -603,6 +603,20 @@ def test_bench_help_shows_the_arm_example_whole(monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     result = invoke("bench", "--help")
     assert result.exit_code == 0 and "'lora,lora[r=16]'" in result.output
+
+
+def test_bench_help_lists_each_setting_once_in_panels(monkeypatch):
+    """--domain-a, --domain-b, --tasks and --mix are shown, their long twins (--data-domain-a, ...) hidden but
+    still taken; the options are grouped in panels."""
+    monkeypatch.setenv("COLUMNS", "200")
+    text = invoke("bench", "--help").output
+    flags = [word for word in text.split() if word.startswith("--")]
+    assert all(flags.count(flag) == 1 for flag in ("--domain-a", "--domain-b", "--tasks", "--mix", "--methods"))
+    assert not {"--data-domain-a", "--data-domain-b", "--data-tasks", "--adapt-mix"} & set(flags)
+    assert all(panel in text for panel in ("─ run ", "─ arms: methods, seeds, sweeps ", "─ data ", "─ model and compute "))
+    for hidden in ("--data-domain-a", "--data-domain-b", "--data-tasks", "--adapt-mix"):  # parsed: the seeds check speaks
+        result = invoke("bench", hidden, "0.5" if hidden == "--adapt-mix" else "x", "--seeds", 0)
+        assert result.exit_code == 2 and "--seeds must be positive" in result.output, (hidden, result.output)
 
 
 @pytest.mark.parametrize("command, shown", [("bench", True), ("pretrain", False), ("adapt", False)])

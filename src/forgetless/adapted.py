@@ -23,11 +23,13 @@ import torch
 import torch.nn as nn
 
 from forgetless import __version__, distributed
-from forgetless.checkpoint import load_checkpoint, save_checkpoint, shared, write_json
+from forgetless.checkpoint import load_checkpoint, save_checkpoint, shared, writable_dir, write_json
 from forgetless.config import as_saved
-from forgetless.continual.evaluate import loss_terms, training_loss
+from forgetless.loss import loss_terms, training_loss
 from forgetless.data.splits import Batch
+from forgetless.device import resolve_device  # noqa: F401 (its home before device.py; bench scripts import it here)
 from forgetless.errors import ForgetlessError
+from forgetless.export import check_empty, export_adapted
 from forgetless.methods import Method, build_method
 from forgetless.methods.base import METHODS, MethodSpec, parse_method_specs
 from forgetless.models.gpt import GPT
@@ -282,7 +284,6 @@ class Adapted(nn.Module):
         """Write the adapted model in the most portable form (forgetless.export): a PEFT adapter naming
         the local base folder (LoRA), a merged transformers folder (methods that fold into the weights),
         else the forgetless folder with LOADING.md; with the tokenizer when given. Returns (form, folder)."""
-        from forgetless.export import check_empty, export_adapted
         check_empty(Path(out_dir))
         return export_adapted(self, None, tokenizer, Path(out_dir))
 
@@ -366,24 +367,3 @@ def placement(model: nn.Module) -> tuple[torch.device, torch.dtype]:
     return floats[0].device, floats[0].dtype
 
 
-def writable_dir(path: str | Path) -> Path:
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise ForgetlessError(f"{path} is a file; give a folder to write into")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def resolve_device(name: str = "auto") -> torch.device:
-    """auto (CUDA when available, else CPU), cpu, cuda[:N] or mps; an unavailable device is an error.
-    Under torchrun, auto and cuda mean this process's GPU (cuda:LOCAL_RANK)."""
-    if name in ("auto", "cuda") and distributed.world_size() > 1 and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    kind = name.split(":")[0]
-    if kind not in ("cpu", "cuda", "mps"):
-        raise ForgetlessError(f"unknown device {name!r}; valid: auto, cpu, cuda, cuda:N, mps")
-    if kind == "cuda" and not torch.cuda.is_available() or kind == "mps" and not torch.backends.mps.is_available():
-        raise ForgetlessError(f"device {name} is not available on this machine; use --device cpu (or auto)")
-    return torch.device(name)

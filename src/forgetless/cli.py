@@ -18,7 +18,7 @@ from rich.table import Column, Table
 
 from forgetless.aunn.cli import app as aunn_app
 from forgetless.hope.cli import app as hope_app
-from forgetless.cliutil import config_flags, friendly, merge_overrides, out_console
+from forgetless.cliutil import config_flags, friendly, in_panel, merge_overrides, out_console
 from forgetless.config import code_fingerprint, git_commit
 from forgetless.errors import ForgetlessError
 
@@ -36,8 +36,7 @@ def training_sections():
     return {name: cls for name, cls in config_sections().items() if name != "online"}
 
 
-with_config_flags = config_flags(config_sections, "config (default: the preset's)")
-with_training_flags = config_flags(training_sections, "config (default: the preset's)")
+RUN, ARMS, DATA, COMPUTE = "run", "arms: methods, seeds, sweeps", "data", "model and compute"  # bench's help panels
 
 
 def run_config(preset: str, config_file, flags, sets):
@@ -60,40 +59,43 @@ SET = typer.Option(None, "--set", help="a method option, METHOD.OPTION=VALUE (re
 
 @app.command()
 @friendly(resume="run the same command again to resume from the finished arms and the last base checkpoint")
-@with_config_flags
-def bench(preset: Optional[str] = BENCH_PRESET,
+@config_flags(config_sections, "config (default: the preset's)",
+              covered=("data.domain_a", "data.domain_b", "data.tasks", "adapt.mix"))
+def bench(preset: Optional[str] = in_panel(BENCH_PRESET, RUN),
           protocol: str = typer.Option("two-domain", help="two-domain, sequence (base on --domain-a, then --tasks) or "
-                                       "online (a stream from A to B, each chunk scored then learned; --online-* flags)"),
+                                       "online (a stream from A to B, each chunk scored then learned; --online-* flags)", rich_help_panel=RUN),
           methods: str = typer.Option("default", help="comma-separated method names; 'all' (the protocol's whole set, "
                                       "see `forgetless methods`) or 'default' (the preset's short list, else all); "
-                                      "NAME[OPTION=VALUE;...] adds an arm with other options, e.g. 'lora,lora\\[r=16]'"),
-          seeds: int = typer.Option(3, help="number of seeds (0..N-1); tables show mean ± std"),
+                                      "NAME[OPTION=VALUE;...] adds an arm with other options, e.g. 'lora,lora\\[r=16]'", rich_help_panel=ARMS),
+          seeds: int = typer.Option(3, help="number of seeds (0..N-1); tables show mean ± std", rich_help_panel=ARMS),
           seed_start: int = typer.Option(0, "--seed-start", help="first seed: --seeds N runs seeds S..S+N-1 (more "
-                                         "seeds for a run: finished arms of the same --out are reused)"),
-          out: Optional[Path] = typer.Option(None, help="output folder (default runs/<protocol>-<preset>)"),
-          domain_a: Optional[str] = typer.Option(None, "--domain-a", help="corpus spec or path for domain A"),
-          domain_b: Optional[str] = typer.Option(None, "--domain-b", help="corpus spec or path for domain B"),
+                                         "seeds for a run: finished arms of the same --out are reused)", rich_help_panel=ARMS),
+          out: Optional[Path] = typer.Option(None, help="output folder (default runs/<protocol>-<preset>)", rich_help_panel=RUN),
+          domain_a: Optional[str] = typer.Option(None, "--domain-a", help="corpus spec or path for domain A", rich_help_panel=DATA),
+          domain_b: Optional[str] = typer.Option(None, "--domain-b", help="corpus spec or path for domain B", rich_help_panel=DATA),
           tasks: Optional[str] = typer.Option(None, "--tasks", help="sequence protocol: comma-separated corpora after "
                                               "the base, or instruction tasks (cl500 names, e.g. dbpedia,amazon, or "
-                                              "prompt/answer files) for a pretrained --model"),
+                                              "prompt/answer files) for a pretrained --model", rich_help_panel=DATA),
           mix: Optional[float] = typer.Option(None, "--mix", help="fraction p of every adaptation batch drawn from the "
-                                              "original domain, for every arm without its own `mix` (= --adapt-mix)"),
+                                              "original domain, for every arm without its own `mix` (= --adapt-mix)", rich_help_panel=DATA),
           optimizers: Optional[str] = typer.Option(None, "--optimizers", help="compare optimizers, e.g. adamw,muon,delta,deep: "
                                                    "a base pretrained with each (loss curves), and every method "
-                                                   "(default: full) adapted with each (two-domain)"),
-          pretrain_seeds: int = typer.Option(1, help="with --optimizers: pretraining runs per optimizer"),
+                                                   "(default: full) adapted with each (two-domain)", rich_help_panel=ARMS),
+          pretrain_seeds: int = typer.Option(1, help="with --optimizers: pretraining runs per optimizer", rich_help_panel=ARMS),
           base_seeds: int = typer.Option(1, "--base-seeds", help="pretrain N bases (pretraining seeds); arm seed s "
-                                         "starts from base s mod N, so the ± includes the base's variance"),
+                                         "starts from base s mod N, so the ± includes the base's variance", rich_help_panel=ARMS),
           lrs: Optional[str] = typer.Option(None, "--lrs", help="adapt every method at each of these learning rates "
-                                            "too, e.g. 1e-4,3e-4,1e-3 (frontier curves; with --optimizers: per optimizer)"),
+                                            "too, e.g. 1e-4,3e-4,1e-3 (frontier curves; with --optimizers: per optimizer)", rich_help_panel=ARMS),
           sweep: Optional[list[str]] = typer.Option(None, "--sweep", help="METHOD.OPTION=V1,V2,... (repeatable): an "
-                                                    "arm per value, e.g. lora.lr=1e-4,1e-3; frontier figure and table"),
+                                                    "arm per value, e.g. lora.lr=1e-4,1e-3; frontier figure and table", rich_help_panel=ARMS),
           workers: int = typer.Option(1, "--workers", help="processes that pretrain the bases and run the arms side by "
-                                      "side on a CPU, one thread share each (Linux)"),
+                                      "side on a CPU, one thread share each (Linux)", rich_help_panel=COMPUTE),
           force: bool = typer.Option(False, "--force", help="run in an --out folder that holds a run of another "
-                                     "configuration (its results.json is replaced; arms of matching configs reused)"),
-          model: str = MODEL, device: str = DEVICE, precision: Optional[str] = PRECISION,
-          config_file: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET, flags: dict = None):
+                                     "configuration (its results.json is replaced; arms of matching configs reused)", rich_help_panel=RUN),
+          model: str = in_panel(MODEL, COMPUTE), device: str = in_panel(DEVICE, COMPUTE),
+          precision: Optional[str] = in_panel(PRECISION, COMPUTE),
+          config_file: Optional[Path] = in_panel(CONFIG, RUN), set_: Optional[list[str]] = in_panel(SET, ARMS),
+          flags: dict = None):
     """Pretrain (cached) or load a pretrained model, adapt every method, write results.json/csv/md and figures."""
     code_fingerprint(), git_commit()  # of the code this process runs, before anything can edit or commit files
     from forgetless.continual.instruct import run_instruction_sequence
@@ -104,8 +106,8 @@ def bench(preset: Optional[str] = BENCH_PRESET,
     from forgetless.continual.two_domain import run_two_domain
     from forgetless.methods import MethodSpec, method_names
     from forgetless.methods.base import parse_method_specs, sweep_specs
-    from forgetless.report import write_report
-    from forgetless.report.tables import seeds_text, terminal_table
+    from forgetless.report import terminal_table, write_report
+    from forgetless.report.tables import seeds_text
 
     from forgetless.presets import default_methods, default_preset
 
@@ -173,7 +175,7 @@ def bench(preset: Optional[str] = BENCH_PRESET,
 
 @app.command()
 @friendly(resume="run the same command with --resume to continue from the last checkpoint")
-@with_training_flags
+@config_flags(training_sections, "config (default: the preset's)", covered=("data.domain_a",))
 def pretrain(out: Path = typer.Option(..., help="base checkpoint to write (.safetensors)"),
              preset: str = PRESET,
              domain_a: Optional[str] = typer.Option(None, "--domain-a", help="corpus to pretrain on"),
@@ -181,7 +183,7 @@ def pretrain(out: Path = typer.Option(..., help="base checkpoint to write (.safe
              device: str = DEVICE, precision: Optional[str] = PRECISION,
              config_file: Optional[Path] = CONFIG, flags: dict = None):
     """Pretrain a base GPT on one corpus (checkpointed; --resume continues exactly)."""
-    from forgetless.adapted import resolve_device
+    from forgetless.device import resolve_device
     from forgetless.continual.base_model import pretrain as run_pretrain
     from forgetless.data.domains import load_domains
 
@@ -206,7 +208,7 @@ def pretrain(out: Path = typer.Option(..., help="base checkpoint to write (.safe
 
 @app.command()
 @friendly(resume="run the same command again to resume from the last checkpoint")
-@with_training_flags
+@config_flags(training_sections, "config (default: the preset's)", covered=("data.domain_a", "data.domain_b"))
 def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `forgetless pretrain` (or --model)"),
           model: Optional[str] = typer.Option(None, "--model", help="a pretrained model instead of --base: "
                                               "smollm2-135m, hf:PATH or a .gguf file"),
@@ -230,7 +232,8 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
           config_file: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET, flags: dict = None):
     """Adapt a pretrained model to your data (--model M --data NEW [--retain OLD]): a report of both sides before
     and after and a model to serve; or a base to a corpus B (--domain-b), with retention on A."""
-    from forgetless.adapted import check_fsdp, resolve_device
+    from forgetless.adapted import check_fsdp
+    from forgetless.device import resolve_device
     from forgetless.checkpoint import write_json
     from forgetless.continual.arm import run_arm
     from forgetless.continual.two_domain import refuse_joint
@@ -333,7 +336,8 @@ def evaluate_cmd(checkpoint: Optional[Path] = typer.Option(None, help="base chec
                  windows: int = typer.Option(128, help="held-out windows per corpus"),
                  val_fraction: float = 0.1, device: str = DEVICE):
     """Perplexity and next-token accuracy on the held-out split of one or more corpora."""
-    from forgetless.adapted import attach, from_pretrained, resolve_device
+    from forgetless.adapted import attach, from_pretrained
+    from forgetless.device import resolve_device
     from forgetless.checkpoint import load_checkpoint
     from forgetless.continual.base_model import load_base
     from forgetless.continual.evaluate import evaluate
@@ -378,7 +382,7 @@ def export(run: Path = typer.Argument(..., help="a bench output folder (results.
                                                "trained on (smollm2-135m, hf:PATH or a .gguf file)")):
     """Export a trained method for serving: a PEFT adapter (LoRA on a local transformers folder), merged weights
     where the method folds exactly into them, else the forgetless folder with its loading example."""
-    from forgetless.export import export as run_export
+    from forgetless.continual.export_run import export as run_export
 
     form, folder = run_export(run, method, out, seed, model)
     what = {"peft": "a PEFT adapter (AutoPeftModelForCausalLM.from_pretrained(folder))",
@@ -495,7 +499,7 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
         with wal.lock_folder(state_dir):
             out_console.print(escape(wal.repair(state_dir / WAL)), highlight=False)
         return
-    from forgetless.adapted import resolve_device
+    from forgetless.device import resolve_device
     from forgetless.config import from_dict
     from forgetless.continual.base_model import load_base
     from forgetless.data.domains import load_domains

@@ -22,13 +22,15 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from forgetless.adapted import architecture_fingerprint, attach, resolve_device
+from forgetless.adapted import architecture_fingerprint, attach
+from forgetless.device import resolve_device
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.metrics import DEV_METRICS, dev_metrics, sequence_metrics
 from forgetless.continual.scoring import score_task
 from forgetless.continual.sequence import dev_summary
 from forgetless.continual.plan import Job, Plan, run_or_reuse_arm, saved_arm
-from forgetless.continual.two_domain import build_arms, fresh, mean_nested, mean_std, per_seed, provenance
+from forgetless.continual.two_domain import build_arms, fresh, provenance
+from forgetless.stats import mean_nested, mean_std, per_seed
 from forgetless.data.domains import Domain, load_domains
 from forgetless.data.instructions import IGNORE, Encoded, InstructionSampler, InstructionTask, encode, load_task
 from forgetless.data.splits import eval_windows

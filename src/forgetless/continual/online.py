@@ -21,11 +21,12 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from forgetless.adapted import resolve_device
+from forgetless.device import resolve_device
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.learner import Learner, chunk_windows
 from forgetless.continual.plan import run_arms
-from forgetless.continual.two_domain import band, build_arms, fresh, load_pretrained, mean_std, provenance
+from forgetless.continual.two_domain import build_arms, fresh, load_pretrained, provenance
+from forgetless.stats import band, mean_std
 from forgetless.continual.workers import check_workers
 from forgetless.data.domains import Domain, load_domains
 from forgetless.errors import ForgetlessError

@@ -14,9 +14,10 @@ import dataclasses
 import statistics
 from pathlib import Path
 
-from forgetless.adapted import resolve_device
+from forgetless.device import resolve_device
 from forgetless.continual.base_model import base_path, cached_base, load_base
-from forgetless.continual.two_domain import band, mean_std, run_two_domain
+from forgetless.continual.two_domain import run_two_domain
+from forgetless.stats import band, mean_std
 from forgetless.continual.workers import run_jobs
 from forgetless.data.domains import load_domains
 from forgetless.errors import ForgetlessError

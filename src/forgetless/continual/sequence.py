@@ -17,13 +17,14 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from forgetless.adapted import attach, resolve_device
+from forgetless.adapted import attach
+from forgetless.device import resolve_device
 from forgetless.continual.arm import adapt_task
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.metrics import DEV_METRICS, dev_metrics, sequence_metrics
 from forgetless.continual.plan import run_arms
-from forgetless.continual.two_domain import (build_arms, fresh, load_pretrained, mean_nested, mean_std,
-                                             per_seed, provenance)
+from forgetless.continual.two_domain import build_arms, fresh, load_pretrained, provenance
+from forgetless.stats import mean_nested, mean_std, per_seed
 from forgetless.continual.workers import check_workers
 from forgetless.data.domains import Domain, load_domains
 from forgetless.errors import ForgetlessError

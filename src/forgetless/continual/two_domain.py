@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from forgetless import __version__
-from forgetless.adapted import resolve_device
+from forgetless.device import resolve_device
 from forgetless.config import code_fingerprint, git_commit
 from forgetless.continual.arm import run_arm, score
 from forgetless.continual.plan import n_evaluations, run_arms
@@ -26,6 +26,7 @@ from forgetless.methods import MethodSpec, build_method
 from forgetless.methods.base import as_specs
 from forgetless.presets import RunConfig
 from forgetless.progress import console
+from forgetless.stats import band, mean_nested, mean_std, per_seed
 from forgetless.train import autocast
 
 METRICS = ["ppl_a_before", "ppl_b_before", "ppl_a_after", "ppl_b_after", "acc_a_before", "acc_b_before",
@@ -133,36 +134,6 @@ def adaptation_gain(arm: dict, full: dict, split: str = "") -> float:
     return own / ref if ref != 0 else float("nan")
 
 
-T_975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042]
-# Student t quantile 97.5 % for df 1..30 (beyond: the normal's 1.96)
-
-
-def mean_std(values: list[float | None]) -> dict:
-    """Mean and sample std over seeds, and with >= 2 seeds `ci95`, the half-width of the 95 % interval of
-    the mean (Student t); None (a metric that does not exist for this run) stays None."""
-    if any(v is None for v in values):
-        return {"mean": None, "std": None}
-    n = len(values)
-    if n < 2:
-        return {"mean": statistics.fmean(values), "std": 0.0}
-    std = statistics.stdev(values)
-    t = T_975[n - 2] if n - 1 <= len(T_975) else statistics.NormalDist().inv_cdf(0.975)
-    return {"mean": statistics.fmean(values), "std": std, "ci95": t * std / math.sqrt(n)}
-
-
-def per_seed(runs: list[dict], metrics: list[str]) -> dict[str, dict]:
-    """{seed: {metric: value}} for the `metrics` a run has: the values behind `mean_std`, kept in results.json so
-    methods can be compared seed by seed (paired), e.g. along their trade-off curves (report/frontier.py)."""
-    return {str(r["seed"]): {m: r[m] for m in metrics if m in r} for r in runs}
-
-
-def band(per_step: list[tuple[float, ...]]) -> dict:
-    """Mean and std at every step of a curve, from the values of each seed there."""
-    return {"mean": [statistics.fmean(v) for v in per_step],
-            "std": [statistics.stdev(v) if len(v) > 1 else 0.0 for v in per_step]}
-
-
 def summarize(runs: list[dict], full_runs: list[dict], method) -> dict:
     full_by_seed = {r["seed"]: r for r in full_runs}
     for r in runs:
@@ -177,16 +148,6 @@ def summarize(runs: list[dict], full_runs: list[dict], method) -> dict:
     if "report" in runs[0]:
         out["report"] = {when: mean_nested([r["report"][when] for r in runs]) for when in ("before", "after")}
     return out
-
-
-def mean_nested(items: list):
-    """Elementwise mean over seeds of numbers, lists and dicts of them."""
-    first = items[0]
-    if isinstance(first, dict):
-        return {k: mean_nested([i[k] for i in items]) for k in first}
-    if isinstance(first, list):
-        return [mean_nested(list(v)) for v in zip(*items)]
-    return statistics.fmean(items)
 
 
 def mean_curves(runs: list[dict]) -> dict:
