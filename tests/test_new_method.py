@@ -15,6 +15,7 @@ from forgetless.continual.two_domain import run_two_domain
 from forgetless.methods import METHODS, method_names
 from forgetless.presets import build_config
 from forgetless.report import write_report
+from forgetless.report.diagnostics import DRAWERS
 from test_contract import (attached, check_one_step, check_other_architecture, check_output_neutral,
                            check_pretrained_lr, check_reloaded, check_trainable, logits, save_and_reload, start,
                            train_step)
@@ -30,6 +31,8 @@ import torch.nn as nn
 from forgetless.methods import Method, MethodConfig, register_method
 from forgetless.methods.base import find_modules, replace_module
 from forgetless.nn.adapter import input_width
+from forgetless.report.diagnostics import draws
+from forgetless.report.figures import plt, reported, save
 
 
 class BiasAfter(nn.Module):
@@ -65,19 +68,20 @@ class ScaledBias(Method):
     def report(self, model, windows_a, windows_b):
         return {"shift_norm": [m.shift.norm().item() for m in model.modules() if isinstance(m, BiasAfter)]}
 
-    @classmethod
-    def figures(cls, results, labels, folder):
-        from forgetless.report.figures import plt, reported, save
-        arms = reported(results, labels, "shift_norm")
-        if not arms:
-            return []
-        fig, ax = plt.subplots(figsize=(4, 3))
-        for label, report in arms.items():
-            ax.plot(report["shift_norm"], marker="o", label=label)
-        ax.set(xlabel="layer", ylabel="||shift||")
-        ax.legend()
-        save(fig, folder / "shift_norm.png")
-        return [folder / "shift_norm.png"]
+
+@draws("scaled-bias")
+def shift_norms(results, labels, folder):
+    """The norm of every layer's shift after adaptation, one line per arm."""
+    arms = reported(results, labels, "shift_norm")
+    if not arms:
+        return []
+    fig, ax = plt.subplots(figsize=(4, 3))
+    for label, report in arms.items():
+        ax.plot(report["shift_norm"], marker="o", label=label)
+    ax.set(xlabel="layer", ylabel="||shift||")
+    ax.legend()
+    save(fig, folder / "shift_norm.png")
+    return [folder / "shift_norm.png"]
 '''
 
 
@@ -99,7 +103,7 @@ class EveryWeight(Method):
 
 
 def install(folder, monkeypatch, name: str, module: str, source: str):
-    """The method's file in `folder`, imported as `module`; the registry, the package path and its attribute
+    """The method's file in `folder`, imported as `module`; the registries, the package path and its attribute
     are restored after the test (the fixture drops it from sys.modules)."""
     attribute = module.rsplit(".", 1)[1]
     folder.mkdir(exist_ok=True)
@@ -107,6 +111,7 @@ def install(folder, monkeypatch, name: str, module: str, source: str):
     assert name not in METHODS
     monkeypatch.setattr(forgetless.methods, "__path__", [*forgetless.methods.__path__, str(folder)])
     monkeypatch.setitem(METHODS, name, None)  # removed again after the test; the import registers the class
+    monkeypatch.setitem(DRAWERS, name, [])  # likewise its figures
     monkeypatch.setattr(forgetless.methods, attribute, None, raising=False)  # likewise the import's attribute
     importlib.import_module(module)
 

@@ -251,13 +251,12 @@ class Adapted(nn.Module):
 
     def figures(self, out_dir: str | Path, windows_a: torch.Tensor | None = None,
                 windows_b: torch.Tensor | None = None) -> list[Path]:
-        """The method's own figures of its diagnostics on held-out windows of A and B (methods whose
-        diagnostics need no data draw without them); returns the files written."""
-        out_dir = writable_dir(out_dir)
+        """The figures of the method's diagnostics on held-out windows of A and B (report/diagnostics.py;
+        methods whose diagnostics need no data draw without them); returns the files written."""
+        from forgetless.report.diagnostics import method_figures
         arm = {"method": self.method.name, "options": self.method.options(),
                "report": {"after": self.report(windows_a, windows_b)}}
-        return type(self.method).figures({"protocol": "attach", "methods": {self.method.name: arm}},
-                                         [self.method.name], out_dir)
+        return method_figures({"protocol": "attach", "methods": {self.method.name: arm}}, writable_dir(out_dir))
 
     # ---- saving ---------------------------------------------------------------------------
     def method_state(self) -> dict[str, torch.Tensor]:

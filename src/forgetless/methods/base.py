@@ -13,7 +13,6 @@ import inspect
 import math
 import re
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -253,12 +252,6 @@ class Method(StepHooks):
     def task_report(self, model: nn.Module, windows: list[torch.Tensor]) -> dict:
         """Sequence protocol: diagnostics on every task's held-out windows (JSON-able), after each task."""
         return {}
-
-    @classmethod
-    def figures(cls, results: dict, labels: list[str], folder: Path) -> list[Path]:
-        """Draw this method's own diagnostics (the `report` / `task_reports` of the arms `labels` in
-        `results`) into `folder`; return the files written."""
-        return []
 
     def remember(self, model: nn.Module, data):
         """Before a task: `data` is what the model learned last (a Domain, or (N, T+1) token windows);

@@ -7,7 +7,8 @@ from pathlib import Path
 from forgetless import distributed
 from forgetless.checkpoint import write_json
 from forgetless.report import figures as drawing
-from forgetless.report.figures import method_figures, r_heatmaps, write_figures
+from forgetless.report.diagnostics import method_figures
+from forgetless.report.figures import r_heatmaps, write_figures
 from forgetless.report.online import (online_figure, online_markdown, online_terminal_rows, online_tradeoff,
                                       write_online_csv)
 from forgetless.report.frontier import (curves, frontier_figure, frontier_markdown, matched, matched_markdown,
@@ -53,7 +54,7 @@ def write_report(results: dict, out: Path) -> list[Path]:
         r_heatmaps(results, out / "r_matrix.png")
         figures = [out / "r_matrix.png", *method_figures(results, out)]
     else:
-        figures = write_figures(results, out)
+        figures = [*write_figures(results, out), *method_figures(results, out)]
     if frontier_figure(results, out / "frontier.png"):
         figures.append(out / "frontier.png")
     return [*tables, *figures]
