@@ -200,7 +200,7 @@ def test_out_naming_a_file_and_unavailable_devices_are_one_line_errors(tmp_path,
     (["bench", "--domain-a", "no-such-corpus"], "unknown corpus 'no-such-corpus'"),
     (["bench", "--preset", "huge"], "unknown preset 'huge'; valid: smoke, first, quick, paper"),
     (["bench", "--seeds", "0"], "--seeds must be positive"),
-    (["bench", "--protocol", "three"], "unknown protocol 'three'; valid: two-domain, sequence"),
+    (["bench", "--protocol", "three"], "unknown protocol 'three'; valid: online, sequence, two-domain"),
     (["bench", "--model-n-layer", "0"], "model.n_layer must be positive"),
     (["bench", "--adapt-lr", "fast"], "adapt.lr: cannot read 'fast' as float"),
     (["bench", "--set", "lora.rank=4", "--preset", "smoke"], "unknown config key methods.lora.rank"),
@@ -515,16 +515,15 @@ def test_bench_prints_its_plan_first(tmp_path, text_file, monkeypatch):
 def test_bench_defaults_to_the_first_run(args, preset, methods, tmp_path, monkeypatch):
     """`forgetless bench` alone runs the `first` preset's short list; --methods all (or a preset without a
     list) runs the protocol's whole set."""
-    from forgetless.continual import online, sequence, two_domain
+    from forgetless.continual import protocols
     from forgetless.methods import method_names
     seen = {}
 
-    def capture(cfg, specs, seeds, out, preset, *rest):
-        seen.update(preset=preset, methods=[s.label for s in specs], steps=cfg.pretrain.steps)
+    def capture(self, ctx, specs):
+        seen.update(preset=ctx.preset, methods=[s.label for s in specs], steps=ctx.cfg.pretrain.steps)
         raise ForgetlessError("captured")
-    monkeypatch.setattr(two_domain, "run_two_domain", capture)
-    monkeypatch.setattr(sequence, "run_sequence", capture)
-    monkeypatch.setattr(online, "run_online", capture)
+    for protocol in protocols().values():
+        monkeypatch.setattr(type(protocol), "run", capture)
     result = invoke("bench", "--out", tmp_path, *args)
     assert result.exit_code == 2 and "captured" in result.output
     protocol = "sequence" if "sequence" in args else "two-domain"

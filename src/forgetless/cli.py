@@ -98,12 +98,11 @@ def bench(preset: Optional[str] = in_panel(BENCH_PRESET, RUN),
           flags: dict = None):
     """Pretrain (cached) or load a pretrained model, adapt every method, write results.json/csv/md and figures."""
     code_fingerprint(), git_commit()  # of the code this process runs, before anything can edit or commit files
-    from forgetless.continual.instruct import run_instruction_sequence
-    from forgetless.continual.online import run_online
-    from forgetless.continual.optimizers import run_optimizers
+    from forgetless.continual import protocols
+    from forgetless.continual.instruct import Instructions
+    from forgetless.continual.optimizers import Optimizers
+    from forgetless.continual.protocol import run_context
     from forgetless.data.instructions import is_task_spec
-    from forgetless.continual.sequence import run_sequence
-    from forgetless.continual.two_domain import run_two_domain
     from forgetless.methods import MethodSpec, method_names
     from forgetless.methods.base import parse_method_specs, sweep_specs
     from forgetless.report import terminal_table, write_report
@@ -112,9 +111,9 @@ def bench(preset: Optional[str] = in_panel(BENCH_PRESET, RUN),
     from forgetless.presets import default_methods, default_preset
 
     preset = preset or default_preset(model)
-    protocols = {"two-domain": run_two_domain, "sequence": run_sequence, "online": run_online}
-    if protocol not in protocols:
-        raise ForgetlessError(f"unknown protocol {protocol!r}; valid: {', '.join(protocols)}")
+    registry = protocols()
+    if protocol not in registry:
+        raise ForgetlessError(f"unknown protocol {protocol!r}; valid: {', '.join(registry)}")
     if tasks:
         flags.setdefault("data", {})["tasks"] = tasks
     if mix is not None:
@@ -138,8 +137,8 @@ def bench(preset: Optional[str] = in_panel(BENCH_PRESET, RUN),
                 out or Path("runs") / f"optimizers-{preset}", force, preset=preset, model=model, methods=names,
                 optimizers=optimizers.split(","), lrs=lrs, pretrain_seeds=pretrain_seeds, base_seeds=base_seeds,
                 config=cfg.to_dict()))
-            results = run_optimizers(cfg, names, optimizers.split(","), seed_list, out, preset, pretrain_seeds,
-                                     lrs.split(",") if lrs else None, device, base_seeds, workers)
+            run = Optimizers(optimizers.split(","), pretrain_seeds, lrs.split(",") if lrs else None)
+            results = run.run(run_context(cfg, seed_list, out, preset, device, model, base_seeds, workers), names)
         else:
             methods = default_methods(preset, protocol) if methods == "default" else methods
             every = method_names("two-domain" if protocol == "online" else protocol)  # online: two-domain's set
@@ -159,11 +158,9 @@ def bench(preset: Optional[str] = in_panel(BENCH_PRESET, RUN),
             if instructions and workers > 1:
                 raise ForgetlessError("--workers runs forgetless's own bases and arms side by side; an instruction stream "
                                       "on a pretrained model runs in one process (use --workers 1)")
-            if instructions:
-                results = run_instruction_sequence(cfg, specs, seed_list, out, preset, device, model)
-            else:
-                results = protocols[protocol](cfg, specs, seed_list, out, preset, device, model, base_seeds,
-                                              workers)
+            run = Instructions() if instructions else registry[protocol]
+            ctx = run_context(cfg, seed_list, out, preset, device, model, base_seeds, workers, run.pretrains)
+            results = run.run(ctx, specs)
     files = write_report(results, out)
     where = " → ".join(results["tasks"]) if protocol == "sequence" else f"A={cfg.data.domain_a} → B={cfg.data.domain_b}"
     title = " · ".join([protocol, preset, *([model] if model != "byte-gpt" else []), where])
