@@ -233,7 +233,7 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     from forgetless.device import resolve_device
     from forgetless.checkpoint import write_json
     from forgetless.continual.arm import run_arm
-    from forgetless.continual.two_domain import refuse_joint
+    from forgetless.continual.protocol import refuse_joint
     from forgetless.continual.base_model import load_base
     from forgetless.data.domains import load_domains
     from forgetless.methods.base import as_specs
@@ -284,7 +284,7 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
 
 def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, preset, device, cfg, domain_b):
     """`adapt --data`: a pretrained model on the user's own data (continual/user_adapt.py)."""
-    from forgetless.continual.two_domain import refuse_joint
+    from forgetless.continual.protocol import refuse_joint
     from forgetless.continual.user_adapt import adapt_on_data
     from forgetless.guide import advice_for
     from forgetless.methods.base import METHODS, as_specs
