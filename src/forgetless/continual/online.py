@@ -12,7 +12,6 @@ bases of their own).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import math
 import statistics
 import time
@@ -24,7 +23,7 @@ from forgetless.continual.evaluate import evaluate
 from forgetless.continual.learner import Learner, chunk_windows
 from forgetless.continual.plan import run_arms
 from forgetless.continual.protocol import (PROTOCOLS, Protocol, RunContext, build_arms, fresh, load_pretrained,
-                                           provenance, register_protocol)
+                                           opening, register_protocol)
 from forgetless.data.domains import Domain, load_domains
 from forgetless.errors import ForgetlessError
 from forgetless.methods import Method, MethodSpec
@@ -135,12 +134,7 @@ class Online(Protocol):
         arms, summary = run_arms(ctx, built, a, tokenizer, pretrained, arm_config, run, arm_seconds)
         positions = [k * cfg.online.chunk_tokens for k in range(1, len(chunks) + 1)]
         return {
-            "protocol": "online", "preset": ctx.preset, "seeds": list(ctx.seeds), "base_seeds": ctx.base_seeds,
-            **provenance(device), "model": ctx.model,
-            "domains": {"a": cfg.data.domain_a, "b": cfg.data.domain_b},
-            "held_out": {"a": a.val_keys, "b": b.val_keys},
-            "data_fingerprints": {"a": a.fingerprint, "b": b.fingerprint},
-            "date": datetime.date.today().isoformat(),
+            **opening(ctx, self.name, a, b),
             "config": {**cfg.to_dict(), "online": dataclasses.asdict(cfg.online)},
             "stream": {"chunks": len(chunks), "chunk_tokens": cfg.online.chunk_tokens,
                        "windows_per_chunk": len(chunks[0]), "switch_chunk": switch, "positions": positions,

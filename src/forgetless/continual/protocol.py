@@ -7,6 +7,7 @@ registry `bench --protocol` reads, the arms built from method specs, and the pro
 """
 from __future__ import annotations
 
+import datetime
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +105,17 @@ def load_pretrained(model: str, device) -> tuple | None:
         return None
     from forgetless.models.hf import load_model
     return load_model(model, device)
+
+
+def opening(ctx: RunContext, protocol: str, a, b) -> dict:
+    """The keys a two-domain or online results file opens with (docs/DESIGN.md §6.3): the run, its provenance,
+    and the domains `a`, `b` with their held-out works and fingerprints."""
+    return {"protocol": protocol, "preset": ctx.preset, "seeds": list(ctx.seeds), "base_seeds": ctx.base_seeds,
+            **provenance(ctx.device), "model": ctx.model,
+            "domains": {"a": ctx.cfg.data.domain_a, "b": ctx.cfg.data.domain_b},
+            "held_out": {"a": a.val_keys, "b": b.val_keys},
+            "data_fingerprints": {"a": a.fingerprint, "b": b.fingerprint},
+            "date": datetime.date.today().isoformat()}
 
 
 def provenance(device) -> dict:

@@ -6,14 +6,13 @@ saved under `out/arms/` as it finishes, so an interrupted bench resumes where it
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import math
 import statistics
 
 from forgetless.continual.arm import run_arm, score
 from forgetless.continual.plan import n_evaluations, run_arms
 from forgetless.continual.protocol import (PROTOCOLS, Protocol, RunContext, build_arms, fresh, load_pretrained,
-                                           provenance, register_protocol)
+                                           opening, register_protocol)
 from forgetless.data.domains import load_domains
 from forgetless.methods import MethodSpec, build_method
 from forgetless.progress import console
@@ -65,12 +64,7 @@ class TwoDomain(Protocol):
 
         arms, summary = run_arms(ctx, built, a, tokenizer, pretrained, arm_config, run, arm_seconds)
         return {
-            "protocol": "two-domain", "preset": ctx.preset, "seeds": list(ctx.seeds), "base_seeds": ctx.base_seeds,
-            **provenance(device), "model": ctx.model,
-            "domains": {"a": cfg.data.domain_a, "b": cfg.data.domain_b},
-            "held_out": {"a": a.val_keys, "b": b.val_keys},
-            "data_fingerprints": {"a": a.fingerprint, "b": b.fingerprint},
-            "date": datetime.date.today().isoformat(),
+            **opening(ctx, self.name, a, b),
             "config": cfg.to_dict(),
             "bases": summary,
             "methods": {name: summarize(runs, arms["full"], built[name]) for name, runs in arms.items()},
