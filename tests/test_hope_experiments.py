@@ -90,6 +90,6 @@ def test_experiments_lists_every_option():
 
 def test_tables_show_a_spread_only_with_two_seeds_or_more():
     from forgetless.aunn.experiments import pm
-    from forgetless.continual.two_domain import mean_std
+    from forgetless.stats import mean_std
     assert pm(mean_std([0.297])) == "29.7"                                    # one seed: no "± 0.0"
     assert pm(mean_std([0.29, 0.31])) == "30.0 ± 1.4"

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 import forgetless
 from forgetless.cli import app
-from forgetless.continual.evaluate import training_loss
+from forgetless.loss import training_loss
 from forgetless.data.splits import Sampler
 from forgetless.errors import ForgetlessError
 from forgetless.methods import build_method

@@ -23,6 +23,7 @@ from forgetless.data.splits import Batch, Sampler
 from forgetless.errors import ForgetlessError
 from forgetless.optim import OPTIMIZERS, build_optimizer
 from forgetless.progress import progress_task
+from forgetless.side import LoopHooks
 
 
 @dataclass
@@ -141,9 +142,9 @@ class HookChain(StepHooks):
 
 
 def module_hooks(model: nn.Module, params: list[tuple[str, nn.Parameter]]) -> list[StepHooks]:
-    """Loop hooks that modules of `model` ask for through a `training_hooks(model, params)` static
-    method (e.g. CMS levels updated every C steps), one per module class."""
-    makers = {type(m): m.training_hooks for m in model.modules() if hasattr(m, "training_hooks")}
+    """Loop hooks that the LoopHooks modules of `model` ask for (`training_hooks(model, params)`, e.g. CMS levels
+    updated every C steps), one per module class."""
+    makers = {type(m): m.training_hooks for m in model.modules() if isinstance(m, LoopHooks)}
     return [h for make in makers.values() if (h := make(model, params)) is not None]
 
 

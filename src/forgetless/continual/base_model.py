@@ -9,7 +9,8 @@ from rich.markup import escape
 
 from forgetless.checkpoint import load_checkpoint, save_checkpoint
 from forgetless.config import code_fingerprint, stable_hash
-from forgetless.continual.evaluate import evaluate, module_stats, training_loss
+from forgetless.continual.evaluate import evaluate, module_stats
+from forgetless.loss import training_loss
 from forgetless.data.corpora import cache_dir
 from forgetless.data.domains import Domain
 from forgetless.data.splits import Sampler

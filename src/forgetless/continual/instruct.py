@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from forgetless.adapted import architecture_fingerprint, attach, resolve_device
+from forgetless.adapted import architecture_fingerprint, attach
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.metrics import DEV_METRICS, dev_metrics, sequence_metrics
+from forgetless.continual.plan import Job, Plan, run_or_reuse_arm, saved_arm
+from forgetless.continual.protocol import Protocol, RunContext, build_arms, fresh, provenance
 from forgetless.continual.scoring import score_task
 from forgetless.continual.sequence import dev_summary
-from forgetless.continual.plan import Job, Plan, run_or_reuse_arm, saved_arm
-from forgetless.continual.two_domain import build_arms, fresh, mean_nested, mean_std, per_seed, provenance
 from forgetless.data.domains import Domain, load_domains
 from forgetless.data.instructions import IGNORE, Encoded, InstructionSampler, InstructionTask, encode, load_task
 from forgetless.data.splits import eval_windows
@@ -37,7 +37,8 @@ from forgetless.methods import Method, MethodSpec
 from forgetless.monitor import PeakRSS
 from forgetless.presets import RunConfig
 from forgetless.progress import progress_task
-from forgetless.train import autocast, train
+from forgetless.stats import mean_nested, mean_std, per_seed
+from forgetless.train import train
 
 METRICS = ["op", "op_tasks", "bwt", "bwt_drop", "bwt_tasks", "bwt_drop_clipped", "forgetting", "forgetting_tasks",
            "fwt", "la", "general_ppl_change"]
@@ -58,15 +59,18 @@ class Stream:
         return [task_hash(t) for t in [*self.tasks, *self.held_out, *self.dev]] + [self.general.fingerprint]
 
 
-def run_instruction_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[int], out: Path,
-                             preset: str, device: str = "auto", model: str = "smollm2-135m") -> dict:
-    """Every (method, seed) arm over the instruction tasks `cfg.data.tasks` on the pretrained `model`."""
-    from forgetless.models.hf import describe, load_model
-    device = resolve_device(device)
-    autocast(device, cfg.adapt.precision)  # refuse a precision the device lacks before any work
-    lm, tokenizer = load_model(model, device)
-    results = run_on(lm, tokenizer, cfg, methods, seeds, out, preset, model)
-    return {**results, **provenance(device), "model": model, "bases": {model: describe(lm)}}
+class Instructions(Protocol):
+    """The task sequence over instruction tasks on a pretrained model (`bench --protocol sequence` with
+    instruction --tasks and a --model)."""
+    name = "instructions"
+    pretrains = False
+
+    def run(self, ctx: RunContext, methods: list[MethodSpec | str]) -> dict:
+        """Every (method, seed) arm over the instruction tasks `cfg.data.tasks` on the pretrained `ctx.model`."""
+        from forgetless.models.hf import describe, load_model
+        lm, tokenizer = load_model(ctx.model, ctx.device)
+        results = run_on(lm, tokenizer, ctx.cfg, methods, ctx.seeds, ctx.out, ctx.preset, ctx.model)
+        return {**results, **provenance(ctx.device), "model": ctx.model, "bases": {ctx.model: describe(lm)}}
 
 
 def run_on(lm: nn.Module, tokenizer, cfg: RunConfig, methods, seeds: list[int], out: Path, preset: str,

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from forgetless.continual.evaluate import training_loss
+from forgetless.loss import training_loss
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPT, GPTConfig
 from forgetless.train import TrainConfig, steps_for_seconds, train

@@ -17,7 +17,7 @@ import torch
 from forgetless.aunn.experiments import pm, save_figure
 from forgetless.config import from_dict
 from forgetless.continual.evaluate import evaluate
-from forgetless.continual.two_domain import mean_std
+from forgetless.stats import mean_std
 from forgetless.data.domains import load_domains
 from forgetless.data.splits import Sampler
 from forgetless.errors import ForgetlessError

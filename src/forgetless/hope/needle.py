@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from forgetless.aunn.experiments import pm, save_figure
-from forgetless.continual.two_domain import mean_std
+from forgetless.stats import mean_std
 from forgetless.data.splits import Batch
 from forgetless.errors import ForgetlessError
 from forgetless.hope import SCAN_HELP, arm_model, check_arms, has_memory, train_for

@@ -63,6 +63,7 @@ def slots(model) -> list[tuple[str, HOPE]]:
 class HopeMethod(Method):
     """HOPE base (FFN = Titans memory + CMS levels); the slots adapt, the memory writes at test time."""
     Config = HopeMethodConfig
+    order = 102
     default_for = ()
 
     def hope_options(self) -> HopeConfig:
