@@ -14,7 +14,7 @@ from forgetless.data.splits import Sampler
 from forgetless.methods import Method
 from forgetless.monitor import PeakRSS
 from forgetless.presets import AdaptConfig
-from forgetless.train import train
+from forgetless.train import autocast, train
 
 
 def adapt_task(adapted: Adapted, task: Domain, replay_from: Domain, cfg: AdaptConfig, task_index: int,
@@ -36,14 +36,16 @@ def adapt_task(adapted: Adapted, task: Domain, replay_from: Domain, cfg: AdaptCo
     return history, params
 
 
-def score(model: nn.Module, a: Domain, b: Domain, dev: bool = False) -> dict:
-    """PPL and accuracy on A's and B's held-out windows (and module monitors on B); with `dev`, PPL on
-    their validation windows too (ppl_a_dev, ppl_b_dev: what choices are made on)."""
-    ea, eb = evaluate(model, a.windows), evaluate(model, b.windows)
-    stats = {f"{k}_b": v for k, v in module_stats(model, b.windows).items()}  # e.g. APN routing on B
+def score(model: nn.Module, a: Domain, b: Domain, dev: bool = False, precision: str = "fp32") -> dict:
+    """PPL and accuracy on A's and B's held-out windows (and module monitors on B) under `precision` (the
+    training's); with `dev`, PPL on their validation windows too (ppl_a_dev, ppl_b_dev: what choices are made on)."""
+    ea, eb = evaluate(model, a.windows, precision=precision), evaluate(model, b.windows, precision=precision)
+    with autocast(next(model.parameters()).device, precision):
+        stats = {f"{k}_b": v for k, v in module_stats(model, b.windows).items()}  # e.g. APN routing on B
     out = {"ppl_a": ea["ppl"], "acc_a": ea["acc"], "ppl_b": eb["ppl"], "acc_b": eb["acc"], **stats}
     if dev and a.dev_windows is not None and b.dev_windows is not None:
-        out.update(ppl_a_dev=evaluate(model, a.dev_windows)["ppl"], ppl_b_dev=evaluate(model, b.dev_windows)["ppl"])
+        out.update(ppl_a_dev=evaluate(model, a.dev_windows, precision=precision)["ppl"],
+                   ppl_b_dev=evaluate(model, b.dev_windows, precision=precision)["ppl"])
     return out
 
 
@@ -57,7 +59,7 @@ def run_arm(model: nn.Module, method: Method, a: Domain, b: Domain, cfg: AdaptCo
     The last point of the curve is the final score (not computed twice). With `fsdp`, the model is
     sharded over the processes once the method is attached (Adapted.shard).
     """
-    before = before or score(model, a, b, dev=True)
+    before = before or score(model, a, b, dev=True, precision=cfg.precision)
     torch.manual_seed(seed)
     adapted = attach(model, method)
     if fsdp:
@@ -69,7 +71,7 @@ def run_arm(model: nn.Module, method: Method, a: Domain, b: Domain, cfg: AdaptCo
     def curve_point():
         nonlocal eval_s
         t = time.perf_counter()
-        point = score(model, a, b)
+        point = score(model, a, b, precision=cfg.precision)
         eval_s += time.perf_counter() - t
         return point
 
@@ -80,7 +82,7 @@ def run_arm(model: nn.Module, method: Method, a: Domain, b: Domain, cfg: AdaptCo
                                      run_config={**(run_config or {}), "arm": [method.name, seed]},
                                      desc=f"{method.name} seed {seed}", evaluate_at_end=False)
         wall = time.perf_counter() - t0 - eval_s
-    after = score(model, a, b, dev=True)
+    after = score(model, a, b, dev=True, precision=cfg.precision)
     history.evals.append({"step": cfg.steps, **{k: v for k, v in after.items() if "_dev" not in k}})
     report_after = method.report(model, a.windows, b.windows)
     if out_dir:

@@ -32,8 +32,7 @@ from forgetless.errors import ForgetlessError
 from forgetless.methods import Method, MethodSpec
 from forgetless.methods.base import as_specs
 from forgetless.monitor import PeakRSS
-from forgetless.presets import AdaptConfig, OnlineConfig, RunConfig
-from forgetless.train import autocast
+from forgetless.presets import AdaptConfig, OnlineConfig, RunConfig, settle_precision
 
 FROZEN, DYNAMIC = "frozen", "dynamic-eval"
 METRICS = ["prequential_loss", "prequential_loss_a", "prequential_loss_b", "canary_loss_before", "canary_loss_after",
@@ -71,17 +70,17 @@ def run_online_arm(model: nn.Module, method: Method, chunks: list[torch.Tensor],
     if not isinstance(method, Frozen):
         learner = Learner(model, method, cfg, original, original.train, seed, cfg.mix)
         model = learner.model
-    prequential, canary_curve, learn_s = [], [(0, evaluate(model, canary)["loss"])], 0.0
+    prequential, canary_curve, learn_s = [], [(0, evaluate(model, canary, precision=cfg.precision)["loss"])], 0.0
     with PeakRSS() as memory:
         t0 = time.perf_counter()
         for k, windows in enumerate(chunks, start=1):
-            prequential.append(evaluate(model, windows)["loss"])  # scored before it is learned
+            prequential.append(evaluate(model, windows, precision=cfg.precision)["loss"])  # scored before it is learned
             if learner is not None:
                 t = time.perf_counter()
                 learner.learn(windows, online.steps_per_chunk)
                 learn_s += time.perf_counter() - t
             if k % online.canary_every == 0 or k == len(chunks):
-                canary_curve.append((k, evaluate(model, canary)["loss"]))
+                canary_curve.append((k, evaluate(model, canary, precision=cfg.precision)["loss"]))
         wall = time.perf_counter() - t0
     updates = learner.steps if learner else 0
     return {"method": method.name, "seed": seed, "prequential": prequential, "canary": canary_curve,
@@ -96,8 +95,7 @@ def run_online(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[int]
     in `run_two_domain`); the results dict of docs/DESIGN.md §6.3."""
     device = resolve_device(device)
     check_workers(workers, device)
-    for train_cfg in (cfg.pretrain, cfg.adapt):  # refuse a precision the device lacks before any work
-        autocast(device, train_cfg.precision)
+    cfg, precision = settle_precision(cfg, device)
     specs = [s for s in as_specs(methods) if s.name not in (FROZEN, DYNAMIC) or s.options]
     built = {FROZEN: Frozen(Method.Config()), **build_arms(cfg, [DYNAMIC]), **build_arms(cfg, specs)}
     pretrained = load_pretrained(model, device)
@@ -127,7 +125,7 @@ def run_online(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[int]
     def run(label, method, seed, base_name, load, arm_dir):
         model = load()
         if base_name not in frozen:
-            frozen[base_name] = [evaluate(model, c)["loss"] for c in chunks]
+            frozen[base_name] = [evaluate(model, c, precision=cfg.adapt.precision)["loss"] for c in chunks]
         method = method if isinstance(method, Frozen) else fresh(method)
         return {**run_online_arm(model, method, chunks, canary, a, cfg.adapt, cfg.online, seed),
                 "frozen_prequential": frozen[base_name]}
@@ -137,7 +135,7 @@ def run_online(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[int]
     positions = [k * cfg.online.chunk_tokens for k in range(1, len(chunks) + 1)]
     return {
         "protocol": "online", "preset": preset, "seeds": list(seeds), "base_seeds": base_seeds,
-        **provenance(device), "model": model,
+        **provenance(device), "model": model, "precision": precision,
         "domains": {"a": cfg.data.domain_a, "b": cfg.data.domain_b},
         "held_out": {"a": a.val_keys, "b": b.val_keys},
         "data_fingerprints": {"a": a.fingerprint, "b": b.fingerprint},

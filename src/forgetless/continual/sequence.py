@@ -29,8 +29,7 @@ from forgetless.data.domains import Domain, load_domains
 from forgetless.errors import ForgetlessError
 from forgetless.methods import Method, MethodSpec
 from forgetless.monitor import PeakRSS
-from forgetless.presets import AdaptConfig, RunConfig
-from forgetless.train import autocast
+from forgetless.presets import AdaptConfig, RunConfig, settle_precision
 
 METRICS = ["op", "op_tasks", "bwt", "bwt_drop", "bwt_tasks", "bwt_drop_clipped", "forgetting", "forgetting_tasks",
            "fwt", "la"]
@@ -70,8 +69,8 @@ def run_sequence_arm(model: nn.Module, method: Method, tasks: list[Domain], cfg:
     windows = [d.windows for d in tasks]
     dev_windows = [d.dev_windows for d in tasks] if all(d.dev_windows is not None and len(d.dev_windows)
                                                        for d in tasks) else []
-    rows, reports, wall, loss = [[evaluate(model, w) for w in windows]], [], 0.0, []
-    dev_rows = [[100 * evaluate(model, w)["acc"] for w in dev_windows]]
+    rows, reports, wall, loss = [[evaluate(model, w, precision=cfg.precision) for w in windows]], [], 0.0, []
+    dev_rows = [[100 * evaluate(model, w, precision=cfg.precision)["acc"] for w in dev_windows]]
     T = len(tasks) - 1
     phases = [joint_phase(tasks, cfg, replay_source(tasks, 1, mix_from, method))] if method.cfg.joint else \
         [(t, task, cfg, replay_source(tasks, t, mix_from, method), tasks[t - 1]) for t, task in enumerate(tasks[1:], 1)]
@@ -82,8 +81,8 @@ def run_sequence_arm(model: nn.Module, method: Method, tasks: list[Domain], cfg:
                                          desc=f"{method.name} seed {seed} " + ("all tasks" if method.cfg.joint else f"task {t}"))
             wall += time.perf_counter() - t0
             loss += [[t, s, v] for s, v in history.loss]
-            rows.append([evaluate(model, w) for w in windows])
-            dev_rows.append([100 * evaluate(model, w)["acc"] for w in dev_windows])
+            rows.append([evaluate(model, w, precision=cfg.precision) for w in windows])
+            dev_rows.append([100 * evaluate(model, w, precision=cfg.precision)["acc"] for w in dev_windows])
             reports.append(method.task_report(model, windows))
     if method.cfg.joint:  # one state after all tasks: it is every row's "after task t" (metrics.sequence_metrics)
         rows, dev_rows, reports = rows[:1] + rows[1:] * T, dev_rows[:1] + dev_rows[1:] * T, reports * T
@@ -114,8 +113,7 @@ def run_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[in
     results dict of docs/DESIGN.md §6."""
     device = resolve_device(device)
     check_workers(workers, device)
-    for train_cfg in (cfg.pretrain, cfg.adapt):  # refuse a precision the device lacks before any work
-        autocast(device, train_cfg.precision)
+    cfg, precision = settle_precision(cfg, device)
     specs = [cfg.data.domain_a, *cfg.data.tasks]
     if len(specs) < 2:
         raise ForgetlessError("the sequence protocol needs tasks after the base: --tasks CORPUS1,CORPUS2,...")
@@ -142,7 +140,7 @@ def run_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[in
                                                               cfg.data.mix_from), arm_seconds, base_seeds, workers)
     return {
         "protocol": "sequence", "preset": preset, "seeds": list(seeds), "base_seeds": base_seeds, "tasks": specs,
-        **provenance(device),
+        **provenance(device), "precision": precision,
         "score": "next-token accuracy on held-out windows, %", "date": datetime.date.today().isoformat(),
         "config": cfg.to_dict(), "bases": summary, "model": model,
         "methods": {label: summarize(runs, built[label]) for label, runs in arms.items()},

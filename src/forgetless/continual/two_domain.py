@@ -24,9 +24,8 @@ from forgetless.data.domains import load_domains
 from forgetless.errors import ForgetlessError
 from forgetless.methods import MethodSpec, build_method
 from forgetless.methods.base import as_specs
-from forgetless.presets import RunConfig
+from forgetless.presets import RunConfig, settle_precision
 from forgetless.progress import console
-from forgetless.train import autocast
 
 METRICS = ["ppl_a_before", "ppl_b_before", "ppl_a_after", "ppl_b_after", "acc_a_before", "acc_b_before",
            "acc_a_after", "acc_b_after", "forgetting", "adaptation_gain", "wall_s"]
@@ -42,8 +41,7 @@ def run_two_domain(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[
     of that pretrained model (models.hf.load_model: hf:PATH, a .gguf, smollm2-135m), in its tokens."""
     device = resolve_device(device)
     check_workers(workers, device)
-    for train_cfg in (cfg.pretrain, cfg.adapt):  # refuse a precision the device lacks before any work
-        autocast(device, train_cfg.precision)
+    cfg, precision = settle_precision(cfg, device)
     built = build_arms(cfg, methods)
     if "full" not in built:
         console.print("[dim]adding the 'full' arm: adaptation gain G is measured against full fine-tuning[/dim]")
@@ -59,7 +57,7 @@ def run_two_domain(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[
     def run(label, method, seed, base_name, load, arm_dir):
         model = load()
         if base_name not in befores:
-            befores[base_name] = score(model, a, b, dev=True)
+            befores[base_name] = score(model, a, b, dev=True, precision=cfg.adapt.precision)
         return run_arm(model, fresh(method), a, b, cfg.adapt, seed, out_dir=arm_dir,
                        run_config=arm_config(label, method, base_name), before=befores[base_name])
 
@@ -75,7 +73,7 @@ def run_two_domain(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[
                              arm_seconds, base_seeds, workers)
     return {
         "protocol": "two-domain", "preset": preset, "seeds": list(seeds), "base_seeds": base_seeds,
-        **provenance(device), "model": model,
+        **provenance(device), "model": model, "precision": precision,
         "domains": {"a": cfg.data.domain_a, "b": cfg.data.domain_b},
         "held_out": {"a": a.val_keys, "b": b.val_keys},
         "data_fingerprints": {"a": a.fingerprint, "b": b.fingerprint},
