@@ -172,6 +172,8 @@ class Method(StepHooks):
     # updates by entropy; a method that defines it gets every position's logits (None here: only scored ones)
     token_weights = None
     shardable = False  # runs under FSDP (Adapted.shard): tested with sharded parameters, adamw, no hooks of its own
+    attach_rounding = 0.0  # attach and start_task(1) change no logit bit for bit (the protocols reuse the base's
+    # scores for the attached model's first point); > 0: by up to this much (tests/test_contract.py checks either)
 
     def __init__(self, cfg: MethodConfig):
         self.cfg = cfg
