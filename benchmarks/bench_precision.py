@@ -12,9 +12,9 @@ Four measurements, bf16 autocast (over fp32 weights, as `--precision bf16` runs)
   PPL: the standard error of the mean window loss, from the base model's per-window losses).
 
 Step and forward alternate fp32, bf16, fp32, bf16 ... (ABAB, `--repeats` pairs of `--iters` calls after one
-warm-up each); each reports the median ms per call, its min and max over the repeats, and the peak RSS above the
+warm-up call each); each reports the median ms per call, its min and max over the repeats, and the peak RSS above the
 process's resident size at its start (CUDA: the allocator's peak). Where bf16 is not native (a CPU without AVX-512
-BF16 or AMX: emulated, about 100x slower), the script times 2 repeats of 1 call, says that `--precision auto`
+BF16 or AMX: emulated, about 100x slower), the script times 2 repeats of 1 call (bf16 without warm-up), says that `--precision auto`
 picks fp32 there, and skips the arm and the metric check (hours) unless `--force`.
 
     python benchmarks/bench_precision.py [--threads 1] [--device cpu|cuda] [--model smollm2-135m|hf:PATH|random]
@@ -117,12 +117,13 @@ def training_step(model, batch: Batch, precision: str):
     return step, sorted({n.split(".")[-4] for n, _ in adapted.trainable_parameters()})
 
 
-def interleaved(calls: dict, repeats: int, iters: int, device: torch.device) -> dict:
-    """Time `calls` ({label: callable}) alternately, `repeats` rounds of `iters` calls each after one warm-up
-    call: {label: {median_ms, min_ms, max_ms, runs_ms, peak_mb}} (peak: above the resident size at its start)."""
+def interleaved(calls: dict, repeats: int, iters: int, device: torch.device, warm: tuple = ("fp32", "bf16")) -> dict:
+    """Time `calls` ({label: callable}) alternately, `repeats` rounds of `iters` calls each, after one warm-up call
+    of those in `warm`: {label: {median_ms, min_ms, max_ms, runs_ms, peak_mb}} (peak: above the resident size at
+    its start)."""
     runs, peaks = {k: [] for k in calls}, dict.fromkeys(calls, 0.0)
-    for label, call in calls.items():
-        call()  # warm-up
+    for label in warm:
+        calls[label]()
     for _ in range(repeats):
         for label, call in calls.items():
             if device.type == "cuda":
@@ -190,6 +191,7 @@ def main():
     auto, why = resolve_precision("auto", device)
     native = auto == "bf16"
     repeats, iters = (args.repeats, args.iters) if native else (min(args.repeats, 2), 1)
+    warm = ("fp32", "bf16") if native else ("fp32",)  # emulated bf16: minutes a call, no warm-up
     lm, tokenizer, about = load(args, device)
     lm.eval()
     print(f"{about} on {device}, {args.threads} thread(s); --precision auto picks {auto} here ({why})", flush=True)
@@ -199,12 +201,12 @@ def main():
     steps, targets = {}, None
     for precision in ("fp32", "bf16"):
         steps[precision], targets = training_step(lm, batch, precision)
-    step = ratio(interleaved(steps, repeats, iters, device))
+    step = ratio(interleaved(steps, repeats, iters, device, warm))
     print(f"step ({args.batch} x {args.tokens}, lora on {','.join(targets)}): bf16/fp32 = {step['ratio']:.3f} "
           f"(pairs {step['pair_ratios']}; fp32 {step['fp32']['median_ms']:.1f} ms, bf16 {step['bf16']['median_ms']:.1f} ms)",
           flush=True)
     forward = ratio(interleaved({p: (lambda p=p: evaluate(lm, windows, args.batch, precision=p))
-                                 for p in ("fp32", "bf16")}, repeats, iters, device))
+                                 for p in ("fp32", "bf16")}, repeats, iters, device, warm))
     print(f"forward: bf16/fp32 = {forward['ratio']:.3f} (pairs {forward['pair_ratios']}; fp32 "
           f"{forward['fp32']['median_ms']:.1f} ms, bf16 {forward['bf16']['median_ms']:.1f} ms)", flush=True)
 
