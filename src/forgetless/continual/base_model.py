@@ -32,7 +32,8 @@ def pretrain(model_cfg: GPTConfig, cfg: PretrainConfig, domain: Domain, tokenize
                   "tokenizer": tokenizer.to_dict()}
     t0 = time.perf_counter()
     history = train(model, list(model.named_parameters()), sampler, cfg, training_loss,
-                    evaluate=lambda: {"ppl_a": evaluate(model, domain.windows)["ppl"], **module_stats(model, domain.windows)},
+                    evaluate=lambda: {"ppl_a": evaluate(model, domain.windows, precision=cfg.precision)["ppl"],
+                                      **module_stats(model, domain.windows)},
                     ckpt_path=ckpt_path, run_config=run_config, desc=desc)
     meta = {"kind": "base", "model_config": model_cfg.to_dict(), "tokenizer": tokenizer.to_dict(),
             "domain": domain.spec, "train_config": cfg.__dict__, "history": history.__dict__,

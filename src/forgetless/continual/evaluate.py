@@ -11,11 +11,13 @@ from forgetless import distributed
 from forgetless.loss import training_loss  # noqa: F401 (its home before loss.py; benchmark scripts import it here)
 from forgetless.models.gpt import logits_of, recorded_forward
 from forgetless.side import Monitored
+from forgetless.train import autocast
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, windows: torch.Tensor, batch_size: int = 64) -> dict:
-    """PPL = exp(mean token cross-entropy) over all tokens of `windows` (W, T+1); acc = top-1.
+def evaluate(model: nn.Module, windows: torch.Tensor, batch_size: int = 64, precision: str = "fp32") -> dict:
+    """PPL = exp(mean token cross-entropy) over all tokens of `windows` (W, T+1); acc = top-1; the forward
+    under `precision`'s autocast (the training's), the loss in float32.
     Under torchrun each rank scores its slice of the windows and the sums are added up; every rank runs
     the same number of forward passes (an FSDP forward gathers weights from all ranks): a rank whose
     slice ran out scores the first window again and counts nothing."""
@@ -28,7 +30,8 @@ def evaluate(model: nn.Module, windows: torch.Tensor, batch_size: int = 64) -> d
     for i in range(0, -(-len(windows) // ranks), batch_size):  # over the largest slice
         chunk = mine[i:i + batch_size] if i < len(mine) else windows[:1]
         x, y = chunk[:, :-1].to(device), chunk[:, 1:].to(device)  # (b, T)
-        logits = logits_of(model, x)        # (b, T, V)
+        with autocast(device, precision):
+            logits = logits_of(model, x).float()  # (b, T, V)
         if i >= len(mine):
             continue
         total_loss += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()

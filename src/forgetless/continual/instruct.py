@@ -35,7 +35,7 @@ from forgetless.data.splits import eval_windows
 from forgetless.errors import ForgetlessError
 from forgetless.methods import Method, MethodSpec
 from forgetless.monitor import PeakRSS
-from forgetless.presets import RunConfig
+from forgetless.presets import RunConfig, settle_precision
 from forgetless.progress import progress_task
 from forgetless.stats import mean_nested, mean_std, per_seed
 from forgetless.train import train
@@ -70,12 +70,14 @@ class Instructions(Protocol):
         from forgetless.models.hf import describe, load_model
         lm, tokenizer = load_model(ctx.model, ctx.device)
         results = run_on(lm, tokenizer, ctx.cfg, methods, ctx.seeds, ctx.out, ctx.preset, ctx.model)
-        return {**results, **provenance(ctx.device), "model": ctx.model, "bases": {ctx.model: describe(lm)}}
+        return {**results, **provenance(ctx.device), "model": ctx.model, "bases": {ctx.model: describe(lm)},
+                "precision": ctx.precision}  # as requested (ctx.cfg holds it resolved)
 
 
 def run_on(lm: nn.Module, tokenizer, cfg: RunConfig, methods, seeds: list[int], out: Path, preset: str,
            model: str) -> dict:
     """The protocol on a loaded model (each arm adapts its own copy) and its tokenizer."""
+    cfg, precision = settle_precision(cfg, next(lm.parameters()).device)
     built = build_arms(cfg, methods, sequence=True)
     stream = load_stream(cfg, tokenizer)
     arms: dict[str, list[dict]] = {label: [] for label in built}
@@ -98,7 +100,7 @@ def run_on(lm: nn.Module, tokenizer, cfg: RunConfig, methods, seeds: list[int], 
         "tasks": [cfg.data.general, *cfg.data.tasks], "held_out_tasks": list(cfg.data.held_out_tasks),
         "score": "column 0: next-token accuracy (%) on held-out general text; tasks: label accuracy or exact match "
                  "(%) on test rows (ScienceQA-like tasks: of the answer's first line)",
-        "date": datetime.date.today().isoformat(),
+        "date": datetime.date.today().isoformat(), "precision": precision,
         "config": cfg.to_dict(),
         "methods": {label: summarize(runs, built[label]) for label, runs in arms.items()},
     }
@@ -202,16 +204,17 @@ def learn_task(adapted, t: int, rows: Encoded, stream: Stream, cfg: RunConfig, s
 
 def scores(model: nn.Module, tokenizer, stream: Stream, cfg: RunConfig) -> tuple[list, list, float, list]:
     """(R row: general-text accuracy then each task's score, held-out tasks' scores, general-text PPL,
-    the R row on validation rows: [] without them)."""
-    general = evaluate(model, stream.general.windows)
-    dev = [100 * evaluate(model, stream.general.dev_windows)["acc"]] + \
+    the R row on validation rows: [] without them), under the training's precision."""
+    general = evaluate(model, stream.general.windows, precision=cfg.adapt.precision)
+    dev = [100 * evaluate(model, stream.general.dev_windows, precision=cfg.adapt.precision)["acc"]] + \
         [score(model, tokenizer, t, cfg) for t in stream.dev] if stream.dev else []
     return ([100 * general["acc"]] + [score(model, tokenizer, t, cfg) for t in stream.tasks],
             [score(model, tokenizer, t, cfg) for t in stream.held_out], general["ppl"], dev)
 
 
 def score(model: nn.Module, tokenizer, task: InstructionTask, cfg: RunConfig) -> float:
-    return score_task(model, tokenizer, task, cfg.data.test_rows or None, cfg.adapt.batch_size)["score"]
+    return score_task(model, tokenizer, task, cfg.data.test_rows or None, cfg.adapt.batch_size,
+                      precision=cfg.adapt.precision)["score"]
 
 
 def metrics(rows: list[list[float]], general_ppl: list[float], joint: bool = False) -> dict:

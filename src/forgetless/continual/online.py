@@ -68,17 +68,17 @@ def run_online_arm(model: nn.Module, method: Method, chunks: list[torch.Tensor],
     if not isinstance(method, Frozen):
         learner = Learner(model, method, cfg, original, original.train, seed, cfg.mix)
         model = learner.model
-    prequential, canary_curve, learn_s = [], [(0, evaluate(model, canary)["loss"])], 0.0
+    prequential, canary_curve, learn_s = [], [(0, evaluate(model, canary, precision=cfg.precision)["loss"])], 0.0
     with PeakRSS() as memory:
         t0 = time.perf_counter()
         for k, windows in enumerate(chunks, start=1):
-            prequential.append(evaluate(model, windows)["loss"])  # scored before it is learned
+            prequential.append(evaluate(model, windows, precision=cfg.precision)["loss"])  # scored before it is learned
             if learner is not None:
                 t = time.perf_counter()
                 learner.learn(windows, online.steps_per_chunk)
                 learn_s += time.perf_counter() - t
             if k % online.canary_every == 0 or k == len(chunks):
-                canary_curve.append((k, evaluate(model, canary)["loss"]))
+                canary_curve.append((k, evaluate(model, canary, precision=cfg.precision)["loss"]))
         wall = time.perf_counter() - t0
     updates = learner.steps if learner else 0
     return {"method": method.name, "seed": seed, "prequential": prequential, "canary": canary_curve,
@@ -126,7 +126,7 @@ class Online(Protocol):
         def run(label, method, seed, base_name, load, arm_dir):
             model = load()
             if base_name not in frozen:
-                frozen[base_name] = [evaluate(model, c)["loss"] for c in chunks]
+                frozen[base_name] = [evaluate(model, c, precision=cfg.adapt.precision)["loss"] for c in chunks]
             method = method if isinstance(method, Frozen) else fresh(method)
             return {**run_online_arm(model, method, chunks, canary, a, cfg.adapt, cfg.online, seed),
                     "frozen_prequential": frozen[base_name]}

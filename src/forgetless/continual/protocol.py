@@ -21,8 +21,7 @@ from forgetless.device import resolve_device
 from forgetless.errors import ForgetlessError
 from forgetless.methods import MethodSpec, build_method
 from forgetless.methods.base import as_specs
-from forgetless.presets import RunConfig
-from forgetless.train import autocast
+from forgetless.presets import RunConfig, settle_precision
 
 
 @dataclass(frozen=True)
@@ -36,6 +35,7 @@ class RunContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     base_seeds: int = 1                               # forgetless bases pretrained per run (seed s: base s mod N)
     workers: int = 1                                  # processes side by side (CPU)
+    precision: dict = field(default_factory=dict)     # results.json's record: {used, requested, why} (settle_precision)
 
 
 def run_context(cfg: RunConfig, seeds: list[int], out: Path, preset: str, device: str | torch.device = "auto",
@@ -45,9 +45,8 @@ def run_context(cfg: RunConfig, seeds: list[int], out: Path, preset: str, device
     device = resolve_device(str(device))
     if pretrains:
         check_workers(workers, device)
-    for train_cfg in (cfg.pretrain, cfg.adapt) if pretrains else (cfg.adapt,):
-        autocast(device, train_cfg.precision)
-    return RunContext(cfg, list(seeds), Path(out), preset, model, device, base_seeds, workers)
+    cfg, precision = settle_precision(cfg, device)  # auto resolved; a precision the device lacks refused
+    return RunContext(cfg, list(seeds), Path(out), preset, model, device, base_seeds, workers, precision)
 
 
 class Protocol:
@@ -111,7 +110,7 @@ def opening(ctx: RunContext, protocol: str, a, b) -> dict:
     """The keys a two-domain or online results file opens with (docs/DESIGN.md §6.3): the run, its provenance,
     and the domains `a`, `b` with their held-out works and fingerprints."""
     return {"protocol": protocol, "preset": ctx.preset, "seeds": list(ctx.seeds), "base_seeds": ctx.base_seeds,
-            **provenance(ctx.device), "model": ctx.model,
+            **provenance(ctx.device), "model": ctx.model, "precision": ctx.precision,
             "domains": {"a": ctx.cfg.data.domain_a, "b": ctx.cfg.data.domain_b},
             "held_out": {"a": a.val_keys, "b": b.val_keys},
             "data_fingerprints": {"a": a.fingerprint, "b": b.fingerprint},

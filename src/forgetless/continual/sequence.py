@@ -59,17 +59,18 @@ def check_mix_from(specs: list[str], mix_from: str):
 
 
 def run_sequence_arm(model: nn.Module, method: Method, tasks: list[Domain], cfg: AdaptConfig, seed: int,
-                     mix_from: str = "earlier") -> dict:
+                     mix_from: str = "earlier", before: tuple | None = None) -> dict:
     """Train `method` on tasks[1:] in order (mixed-in rows, if any, from `replay_source`); score every
-    task after each. A joint arm (`method.cfg.joint`, e.g. mtl) learns them at once instead: `joint_phase`."""
+    task after each. A joint arm (`method.cfg.joint`, e.g. mtl) learns them at once instead: `joint_phase`.
+    `before`: `base_scores` of `model` (arms on one base share it), taken as row 0 where attach changes no
+    output (`Method.attach_rounding` 0), else row 0 is scored here."""
     torch.manual_seed(seed)
     adapted = attach(model, method)
     model = adapted.model
     windows = [d.windows for d in tasks]
-    dev_windows = [d.dev_windows for d in tasks] if all(d.dev_windows is not None and len(d.dev_windows)
-                                                       for d in tasks) else []
-    rows, reports, wall, loss = [[evaluate(model, w) for w in windows]], [], 0.0, []
-    dev_rows = [[100 * evaluate(model, w)["acc"] for w in dev_windows]]
+    rows, dev_rows = [[r] for r in (before if before and method.attach_rounding == 0 else
+                                      base_scores(model, tasks, cfg.precision))]
+    reports, wall, loss = [], 0.0, []
     T = len(tasks) - 1
     phases = [joint_phase(tasks, cfg, replay_source(tasks, 1, mix_from, method))] if method.cfg.joint else \
         [(t, task, cfg, replay_source(tasks, t, mix_from, method), tasks[t - 1]) for t, task in enumerate(tasks[1:], 1)]
@@ -80,19 +81,28 @@ def run_sequence_arm(model: nn.Module, method: Method, tasks: list[Domain], cfg:
                                          desc=f"{method.name} seed {seed} " + ("all tasks" if method.cfg.joint else f"task {t}"))
             wall += time.perf_counter() - t0
             loss += [[t, s, v] for s, v in history.loss]
-            rows.append([evaluate(model, w) for w in windows])
-            dev_rows.append([100 * evaluate(model, w)["acc"] for w in dev_windows])
+            row, dev_row = base_scores(model, tasks, cfg.precision)
+            rows.append(row)
+            dev_rows.append(dev_row)
             reports.append(method.task_report(model, windows))
     if method.cfg.joint:  # one state after all tasks: it is every row's "after task t" (metrics.sequence_metrics)
         rows, dev_rows, reports = rows[:1] + rows[1:] * T, dev_rows[:1] + dev_rows[1:] * T, reports * T
     R = [[100 * e["acc"] for e in row] for row in rows]
     joint = {"joint": True} if method.cfg.joint else {}
-    dev = {"r_matrix_dev": dev_rows, **dev_metrics(dev_rows)} if dev_windows else {}
+    dev = {"r_matrix_dev": dev_rows, **dev_metrics(dev_rows)} if dev_rows[0] else {}
     return {"method": method.name, "seed": seed, **joint, "r_matrix": R,
             "ppl_matrix": [[e["ppl"] for e in row] for row in rows],
             **sequence_metrics(R, bool(joint)), **dev, "trainable_params": sum(p.numel() for _, p in params),
             "total_params": sum(p.numel() for p in model.parameters()), "wall_s": wall,
             "peak_rss_mb": memory.peak_mb, "loss": loss, **({"task_reports": reports} if any(reports) else {})}
+
+
+def base_scores(model: nn.Module, tasks: list[Domain], precision: str) -> tuple[list[dict], list[float]]:
+    """(evaluate on each task's held-out windows, accuracy (%) on each task's validation windows: [] unless every
+    task has them): one row of R and of R on validation windows."""
+    dev = all(d.dev_windows is not None and len(d.dev_windows) for d in tasks)
+    return ([evaluate(model, d.windows, precision=precision) for d in tasks],
+            [100 * evaluate(model, d.dev_windows, precision=precision)["acc"] for d in tasks] if dev else [])
 
 
 def joint_phase(tasks: list[Domain], cfg: AdaptConfig, replay_from: Domain) -> tuple:
@@ -135,13 +145,19 @@ class Sequence(Protocol):
             return (T * cfg.adapt.steps * calibration.step(base_cfg, method, cfg.adapt.batch_size)
                     + (T + 1) * windows * calibration.window(base_cfg))
 
-        arms, summary = run_arms(ctx, built, tasks[0], tokenizer, pretrained, arm_config,
-                                 lambda label, method, seed, base_name, load, arm_dir:
-                                 run_sequence_arm(load(), fresh(method), tasks, cfg.adapt, seed, cfg.data.mix_from),
-                                 arm_seconds)
+        befores: dict[str, tuple] = {}  # base name -> its scores (row 0), shared by the arms on it
+
+        def run(label, method, seed, base_name, load, arm_dir):
+            model = load()
+            if method.attach_rounding == 0 and base_name not in befores:
+                befores[base_name] = base_scores(model, tasks, cfg.adapt.precision)
+            return run_sequence_arm(model, fresh(method), tasks, cfg.adapt, seed, cfg.data.mix_from,
+                                    befores.get(base_name))
+
+        arms, summary = run_arms(ctx, built, tasks[0], tokenizer, pretrained, arm_config, run, arm_seconds)
         return {
             "protocol": "sequence", "preset": ctx.preset, "seeds": list(ctx.seeds), "base_seeds": ctx.base_seeds,
-            "tasks": specs, **provenance(device),
+            "tasks": specs, **provenance(device), "precision": ctx.precision,
             "score": "next-token accuracy on held-out windows, %", "date": datetime.date.today().isoformat(),
             "config": cfg.to_dict(), "bases": summary, "model": ctx.model,
             "methods": {label: summarize(runs, built[label]) for label, runs in arms.items()},

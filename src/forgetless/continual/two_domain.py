@@ -50,7 +50,7 @@ class TwoDomain(Protocol):
         def run(label, method, seed, base_name, load, arm_dir):
             model = load()
             if base_name not in befores:
-                befores[base_name] = score(model, a, b, dev=True)
+                befores[base_name] = score(model, a, b, dev=True, precision=cfg.adapt.precision)
             return run_arm(model, fresh(method), a, b, cfg.adapt, seed, out_dir=arm_dir,
                            run_config=arm_config(label, method, base_name), before=befores[base_name])
 

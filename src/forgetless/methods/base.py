@@ -191,6 +191,8 @@ class Method(StepHooks):
     # token_weights(logits (B, T, V), batch) -> (B, T) weights of each token's LM loss (None: all 1), e.g. to gate
     # updates by entropy; a method that defines it gets every position's logits (None here: only scored ones)
     token_weights = None
+    attach_rounding = 0.0  # attach and start_task(1) change no logit bit for bit (the protocols reuse the base's
+    # scores for the attached model's first point); > 0: by up to this much (tests/test_contract.py checks either)
 
     @classmethod
     def pretrained_options(cls) -> dict:

@@ -79,6 +79,7 @@ class OSF(Method):
     Config = OSFMethodConfig
     order, trains, merges = 70, WEIGHTS, True  # the weights' own singular directions, through peft's layers
     default_for = ()  # named only: `--methods all` (and the tables it reproduces) stay as they were
+    attach_rounding = 1e-6  # peft's OSF adds U S V - U0 S0 V0 as one product
 
     def preserved(self, task: int) -> float | int:
         """What task `task` freezes, as PEFT reads effective_rank: a float fraction or an int count."""
