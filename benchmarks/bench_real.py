@@ -263,6 +263,7 @@ def main():
         print(json.dumps({"bench": "real", "skipped": why, "config": {"model": model_name, "device": str(device),
                                                                        "precision": args.precision}}))
         return
+    made_by = provenance(peft="peft", transformers="transformers")  # before the run: the code that runs
     load_start = os.getloadavg()
     t0 = time.perf_counter()
     base = random_model(args.config, device) if args.config else load_model(args.model, device)[0]
@@ -313,7 +314,7 @@ def main():
           f"; load average {load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end")
 
     print(json.dumps({
-        "bench": "real", "provenance": provenance(peft="peft", transformers="transformers"), "baseline": BASELINE,
+        "bench": "real", "provenance": made_by, "baseline": BASELINE,
         "baseline_ms": round(baseline_ms, 1), "methods": rows,
         "config": {"model": model_name, "random_init": bool(args.config), "device": str(device),
                    "precision": args.precision, "model_facts": facts, "batch": args.batch, "tokens": args.tokens,
