@@ -80,7 +80,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", default="all", help="all (every registered method) or specs, e.g. lora,neutral")
     parser.add_argument("--steps", type=int, default=5, help="interleaved rounds: timed steps of each method and its LoRA")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed steps of each model first (memory is measured there)")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed steps of each model first (at least one runs: memory is measured there)")
     parser.add_argument("--batch", type=int, default=8, help="rows per batch")
     parser.add_argument("--tokens", type=int, default=200, help="tokens per row (model inputs)")
     parser.add_argument("--answer-tokens", type=int, default=32, help="scored tokens at the end of each row")
@@ -96,8 +97,9 @@ def parse_args() -> argparse.Namespace:
         for key, value in QUICK.items():
             if getattr(args, key) == parser.get_default(key):
                 setattr(args, key, value)
-    if args.steps < 1 or args.warmup < 1 or args.batch < 1 or not 0 < args.answer_tokens <= args.tokens:
-        parser.error("need --steps >= 1, --warmup >= 1, --batch >= 1 and 0 < --answer-tokens <= --tokens")
+    if args.steps < 1 or args.warmup < 0 or args.batch < 1 or not 0 < args.answer_tokens <= args.tokens:
+        parser.error("need --steps >= 1, --warmup >= 0, --batch >= 1 and 0 < --answer-tokens <= --tokens")
+    args.warmup = max(1, args.warmup)  # memory is measured over the warm-up
     return args
 
 
@@ -169,7 +171,8 @@ class Arm:
         return 1000 * (time.perf_counter() - t0)
 
     def warm_up(self, steps: int) -> dict:
-        """Untimed steps; the peak RSS over them (and the CUDA allocator's) with only this model beside the base."""
+        """Untimed steps; the peak RSS over them (and the CUDA allocator's) with only this model
+        beside the base."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         with PeakRSS() as memory:
