@@ -1,6 +1,8 @@
 """The harness benchmark runs a real (smoke) bench and accounts for its time; the precision benchmark times bf16
-against fp32 and checks the metrics (tiny model)."""
+against fp32 and checks the metrics (tiny model); bench_real times every method interleaved with its own LoRA
+baseline."""
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +26,40 @@ def test_bench_harness_splits_a_cold_run_into_phases(tmp_path, text_file):
     assert abs(sum(phases.values()) - total) < 0.05 * total  # every second counted once
     assert line["candidate_ms"] > 0  # the plan's estimate was caught
     assert line["provenance"]["torch"] == torch.__version__ and line["provenance"]["code"] == code_fingerprint()
+
+
+def bench_real(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_real.py"), *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_bench_real_quick_interleaves_each_method_with_its_own_lora():
+    run = bench_real("--quick", "--threads", "1", "--methods", "lora,cms", "--steps", "2")
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["config"]["model"] == "llama-tiny" and out["config"]["threads"] == 1 and out["config"]["precision"] == "fp32"
+    assert set(out["methods"]) == {"lora", "cms"}
+    for r in out["methods"].values():
+        steps, lora = r["step_ms_all"], r["baseline_ms_all"]
+        assert len(steps) == len(lora) == 2  # one LoRA step per round, beside the method's
+        assert r["ratio"] == pytest.approx(statistics.median(steps) / statistics.median(lora), rel=0.01)
+        low, high = r["ratio_per_round"]
+        assert low <= r["ratio"] + 1e-3 and r["ratio"] <= high + 1e-3  # two rounds: the ratio of sums lies between
+        assert r["ms_spread"]["min"] <= r["ms"] <= r["ms_spread"]["max"] and r["peak_rss_mb"] >= r["rss_before_mb"] > 0
+    assert out["methods"]["cms"]["trainable_params"] > out["methods"]["lora"]["trainable_params"]
+    pooled = [t for r in out["methods"].values() for t in r["baseline_ms_all"]]
+    assert out["baseline_ms"] == pytest.approx(statistics.median(pooled), abs=0.1)
+    assert "target <= 1.3x" in run.stdout
+
+
+def test_bench_real_skips_bf16_on_a_cpu_without_it():
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file() or {"avx512_bf16", "amx_bf16"} & set(cpuinfo.read_text().split()):
+        pytest.skip("not a Linux CPU without native bf16")
+    run = bench_real("--precision", "bf16")  # decided before SmolLM2 would load
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("bf16 skipped: this CPU") and "no native bf16" in run.stdout
+    assert json.loads(run.stdout.strip().splitlines()[-1])["skipped"]
 
 
 def test_bench_harness_exits_with_the_cli_error(tmp_path):

@@ -33,6 +33,8 @@ from forgetless.progress import console
 
 PER_PATCH = ("prototypes", "gate_a", "gate_b", "decoders", "offset_in", "offset_out")  # first dim = K
 DECODERS = ("decoders", "offset_in", "offset_out")
+DENSE_PER_ACTIVE = 4  # dispatch=auto: dense up to this many patches per active one (beside SmolLM2, 1 CPU thread,
+                      # 1,600 tokens, r 32: dense took 0.57x sparse's fwd+bwd at K = 11, top 4; 1.8x at K = 32)
 
 
 @dataclass
@@ -60,6 +62,10 @@ class APNMethodConfig(MethodConfig):
     retrofit_size: float = field(default=0.05, metadata={
         "help": "on transformers models: the APNs' parameters as a fraction of the model's (sets apn.n_patches "
                 "unless given)"})
+    dispatch: str = field(default="auto", metadata={
+        "help": "how tokens reach their patches, same values: sparse (pairs sorted and packed), dense (every patch "
+                f"on every token, weight 0 off the top k), auto (dense on a transformers model when n_patches <= "
+                f"{DENSE_PER_ACTIVE} top_k, as its retrofit's few patches, else sparse)"})
 
     def __post_init__(self):
         super().__post_init__()
@@ -72,6 +78,8 @@ class APNMethodConfig(MethodConfig):
         from_dict(APNConfig, self.apn, "apn")  # validate early
         if not self.retrofit_size > 0:
             raise ForgetlessError(f"retrofit_size must be positive, got {self.retrofit_size}")
+        if self.dispatch not in ("auto", "sparse", "dense"):
+            raise ForgetlessError(f"dispatch must be auto, sparse or dense, got {self.dispatch!r}")
 
 
 def apn_modules(model: nn.Module) -> list[APN]:
@@ -135,7 +143,15 @@ class APNMethod(Method):
         for m in apn_modules(model):
             m.record = needs_routing or self.cfg.gate_on == "router"
             m.update_gate = (self.cfg.gate_min, self.cfg.gate_max) if self.cfg.gate_on == "router" else None
+            m.dense = self.dense(model, m)
         return model
+
+    def dense(self, model, m: APN) -> bool:
+        """Whether `m` runs every patch on every token (option dispatch); auto: a transformers retrofit with few
+        patches (forgetless's own APN bases keep the sparse dispatch they were measured with)."""
+        if self.cfg.dispatch != "auto":
+            return self.cfg.dispatch == "dense"
+        return not isinstance(model, GPT) and m.cfg.n_patches <= DENSE_PER_ACTIVE * m.cfg.top_k
 
     def retrofit_config(self, model, targets) -> APNConfig:
         """The APN options beside `targets`: on a transformers model, n_patches (unless given) sized so all

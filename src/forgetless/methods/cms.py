@@ -26,6 +26,8 @@ from forgetless.models.gpt import GPT, GPTConfig
 from forgetless.nn.adapter import input_width, n_params, width_for
 from forgetless.nn.cms import CMS, CMSConfig, Level
 
+ALIGN = 16  # retrofit widths are multiples of this (see aligned)
+
 
 @dataclass
 class CMSMethodConfig(MethodConfig, CMSConfig):
@@ -43,6 +45,13 @@ class CMSMethodConfig(MethodConfig, CMSConfig):
             raise ForgetlessError(f"cms max_period must not be negative, got {self.max_period}")
         if not self.retrofit_size > 0:
             raise ForgetlessError(f"cms retrofit_size must be positive, got {self.retrofit_size}")
+
+
+def aligned(width: int, multiple: int = ALIGN) -> int:
+    """A retrofit's width rounded to the nearest multiple of `multiple`, where matrix products run at full speed
+    (beside SmolLM2, a CMS chain 576 -> 48 -> 576 ran in 0.76x the time of 576 -> 47 on an AVX2 CPU); widths
+    below it (tiny models) are kept."""
+    return multiple * round(width / multiple) if width >= multiple else width
 
 
 def levels(model) -> list[tuple[str, Level]]:
@@ -73,14 +82,14 @@ class CMSMethod(Method):
 
     def retrofit(self, model):
         """A CMS chain beside every target MLP, its output projections at zero (attaching changes nothing);
-        the levels' hidden width is level_hidden, else sized so all the chains have `retrofit_size` times
-        the model's parameters (a chain as wide as the MLP would add 40 % to SmolLM2)."""
+        the levels' hidden width is level_hidden, else sized so all the chains have about `retrofit_size` times
+        the model's parameters (a chain as wide as the MLP would add 40 % to SmolLM2), `aligned`."""
         opts = CMSConfig(**{f.name: getattr(self.cfg, f.name) for f in dataclasses.fields(CMSConfig)})
         targets = find_ffns(model, self.cfg.target_modules, self.cfg.exclude_modules)
         budget = self.cfg.retrofit_size * n_params(model) / max(1, len(targets))
         for name, mlp in targets:
             d = input_width(mlp)
-            width = opts.level_hidden or width_for(lambda w: n_params(CMS(d, w, opts)), budget)
+            width = opts.level_hidden or aligned(width_for(lambda w: n_params(CMS(d, w, opts)), budget))
             put_beside(model, name, mlp, CMS(d, width, opts, zero_out=True))
 
     def level_parameters(self, model, every: bool = False) -> list[tuple[str, torch.nn.Parameter]]:

@@ -13,6 +13,7 @@ Source: Nested Learning: The Illusion of Deep Learning Architectures (Behrouz, R
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 from forgetless.errors import ForgetlessError
 from forgetless.methods.base import Method, MethodConfig, find_ffns, put_beside, register_method
+from forgetless.methods.cms import ALIGN, aligned
 from forgetless.models.gpt import GPT, GPTConfig, logits_of
 from forgetless.nn.adapter import input_width, n_params, width_for
 from forgetless.nn.hope import HOPE, HopeConfig
@@ -90,7 +92,7 @@ class HopeMethod(Method):
     def retrofit(self, model):
         """A HOPE slot beside every target MLP, its memory and levels' output projections at zero. Each slot gets
         `retrofit_size` of the model's parameters over the number of slots: about half to the memory (its width,
-        a multiple of heads; the block's width d with self_modify), the rest to the CMS levels."""
+        a multiple of heads; the block's width d with self_modify), the rest to the CMS levels; widths `aligned`."""
         opts = self.hope_options()
         if not opts.attention:
             raise ForgetlessError(f"hope attention=false needs a forgetless GPT; {type(model).__name__} keeps its "
@@ -101,7 +103,7 @@ class HopeMethod(Method):
             d = input_width(mlp)
             slot = opts if opts.width or opts.self_modify else dataclasses.replace(
                 opts, width=memory_width(d, opts, budget / 2))
-            width = opts.level_hidden or width_for(lambda w: n_params(HOPE(d, w, slot)), budget)
+            width = opts.level_hidden or aligned(width_for(lambda w: n_params(HOPE(d, w, slot)), budget))
             put_beside(model, name, mlp, HOPE(d, width, slot, zero_out=True))
 
     def trainable_parameters(self, model):
@@ -120,10 +122,11 @@ class HopeMethod(Method):
 
 
 def memory_width(d: int, opts: HopeConfig, budget: float) -> int:
-    """The memory width (a multiple of heads, at most d) whose memory has about `budget` parameters."""
+    """The memory width (a multiple of heads, `aligned` to a multiple of 16 too, at most d) whose memory has about
+    `budget` parameters."""
     heads = opts.heads
     n = width_for(lambda n: n_params(NeuralMemory(d, dataclasses.replace(opts, width=n * heads))), budget)
-    return heads * min(n, d // heads)
+    return min(aligned(heads * n, math.lcm(ALIGN, heads)), heads * (d // heads))
 
 
 def set_writes(model, writes: bool):

@@ -76,13 +76,15 @@ class ChunkedUpdates(StepHooks):
         self.before: dict[str, torch.Tensor] = {}
 
     def before_step(self, model, optimizer, step: int, last: bool):
-        """After backward: hold back the gradients of levels between their boundaries."""
+        """After backward: hold back the gradients of levels between their boundaries (gathered in one fused add:
+        a retrofit beside 30 MLPs has 540 such tensors)."""
+        held = [(name, p.grad) for name, p, _, accumulate in self.slow if accumulate == "grads" and p.grad is not None]
+        if held:
+            torch._foreach_add_([self.gathered[name] for name, _ in held], [grad for _, grad in held])
         for name, p, period, accumulate in self.slow:
             if accumulate == "updates":
                 self.before[name] = p.detach().clone()
                 continue
-            if p.grad is not None:
-                self.gathered[name] += p.grad
             boundary = step % period == 0 or last
             p.grad = self.gathered[name] if boundary else None
             if boundary:
