@@ -60,3 +60,11 @@ def provenance(**packages: str) -> dict:
     return {"forgetless": forgetless.__version__, "git_commit": git_commit(), "code": code_fingerprint(),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             **{label: installed(name) for label, name in packages.items()}}
+
+
+def spread(values: list[float]) -> dict:
+    """Median, quartiles (inclusive) and extremes of `values`, rounded to 0.1."""
+    values = sorted(values)
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+    return {key: round(v, 1) for key, v in
+            (("median", statistics.median(values)), ("q1", q1), ("q3", q3), ("min", values[0]), ("max", values[-1]))}

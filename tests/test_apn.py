@@ -3,7 +3,8 @@ import torch
 import torch.nn.functional as F
 
 from forgetless.errors import ForgetlessError
-from forgetless.models.gpt import GPT, GPTConfig, aux_loss
+from forgetless.models.gpt import GPT, GPTConfig
+from forgetless.side import aux_loss
 from forgetless.nn.apn import APN, APNConfig
 
 VARIANTS = [{}, {"gate": "scalar"}, {"decoder": "shared"}, {"route_dim": 8}]
@@ -33,10 +34,12 @@ def naive_apn(apn: APN, x: torch.Tensor) -> torch.Tensor:
     return cfg.gamma * torch.stack(out)
 
 
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()) or "default")
-def test_sparse_dispatch_matches_the_equations(variant):
+def test_dispatch_matches_the_equations(variant, dense):
     torch.manual_seed(0)
     apn = APN(16, APNConfig(n_patches=12, top_k=3, rank=4, **variant)).eval()
+    apn.dense = dense
     with torch.no_grad():  # non-trivial gates and offsets
         for p in apn.parameters():
             p.add_(0.3 * torch.randn_like(p))
@@ -51,9 +54,11 @@ def test_sparse_dispatch_matches_the_equations(variant):
         assert torch.allclose(a, torch.zeros_like(a) if b is None else b, atol=1e-4)
 
 
-def test_inactive_patches_get_exactly_zero_gradient():
+@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
+def test_inactive_patches_get_exactly_zero_gradient(dense):
     torch.manual_seed(0)
     apn = APN(16, APNConfig(n_patches=32, top_k=2, rank=4))
+    apn.dense = dense
     x = torch.randn(3, 16)
     apn.record = True
     apn(x).sum().backward()

@@ -138,8 +138,30 @@ def test_retrofit_starts_neutral_and_trains_only_apn():
     assert names and all(".mlp.adapter." in n for n in names)
 
 
+def test_dispatch_is_dense_only_for_a_transformers_retrofit_with_few_patches():
+    """auto: dense beside a transformers model's MLPs when n_patches <= 4 top_k (a retrofit's few patches), sparse on
+    forgetless's own bases and for many patches; the option overrides; both train the same weights."""
+    from tiny_models import hf_llama
+
+    def dense(model, **options):
+        return {m.dense for m in apn_modules(attach(model, "apn-retrofit", **options).model)}
+    many = {"apn": {"n_patches": 17}}
+    assert dense(hf_llama()) == {True}  # K = 4 of top 4 at this size
+    assert dense(hf_llama(), **many) == {False} and dense(hf_llama(), **many, dispatch="dense") == {True}
+    assert dense(hf_llama(), dispatch="sparse") == {False}
+    assert dense(GPT(DENSE), apn={"n_patches": 4}) == {False}
+    trained = []
+    for dispatch in ("sparse", "dense"):
+        model = run(build_method("apn-retrofit", {"dispatch": dispatch}), hf_llama(), steps=3)
+        trained.append(torch.cat([p.detach().flatten() for m in apn_modules(model) for p in m.parameters()]))
+    assert not torch.equal(trained[0], torch.cat([p.detach().flatten() for m in apn_modules(
+        attach(hf_llama(), "apn-retrofit").model) for p in m.parameters()]))  # they moved
+    assert torch.allclose(trained[0], trained[1], atol=1e-5)
+
+
 @pytest.mark.parametrize("options,message", [
     ({"update_rule": "sgd"}, "update_rule must be adamw or gain"), ({"gate_on": "loss"}, "gate_on must be none"),
+    ({"dispatch": "fast"}, "dispatch must be auto, sparse or dense"),
     ({"norm_cap": -1}, "norm_cap >= 0"), ({"apn": {"rank": 0}}, "apn.rank must be positive")])
 def test_bad_apn_method_options(options, message):
     from forgetless.errors import ForgetlessError

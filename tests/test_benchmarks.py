@@ -1,9 +1,13 @@
-"""The harness benchmark runs a real (smoke) bench and accounts for its time."""
+"""The harness benchmark runs a real (smoke) bench and accounts for its time; the precision benchmark times bf16
+against fp32 and checks the metrics (tiny model); bench_real times every method interleaved with its own LoRA
+baseline."""
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from forgetless.config import code_fingerprint
@@ -22,6 +26,40 @@ def test_bench_harness_splits_a_cold_run_into_phases(tmp_path, text_file):
     assert abs(sum(phases.values()) - total) < 0.05 * total  # every second counted once
     assert line["candidate_ms"] > 0  # the plan's estimate was caught
     assert line["provenance"]["torch"] == torch.__version__ and line["provenance"]["code"] == code_fingerprint()
+
+
+def bench_real(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_real.py"), *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_bench_real_quick_interleaves_each_method_with_its_own_lora():
+    run = bench_real("--quick", "--threads", "1", "--methods", "lora,cms", "--steps", "2")
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["config"]["model"] == "llama-tiny" and out["config"]["threads"] == 1 and out["config"]["precision"] == "fp32"
+    assert set(out["methods"]) == {"lora", "cms"}
+    for r in out["methods"].values():
+        steps, lora = r["step_ms_all"], r["baseline_ms_all"]
+        assert len(steps) == len(lora) == 2  # one LoRA step per round, beside the method's
+        assert r["ratio"] == pytest.approx(statistics.median(steps) / statistics.median(lora), rel=0.01)
+        low, high = r["ratio_per_round"]
+        assert low <= r["ratio"] + 1e-3 and r["ratio"] <= high + 1e-3  # two rounds: the ratio of sums lies between
+        assert r["ms_spread"]["min"] <= r["ms"] <= r["ms_spread"]["max"] and r["peak_rss_mb"] >= r["rss_before_mb"] > 0
+    assert out["methods"]["cms"]["trainable_params"] > out["methods"]["lora"]["trainable_params"]
+    pooled = [t for r in out["methods"].values() for t in r["baseline_ms_all"]]
+    assert out["baseline_ms"] == pytest.approx(statistics.median(pooled), abs=0.1)
+    assert "target <= 1.3x" in run.stdout
+
+
+def test_bench_real_skips_bf16_on_a_cpu_without_it():
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file() or {"avx512_bf16", "amx_bf16"} & set(cpuinfo.read_text().split()):
+        pytest.skip("not a Linux CPU without native bf16")
+    run = bench_real("--precision", "bf16")  # decided before SmolLM2 would load
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("bf16 skipped: this CPU") and "no native bf16" in run.stdout
+    assert json.loads(run.stdout.strip().splitlines()[-1])["skipped"]
 
 
 def test_bench_harness_exits_with_the_cli_error(tmp_path):
@@ -52,3 +90,33 @@ def test_reproduce_publishes_the_table_and_only_the_figures_the_docs_show(tmp_pa
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in (tmp_path / "docs" / "figures" / "sec").iterdir()) == ["readme.png", "results.md", "shown.png"]
+
+
+def test_bench_precision_quick_times_both_precisions_and_checks_the_metrics():
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_precision.py"), "--quick", "--force",
+                          "--threads", "1", "--repeats", "1"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    line = json.loads(run.stdout.strip().splitlines()[-1])
+    assert line["config"]["targets"] == ["q_proj", "v_proj"] and line["config"]["threads"] == 1
+    for part in ("step", "forward"):
+        timed = line[part]
+        assert timed["fp32"]["median_ms"] > 0 and timed["bf16"]["median_ms"] > 0
+        assert timed["ratio"] == pytest.approx(timed["bf16"]["median_ms"] / timed["fp32"]["median_ms"], rel=1e-2)
+    assert line["arm"]["fp32_s"] > 0 and line["arm"]["bf16_s"] > 0 and line["arm"]["bf16_peak_rss_mb"] > 0
+    check = line["metric_check"]
+    assert check["cells"] == len(check["r_cells"]) + len(check["general_ppl"]) == 4 + 2  # R 2x2, PPL before/after
+    assert check["max_z"] == max(c["z"] for c in check["r_cells"] + check["general_ppl"])
+    assert f"--precision auto picks {line['auto']['used']} here" in run.stdout
+
+
+def test_bench_precision_skips_the_arm_where_bf16_is_emulated(monkeypatch, capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_precision
+    monkeypatch.setattr(bench_precision, "resolve_precision", lambda precision, device: ("fp32", "auto: test"))
+    monkeypatch.setattr(sys, "argv", ["bench_precision.py", "--quick", "--threads", "1", "--tokens", "16"])
+    bench_precision.main()
+    out = capsys.readouterr().out
+    line = json.loads(out.strip().splitlines()[-1])
+    assert line["config"]["repeats"] == 2 and line["config"]["iters"] == 1  # few calls where bf16 is emulated
+    assert "emulated" in line["arm"]["skipped"] and line["metric_check"] == line["arm"]
+    assert "arm and metric check skipped: bf16 is emulated" in out and "auto picks fp32 here" in out

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from forgetless import attach
-from forgetless.continual.evaluate import training_loss
+from forgetless.loss import training_loss
 from forgetless.data.splits import Sampler
 from forgetless.errors import ForgetlessError
 from forgetless.methods import build_method
@@ -127,3 +127,21 @@ def test_cms_errors_name_the_fix():
         build_method("cms", {"accumulate": "sum"})
     with pytest.raises(ForgetlessError, match="unknown config key cms.period; valid keys"):
         GPT(dataclasses.replace(GPTConfig(**TINY), ffn="cms", ffn_options={"period": [1]}))
+
+
+def test_retrofit_widths_are_aligned_to_multiples_of_16():
+    """Beside a transformers model the CMS levels' and the HOPE memory's widths, from retrofit_size, are rounded to
+    the nearest multiple of 16 (narrower ones kept) and the slots stay near their parameter budget."""
+    from tiny_models import hf_llama
+
+    from forgetless.methods.cms import aligned
+    from forgetless.nn.adapter import n_params
+    from forgetless.nn.titans import NeuralMemory
+    assert [aligned(w) for w in (5, 15, 16, 23, 24, 47, 234)] == [5, 15, 16, 16, 32, 48, 240]
+    total = n_params(hf_llama())  # d = 32: the budget asks for levels of width 31
+    cms = attach(hf_llama(), "cms", retrofit_size=0.5)
+    assert {m.c_fc.out_features for m in cms.model.modules() if isinstance(m, Level)} == {32}
+    hope = attach(hf_llama(), "hope", retrofit_size=0.5)
+    assert {m.c_proj.in_features for m in hope.model.modules() if isinstance(m, NeuralMemory)} == {32}
+    for adapted in (cms, hope):
+        assert sum(p.numel() for _, p in adapted.trainable_parameters()) == pytest.approx(0.5 * total, rel=0.05)

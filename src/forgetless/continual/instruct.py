@@ -25,22 +25,23 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from forgetless.adapted import architecture_fingerprint, attach, resolve_device
+from forgetless.adapted import architecture_fingerprint, attach
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.metrics import DEV_METRICS, dev_metrics, sequence_metrics
+from forgetless.continual.plan import Job, Plan, run_or_reuse_arm, saved_arm
+from forgetless.continual.protocol import Protocol, RunContext, build_arms, fresh, provenance
 from forgetless.continual.scoring import task_hits
 from forgetless.continual.sequence import dev_summary
-from forgetless.continual.plan import Job, Plan, run_or_reuse_arm, saved_arm
-from forgetless.continual.two_domain import build_arms, fresh, mean_nested, mean_std, per_seed, provenance
 from forgetless.data.domains import Domain, load_domains
 from forgetless.data.instructions import IGNORE, Encoded, InstructionSampler, InstructionTask, encode, load_task
 from forgetless.data.splits import eval_windows
 from forgetless.errors import ForgetlessError
 from forgetless.methods import Method, MethodSpec
 from forgetless.monitor import PeakRSS
-from forgetless.presets import RunConfig
+from forgetless.presets import RunConfig, settle_precision
 from forgetless.progress import progress_task
-from forgetless.train import HookChain, StepHooks, autocast, train
+from forgetless.stats import mean_nested, mean_std, per_seed
+from forgetless.train import HookChain, StepHooks, train
 
 METRICS = ["op", "op_tasks", "bwt", "bwt_drop", "bwt_tasks", "bwt_drop_clipped", "forgetting", "forgetting_tasks",
            "fwt", "la", "general_ppl_change"]
@@ -74,23 +75,28 @@ class Scored(NamedTuple):
     window_loss: list[float]  # the general text's mean loss per window
 
 
-def run_instruction_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[int], out: Path,
-                             preset: str, device: str = "auto", model: str = "smollm2-135m") -> dict:
-    """Every (method, seed) arm over the instruction tasks `cfg.data.tasks` on the pretrained `model`."""
-    from forgetless.models.hf import describe, load_model
-    device = resolve_device(device)
-    autocast(device, cfg.adapt.precision)  # refuse a precision the device lacks before any work
-    lm, tokenizer = load_model(model, device)
-    results = run_on(lm, tokenizer, cfg, methods, seeds, out, preset, model)
-    return {**results, **provenance(device), "model": model, "bases": {model: describe(lm)}}
+class Instructions(Protocol):
+    """The task sequence over instruction tasks on a pretrained model (`bench --protocol sequence` with
+    instruction --tasks and a --model)."""
+    name = "instructions"
+    pretrains = False
+
+    def run(self, ctx: RunContext, methods: list[MethodSpec | str]) -> dict:
+        """Every (method, seed) arm over the instruction tasks `cfg.data.tasks` on the pretrained `ctx.model`."""
+        from forgetless.models.hf import describe, load_model
+        lm, tokenizer = load_model(ctx.model, ctx.device)
+        results = run_on(lm, tokenizer, ctx.cfg, methods, ctx.seeds, ctx.out, ctx.preset, ctx.model)
+        return {**results, **provenance(ctx.device), "model": ctx.model, "bases": {ctx.model: describe(lm)},
+                "precision": ctx.precision}  # as requested (ctx.cfg holds it resolved)
 
 
 def run_on(lm: nn.Module, tokenizer, cfg: RunConfig, methods, seeds: list[int], out: Path, preset: str,
            model: str, scored: str = "both") -> dict:
     """The protocol on a loaded model (each arm adapts its own copy) and its tokenizer; `scored`: which rows
     every arm scores (`scored_on`)."""
+    cfg, precision = settle_precision(cfg, next(lm.parameters()).device)
     built, arms = run_arms_on(lm, tokenizer, cfg, methods, seeds, out, model, scored)
-    return sequence_results(cfg, built, arms, seeds, preset, scored)
+    return {**sequence_results(cfg, built, arms, seeds, preset, scored), "precision": precision}
 
 
 def run_arms_on(lm: nn.Module, tokenizer, cfg: RunConfig, methods, seeds: list[int], out: Path, model: str,
@@ -264,9 +270,9 @@ def learn_task(adapted, t: int, rows: Encoded, stream: Stream, cfg: RunConfig, s
 
 def scores(model: nn.Module, tokenizer, stream: Stream, cfg: RunConfig) -> Scored:
     """Every task's score and scored rows, the held-out tasks', general text (accuracy, PPL, loss per window)
-    and, with validation rows, the R row on them."""
-    general = evaluate(model, stream.general.windows)
-    dev = [100 * evaluate(model, stream.general.dev_windows)["acc"]] + \
+    and, with validation rows, the R row on them; under the training's precision."""
+    general = evaluate(model, stream.general.windows, precision=cfg.adapt.precision)
+    dev = [100 * evaluate(model, stream.general.dev_windows, precision=cfg.adapt.precision)["acc"]] + \
         [score(model, tokenizer, t, cfg)[0] for t in stream.dev] if stream.dev else []
     tasks = [score(model, tokenizer, t, cfg) for t in stream.tasks]
     return Scored([100 * general["acc"]] + [s for s, _ in tasks], [score(model, tokenizer, t, cfg)[0] for t in stream.held_out],
@@ -275,7 +281,8 @@ def scores(model: nn.Module, tokenizer, stream: Stream, cfg: RunConfig) -> Score
 
 def score(model: nn.Module, tokenizer, task: InstructionTask, cfg: RunConfig) -> tuple[float, str]:
     """(the task's score in %, its scored rows as "1"/"0" outcomes in row order)."""
-    hits, _ = task_hits(model, tokenizer, task, cfg.data.test_rows or None, cfg.adapt.batch_size)
+    hits, _ = task_hits(model, tokenizer, task, cfg.data.test_rows or None, cfg.adapt.batch_size,
+                        precision=cfg.adapt.precision)
     return 100.0 * sum(hits) / len(hits), "".join("1" if h else "0" for h in hits)
 
 

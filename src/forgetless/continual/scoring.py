@@ -19,6 +19,7 @@ from forgetless.data.instructions import Example, InstructionTask, head, keep_en
 from forgetless.data.splits import check_length, eval_windows
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import takes_logits_to_keep
+from forgetless.train import autocast
 
 
 # ---- label accuracy --------------------------------------------------------------------------
@@ -153,26 +154,27 @@ def greedy_answers(model: nn.Module, tokenizer, prompts: list[str], max_new_toke
 
 # ---- one task --------------------------------------------------------------------------------
 def score_task(model: nn.Module, tokenizer, task: InstructionTask, rows: int | None = None, batch_size: int = 8,
-               max_new_tokens: int | None = None) -> dict:
+               max_new_tokens: int | None = None, precision: str = "fp32") -> dict:
     """Label accuracy when the task has labels, else exact match (of the answers' first lines when the task
-    says so), on its first `rows` test examples (all when None), in %. Exact match generates up to the
-    longest of those answers (first lines) plus one token unless told."""
-    hits, kind = task_hits(model, tokenizer, task, rows, batch_size, max_new_tokens)
+    says so), on its first `rows` test examples (all when None), in %, the forwards under `precision`'s autocast.
+    Exact match generates up to the longest of those answers (first lines) plus one token unless told."""
+    hits, kind = task_hits(model, tokenizer, task, rows, batch_size, max_new_tokens, precision)
     return {"score": 100.0 * sum(hits) / len(hits), "kind": kind, "rows": len(hits)}
 
 
 def task_hits(model: nn.Module, tokenizer, task: InstructionTask, rows: int | None = None, batch_size: int = 8,
-              max_new_tokens: int | None = None) -> tuple[list[bool], str]:
+              max_new_tokens: int | None = None, precision: str = "fp32") -> tuple[list[bool], str]:
     """(per test row: whether `score_task` counts it right, the score's kind): the outcomes behind the score,
     for intervals over test rows (continual/bootstrap.py)."""
     examples = task.test[:rows]
     if not examples:
         raise ForgetlessError(f"task {task.name} has no test examples to score")
-    if task.labels:
-        return label_hits(model, tokenizer, examples, task.labels, batch_size), "label_accuracy"
-    cut = head if task.first_line else (lambda text: text)
-    longest = max(len(text_ids(tokenizer, cut(ex.answer))) for ex in examples) + 1
-    hits = exact_hits(model, tokenizer, examples, max_new_tokens or longest, batch_size, task.first_line)
+    with autocast(next(model.parameters()).device, precision):
+        if task.labels:
+            return label_hits(model, tokenizer, examples, task.labels, batch_size), "label_accuracy"
+        cut = head if task.first_line else (lambda text: text)
+        longest = max(len(text_ids(tokenizer, cut(ex.answer))) for ex in examples) + 1
+        hits = exact_hits(model, tokenizer, examples, max_new_tokens or longest, batch_size, task.first_line)
     return hits, "first_line_match" if task.first_line else "exact_match"
 
 

@@ -30,12 +30,14 @@ from forgetless.continual import bootstrap
 from forgetless.continual.instruct import (arm_jobs, joined, learn_task, load_stream, run_arms_on, scored_on,
                                            sequence_results)
 from forgetless.continual.plan import saved_arm
-from forgetless.continual.two_domain import build_arms, fresh, mean_nested, provenance
+from forgetless.continual.protocol import build_arms, fresh, provenance
 from forgetless.data.streams import DEFAULT_GRID, HELD_OUT, LR_RULE
 from forgetless.errors import ForgetlessError
 from forgetless.methods import MethodSpec
-from forgetless.presets import RunConfig
-from forgetless.train import StepHooks, autocast
+from forgetless.device import resolve_device
+from forgetless.presets import RunConfig, settle_precision
+from forgetless.stats import mean_nested
+from forgetless.train import StepHooks
 
 TIE = 1e-9  # validation OPs this close are a tie (LR_RULE)
 STUDY_DATA = {"test_rows": 0, "dev_rows": 50}  # every test row; 50 validation rows per task carved from training
@@ -48,13 +50,14 @@ def study_defaults(stream: str) -> dict:
 
 
 def loaded(model: str, device: str, cfg: RunConfig):
-    """(the pretrained model on its device, its tokenizer, the provenance of a results file)."""
-    from forgetless.adapted import resolve_device
+    """(the pretrained model on its device, its tokenizer, `cfg` with its precision settled there, the provenance
+    of a results file)."""
     from forgetless.models.hf import describe, load_model
     device = resolve_device(device)
-    autocast(device, cfg.adapt.precision)  # refuse a precision the device lacks before any work
+    cfg, precision = settle_precision(cfg, device)  # auto resolved; a precision the device lacks refused
     lm, tokenizer = load_model(model, device)
-    return lm, tokenizer, {**provenance(device), "model": model, "bases": {model: describe(lm)}}
+    return lm, tokenizer, cfg, {**provenance(device), "model": model, "bases": {model: describe(lm)},
+                                "precision": precision}
 
 
 # ---- the lr grid ----------------------------------------------------------------------------------

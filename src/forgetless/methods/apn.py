@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -34,6 +33,8 @@ from forgetless.progress import console
 
 PER_PATCH = ("prototypes", "gate_a", "gate_b", "decoders", "offset_in", "offset_out")  # first dim = K
 DECODERS = ("decoders", "offset_in", "offset_out")
+DENSE_PER_ACTIVE = 4  # dispatch=auto: dense up to this many patches per active one (beside SmolLM2, 1 CPU thread,
+                      # 1,600 tokens, r 32: dense took 0.57x sparse's fwd+bwd at K = 11, top 4; 1.8x at K = 32)
 
 
 @dataclass
@@ -61,6 +62,10 @@ class APNMethodConfig(MethodConfig):
     retrofit_size: float = field(default=0.05, metadata={
         "help": "on transformers models: the APNs' parameters as a fraction of the model's (sets apn.n_patches "
                 "unless given)"})
+    dispatch: str = field(default="auto", metadata={
+        "help": "how tokens reach their patches, same values: sparse (pairs sorted and packed), dense (every patch "
+                f"on every token, weight 0 off the top k), auto (dense on a transformers model when n_patches <= "
+                f"{DENSE_PER_ACTIVE} top_k, as its retrofit's few patches, else sparse)"})
 
     def __post_init__(self):
         super().__post_init__()
@@ -73,6 +78,8 @@ class APNMethodConfig(MethodConfig):
         from_dict(APNConfig, self.apn, "apn")  # validate early
         if not self.retrofit_size > 0:
             raise ForgetlessError(f"retrofit_size must be positive, got {self.retrofit_size}")
+        if self.dispatch not in ("auto", "sparse", "dense"):
+            raise ForgetlessError(f"dispatch must be auto, sparse or dense, got {self.dispatch!r}")
 
 
 def apn_modules(model: nn.Module) -> list[APN]:
@@ -95,6 +102,7 @@ def patches_for(d: int, apn_cfg: APNConfig, budget: float) -> int:
 class APNMethod(Method):
     """APN base (APN FFNs pretrained on A); adapt only the patches, as in the source."""
     Config = APNMethodConfig
+    order = 50
     default_for = ("two-domain",)  # APN bases are costly; run them in a sequence with --methods apn,...
 
     def __init__(self, cfg: APNMethodConfig):
@@ -135,7 +143,15 @@ class APNMethod(Method):
         for m in apn_modules(model):
             m.record = needs_routing or self.cfg.gate_on == "router"
             m.update_gate = (self.cfg.gate_min, self.cfg.gate_max) if self.cfg.gate_on == "router" else None
+            m.dense = self.dense(model, m)
         return model
+
+    def dense(self, model, m: APN) -> bool:
+        """Whether `m` runs every patch on every token (option dispatch); auto: a transformers retrofit with few
+        patches (forgetless's own APN bases keep the sparse dispatch they were measured with)."""
+        if self.cfg.dispatch != "auto":
+            return self.cfg.dispatch == "dense"
+        return not isinstance(model, GPT) and m.cfg.n_patches <= DENSE_PER_ACTIVE * m.cfg.top_k
 
     def retrofit_config(self, model, targets) -> APNConfig:
         """The APN options beside `targets`: on a transformers model, n_patches (unless given) sized so all
@@ -148,9 +164,9 @@ class APNMethod(Method):
 
     def trainable_parameters(self, model):
         return [(f"{prefix}.{name}", p) for prefix, m in model.named_modules() if isinstance(m, APN)
-                for name, p in m.named_parameters() if self.trains(name)]
+                for name, p in m.named_parameters() if self.trains_tensor(name)]
 
-    def trains(self, name: str) -> bool:
+    def trains_tensor(self, name: str) -> bool:
         if self.cfg.decoders_only and name not in DECODERS:
             return False
         if name in ("prototypes", "route_proj.weight") and not self.cfg.train_prototypes:
@@ -270,90 +286,18 @@ class APNMethod(Method):
     def report(self, model, windows_a, windows_b):
         return {**routing_report(model, windows_a, windows_b), "allocations": self.allocations}
 
-    @classmethod
-    def figures(cls, results, labels, folder):
-        drawn = [(name, draw(results, labels, folder / name)) for name, draw in
-                 (("routing_monitors.png", monitor_curves), ("routing_overlap.png", routing_histograms))]
-        return [folder / name for name, ok in drawn if ok]
 
-
-MONITORS = [("usage_entropy", "patch-usage entropy / log K"), ("confidence", "router confidence (max cos)"),
-            ("residual_ratio", "||APN(x)|| / ||x||")]
-
-
-def monitor_curves(results: dict, labels: list[str], path: Path) -> bool:
-    """Routing monitors on B during adaptation (dashed: the base's pretraining, on A)."""
-    from forgetless.report.figures import colors, plt, save
-    methods = {n: results["methods"][n] for n in labels if "usage_entropy_b" in results["methods"][n].get("curves", {})}
-    bases = {n: b for n, b in results.get("bases", {}).items() if b.get("evals") and "usage_entropy" in b["evals"][-1]}
-    if not methods and not bases:
-        return False
-    color = colors(list(results["methods"]))
-    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
-    for col, (key, label) in enumerate(MONITORS):
-        for name, m in methods.items():
-            axes[0, col].plot(m["curves"]["step"], m["curves"][f"{key}_b"]["mean"], marker=".", color=color[name], label=name)
-        axes[0, col].set_title(f"adaptation: {label} on B", fontsize=9)
-        axes[0, col].set_xlabel("adaptation step")
-        for name, b in bases.items():
-            evals = [e for e in b["evals"] if key in e]
-            axes[1, col].plot([e["step"] for e in evals], [e[key] for e in evals], ls="--", marker=".", label=f"base {name}")
-        axes[1, col].set_title(f"pretraining: {label} on A", fontsize=9)
-        axes[1, col].set_xlabel("pretraining step")
-    for ax in axes[:, 0]:
-        if ax.get_legend_handles_labels()[0]:  # a retrofit has no APN base whose pretraining to show
-            ax.legend(fontsize=7)
-    save(fig, path, dpi=100)
-    return True
-
-
-def routing_histograms(results: dict, labels: list[str], path: Path) -> bool:
-    """Per APN arm: active-set overlap of token pairs (A-A reference, A-B before/after adaptation)
-    and the router-confidence distribution on A and B ("before" only where the arm reported it)."""
-    from forgetless.report.figures import plt, save
-    methods = {n: results["methods"][n] for n in labels
-               if results["methods"][n].get("report", {}).get("after", {}).get("overlap_ab")}
-    if not methods:
-        return False
-    fig, axes = plt.subplots(2, len(methods), figsize=(4 * len(methods), 7), squeeze=False)
-    for col, (name, m) in enumerate(methods.items()):
-        after = m["report"]["after"]
-        before = m["report"].get("before") or after
-        k = len(after["overlap_ab"]) - 1
-        x = list(range(k + 1))
-        width = 0.27
-        ax = axes[0, col]
-        ax.bar([i - width for i in x], before["overlap_aa"], width, label="A-A pairs, before")
-        ax.bar(x, before["overlap_ab"], width, label="A-B pairs, before")
-        ax.bar([i + width for i in x], after["overlap_ab"], width, label="A-B pairs, after")
-        ax.set_xticks(x)
-        ax.set_xlabel(f"shared active patches (of k={k})")
-        ax.set_title(f"{name}: active-set overlap", fontsize=9)
-        ax.legend(fontsize=7)
-        ax = axes[1, col]
-        edges = after["confidence_bins"]
-        mids = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
-        for when, rep, ls in (("before", before, "--"), ("after", after, "-"))[int(before is after):]:
-            ax.plot(mids, rep["confidence_a"], ls=ls, color="tab:blue", label=f"A, {when}")
-            ax.plot(mids, rep["confidence_b"], ls=ls, color="tab:red", label=f"B, {when}")
-        ax.set_xlabel("router confidence (max cosine to a prototype)")
-        ax.set_title(f"{name}: confidence distribution", fontsize=9)
-        ax.legend(fontsize=7)
-    save(fig, path, dpi=100)
-    return True
-
-
-def arm(name: str, doc: str, **defaults):
-    """Register an APN arm: the same method with other defaults."""
+def arm(name: str, order: int, doc: str, **defaults):
+    """Register an APN arm: the same method with other defaults, at `order` in tables."""
     fields_ = [(k, type(v), field(default=v)) for k, v in defaults.items()]
     config = dataclasses.make_dataclass(f"{name.title().replace('-', '')}Config", fields_, bases=(APNMethodConfig,))
-    cls = type(name.title().replace("-", ""), (APNMethod,), {"Config": config, "__doc__": doc})
+    cls = type(name.title().replace("-", ""), (APNMethod,), {"Config": config, "__doc__": doc, "order": order})
     return register_method(name)(cls)
 
 
-arm("apn-local", "APN base; only active patches update, with per-patch norm caps and router-confidence gating",
+arm("apn-local", 51, "APN base; only active patches update, with per-patch norm caps and router-confidence gating",
     local=True, norm_cap=0.5, gate_on="router", gate_min=0.3)
-arm("apn-param-matched", "APN base with n_patches chosen so its parameters match the dense base",
+arm("apn-param-matched", 52, "APN base with n_patches chosen so its parameters match the dense base",
     param_matched=True)
-arm("apn-retrofit", "APN beside every FFN of the trained dense base; only routing and patches train",
+arm("apn-retrofit", 53, "APN beside every FFN of the trained dense base; only routing and patches train",
     retrofit=True, lr=1e-3)

@@ -13,6 +13,7 @@ Source: Nested Learning: The Illusion of Deep Learning Architectures (Behrouz, R
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -20,10 +21,11 @@ import torch.nn.functional as F
 
 from forgetless.errors import ForgetlessError
 from forgetless.methods.base import Method, MethodConfig, find_ffns, put_beside, register_method
+from forgetless.methods.cms import ALIGN, aligned
 from forgetless.models.gpt import GPT, GPTConfig, logits_of
 from forgetless.nn.adapter import input_width, n_params, width_for
 from forgetless.nn.hope import HOPE, HopeConfig
-from forgetless.nn.titans import NeuralMemory
+from forgetless.nn.titans import NeuralMemory, check_scan
 
 
 @dataclass
@@ -41,11 +43,18 @@ class HopeMethodConfig(MethodConfig, HopeConfig):
         "help": "recompute each memory's forward in backward instead of keeping its per-chunk weights: one "
                 "layer's at a time (batch 8 x 200 beside SmolLM2's 30 MLPs with model-wide memories, width=576: "
                 "tens of GB otherwise; little at a retrofit's default width); same values"})
+    scan: str = field(default="parallel", metadata={
+        "help": "how each memory runs its chunks: parallel (each chunk's surprise and write in one pass without a "
+                "graph, its adjoint written out for backward; the gates' coefficients and the reads batched over "
+                "the chunks) or sequential (one chunk at a time in the graph: the reference, and the form of "
+                "results before 2026-11-26); the same math, equal to float rounding. backprop_writes always runs "
+                "sequential"})
 
     def __post_init__(self):
         super().__post_init__()
         if not self.retrofit_size > 0:
             raise ForgetlessError(f"hope retrofit_size must be positive, got {self.retrofit_size}")
+        check_scan(self.scan, "hope")
 
 
 def slots(model) -> list[tuple[str, HOPE]]:
@@ -56,6 +65,7 @@ def slots(model) -> list[tuple[str, HOPE]]:
 class HopeMethod(Method):
     """HOPE base (FFN = Titans memory + CMS levels); the slots adapt, the memory writes at test time."""
     Config = HopeMethodConfig
+    order = 102
     default_for = ()
 
     def hope_options(self) -> HopeConfig:
@@ -76,13 +86,13 @@ class HopeMethod(Method):
         set_writes(model, self.cfg.writes)
         for m in model.modules():
             if isinstance(m, NeuralMemory):
-                m.checkpoint = self.cfg.checkpoint
+                m.checkpoint, m.scan = self.cfg.checkpoint, self.cfg.scan
         return model
 
     def retrofit(self, model):
         """A HOPE slot beside every target MLP, its memory and levels' output projections at zero. Each slot gets
         `retrofit_size` of the model's parameters over the number of slots: about half to the memory (its width,
-        a multiple of heads; the block's width d with self_modify), the rest to the CMS levels."""
+        a multiple of heads; the block's width d with self_modify), the rest to the CMS levels; widths `aligned`."""
         opts = self.hope_options()
         if not opts.attention:
             raise ForgetlessError(f"hope attention=false needs a forgetless GPT; {type(model).__name__} keeps its "
@@ -93,7 +103,7 @@ class HopeMethod(Method):
             d = input_width(mlp)
             slot = opts if opts.width or opts.self_modify else dataclasses.replace(
                 opts, width=memory_width(d, opts, budget / 2))
-            width = opts.level_hidden or width_for(lambda w: n_params(HOPE(d, w, slot)), budget)
+            width = opts.level_hidden or aligned(width_for(lambda w: n_params(HOPE(d, w, slot)), budget))
             put_beside(model, name, mlp, HOPE(d, width, slot, zero_out=True))
 
     def trainable_parameters(self, model):
@@ -112,10 +122,11 @@ class HopeMethod(Method):
 
 
 def memory_width(d: int, opts: HopeConfig, budget: float) -> int:
-    """The memory width (a multiple of heads, at most d) whose memory has about `budget` parameters."""
+    """The memory width (a multiple of heads, `aligned` to a multiple of 16 too, at most d) whose memory has about
+    `budget` parameters."""
     heads = opts.heads
     n = width_for(lambda n: n_params(NeuralMemory(d, dataclasses.replace(opts, width=n * heads))), budget)
-    return heads * min(n, d // heads)
+    return min(aligned(heads * n, math.lcm(ALIGN, heads)), heads * (d // heads))
 
 
 def set_writes(model, writes: bool):

@@ -9,7 +9,8 @@
 
 Tokens are dispatched sparsely: (token, patch) pairs are sorted by patch and packed into a
 (K, capacity, r) buffer, so every decoder runs as one batched matmul and no per-token copy of
-U is ever made.
+U is ever made. With few patches (a retrofit's K = 11 beside SmolLM2's MLPs) `dense = True` runs every
+patch on every token instead, weights 0 off the top k: one plain matmul, no sorting or packing.
 
 Source: Attractor Patch Networks: Reducing Catastrophic Forgetting with Routed Low-Rank Patch Experts.
 """
@@ -26,6 +27,7 @@ from forgetless import distributed
 from forgetless.config import from_dict
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPTConfig, recorded_forward, register_ffn
+from forgetless.side import AuxLoss, Monitored
 
 
 @dataclass
@@ -65,7 +67,8 @@ class Routing:
     residual_ratio: float     # mean ||APN(x)|| / ||x||
 
 
-class APN(nn.Module):
+class APN(AuxLoss, Monitored, nn.Module):
+    """aux_loss: the routing regularizer of the last training forward; with `record` on, `last_routing`."""
     def __init__(self, d: int, cfg: APNConfig, out_std: float = 0.02):
         super().__init__()
         self.cfg, self.d = cfg, d
@@ -84,11 +87,10 @@ class APN(nn.Module):
             self.base_decoder = nn.Parameter(torch.randn(r, d) * out_std)        # U_0^T: (r, d)
             self.offset_in = nn.Parameter(torch.randn(K, r, q) / math.sqrt(r))   # B_i: (K, r, q)
             self.offset_out = nn.Parameter(torch.zeros(K, q, d))                 # A_i^T: (K, q, d)
-        self.aux_loss: torch.Tensor | None = None
         self.train_route: tuple[torch.Tensor, torch.Tensor] | None = None  # (index, weight) of the last training forward
-        self.last_routing: Routing | None = None
-        self.record = False  # keep `last_routing` after each forward (monitors, continual knobs)
+        self.last_routing: Routing | None = None  # kept while `record` is on (monitors, continual knobs)
         self.update_gate: tuple[float, float] | None = None  # train only tokens with confidence in range
+        self.dense = False  # dense_dispatch instead of dispatch (same values; set by methods.apn for few patches)
 
     def route(self, x: torch.Tensor):  # x: (N, d)
         h = self.route_proj(x) if self.route_proj is not None else x
@@ -112,7 +114,7 @@ class APN(nn.Module):
             keep = torch.rand_like(weight) >= self.cfg.patch_dropout
             weight = weight * keep / (1 - self.cfg.patch_dropout)
         u = x @ self.code                                                        # (N, r)
-        out = self.cfg.gamma * self.dispatch(u, index, weight)                   # (N, d)
+        out = self.cfg.gamma * (self.dense_dispatch if self.dense else self.dispatch)(u, index, weight)  # (N, d)
         if trains is not None:  # same output, no gradient outside the range
             out = torch.where(trains.unsqueeze(1), out, out.detach())
         if self.record:
@@ -157,6 +159,18 @@ class APN(nn.Module):
             mixed = u.new_zeros(N, r).index_add(0, token, phi)                   # (N, r) sum_i w_i phi_i
             out = out + mixed @ self.base_decoder
         return out
+
+    def dense_dispatch(self, u: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The same sum over all K patches at once, the inactive ones weighted 0: one (N, K r) x (K r, d) product
+        instead of sorting and packing pairs. K / k times the multiply-adds, so faster only for few patches."""
+        N, K = u.shape[0], self.cfg.n_patches
+        w = weight.new_zeros(N, K).scatter(1, index, weight)                    # (N, K), 0 off the top k
+        u3 = u.unsqueeze(1)                                                      # (N, 1, r)
+        phi = u3 * torch.sigmoid(self.gate_a * u3 + self.gate_b) * w.unsqueeze(2)  # (N, K, r) w_i phi_i
+        if self.cfg.decoder == "full":
+            return phi.flatten(1) @ self.decoders.flatten(0, 1)                  # (N, d)
+        low = torch.einsum("nkr,krq->nkq", phi, self.offset_in)                 # (N, K, q)
+        return low.flatten(1) @ self.offset_out.flatten(0, 1) + phi.sum(1) @ self.base_decoder
 
     def regularizer(self, index, weight, trains: torch.Tensor | None = None) -> torch.Tensor | None:
         """Load balancing on the routing mass per patch, plus the optional entropy term, over the

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from forgetless.config import from_dict
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPTConfig, register_ffn
+from forgetless.side import LoopHooks
 from forgetless.train import StepHooks
 
 ACCUMULATE = ("grads", "updates")
@@ -68,20 +69,22 @@ class ChunkedUpdates(StepHooks):
     optimizer's per-step updates, each computed at the unchanged weights. Works with any optimizer."""
 
     def __init__(self, model: nn.Module, params: list[tuple[str, nn.Parameter]]):
-        owner = {id(p): m for m in model.modules() if getattr(m, "update_period", 1) > 1 for p in m.parameters()}
+        owner = {id(p): m for m in model.modules() if isinstance(m, Level) and m.update_period > 1 for p in m.parameters()}
         self.slow = [(name, p, owner[id(p)].update_period, owner[id(p)].accumulate)
                      for name, p in params if id(p) in owner]
         self.gathered = {name: torch.zeros_like(p) for name, p, _, _ in self.slow}
         self.before: dict[str, torch.Tensor] = {}
 
     def before_step(self, model, optimizer, step: int, last: bool):
-        """After backward: hold back the gradients of levels between their boundaries."""
+        """After backward: hold back the gradients of levels between their boundaries (gathered in one fused add:
+        a retrofit beside 30 MLPs has 540 such tensors)."""
+        held = [(name, p.grad) for name, p, _, accumulate in self.slow if accumulate == "grads" and p.grad is not None]
+        if held:
+            torch._foreach_add_([self.gathered[name] for name, _ in held], [grad for _, grad in held])
         for name, p, period, accumulate in self.slow:
             if accumulate == "updates":
                 self.before[name] = p.detach().clone()
                 continue
-            if p.grad is not None:
-                self.gathered[name] += p.grad
             boundary = step % period == 0 or last
             p.grad = self.gathered[name] if boundary else None
             if boundary:
@@ -107,7 +110,7 @@ class ChunkedUpdates(StepHooks):
                 self.gathered[name] = tensors[name].clone()
 
 
-class CMS(nn.Module):
+class CMS(LoopHooks, nn.Module):
     """The chain of levels: `cms_ffn(cfg)` as a GPT's FFN, `CMS(d, hidden, opts, ...)` anywhere else
     (e.g. beside a pretrained model's MLP, with `zero_out=True` so it starts as a no-op)."""
 

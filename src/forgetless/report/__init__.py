@@ -7,12 +7,15 @@ from pathlib import Path
 from forgetless import distributed
 from forgetless.checkpoint import write_json
 from forgetless.report import figures as drawing
-from forgetless.report.figures import method_figures, r_heatmaps, write_figures
-from forgetless.report.online import online_figure, online_markdown, online_tradeoff, write_online_csv
+from forgetless.report.diagnostics import method_figures
+from forgetless.report.figures import r_heatmaps, write_figures
+from forgetless.report.online import (online_figure, online_markdown, online_terminal_rows, online_tradeoff,
+                                      write_online_csv)
 from forgetless.report.frontier import (curves, frontier_figure, frontier_markdown, matched, matched_markdown,
                                         operating_points)
 from forgetless.report.study import op_vs_bwt, study_markdown
-from forgetless.report.tables import markdown, sequence_markdown, write_csv, write_sequence_csv
+from forgetless.report.tables import (markdown, sequence_markdown, sequence_terminal_rows, terminal_rows, write_csv,
+                                      write_sequence_csv)
 
 
 def write_report(results: dict, out: Path, figures: bool = True) -> list[Path]:
@@ -56,7 +59,7 @@ def write_report(results: dict, out: Path, figures: bool = True) -> list[Path]:
         r_heatmaps(results, out / "r_matrix.png")
         figures = [out / "r_matrix.png", *method_figures(results, out)]
     else:
-        figures = write_figures(results, out)
+        figures = [*write_figures(results, out), *method_figures(results, out)]
     if frontier_figure(results, out / "frontier.png"):
         figures.append(out / "frontier.png")
     return [*tables, *figures]
@@ -84,3 +87,19 @@ def skipped(files: list[Path]) -> list[Path]:
     from forgetless.progress import console
     console.print(drawing.PLOTS_MISSING, markup=False, highlight=False, soft_wrap=True)
     return files
+
+
+def terminal_table(results: dict, title: str, caption: str):
+    """The rich table `forgetless bench` prints: the terminal columns of either protocol."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    rows_of = {"two-domain": terminal_rows, "sequence": sequence_terminal_rows, "online": online_terminal_rows}
+    heads, body = rows_of[results["protocol"]](results)
+    table = Table(title=title, caption=caption)
+    for h in heads:  # a long method label folds onto a second line; numbers never do
+        table.add_column(h, justify="left" if h == "method" else "right", no_wrap=h != "method",
+                         overflow="fold" if h == "method" else "ellipsis")
+    for r in body:
+        table.add_row(*map(escape, r))  # method specs such as ewc[lam=1e4] look like markup
+    return table
