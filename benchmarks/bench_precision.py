@@ -12,10 +12,10 @@ Four measurements, bf16 autocast (over fp32 weights, as `--precision bf16` runs)
   PPL: the standard error of the mean window loss, from the base model's per-window losses).
 
 Step and forward alternate fp32, bf16, fp32, bf16 ... (ABAB, `--repeats` pairs of `--iters` calls after one
-warm-up call each); each reports the median ms per call, its min and max over the repeats, and the peak RSS above the
-process's resident size at its start (CUDA: the allocator's peak). Where bf16 is not native (a CPU without AVX-512
-BF16 or AMX: emulated, about 100x slower), the script times 2 repeats of 1 call (bf16 without warm-up), says that `--precision auto`
-picks fp32 there, and skips the arm and the metric check (hours) unless `--force`.
+warm-up call each); each reports the median ms per call, its min and max over the repeats, and the peak RSS above
+the process's resident size at its start (CUDA: the allocator's peak). Where bf16 is not native (a CPU without
+AVX-512 BF16 or AMX: emulated, about 100x slower), the script times 2 repeats of 1 call (bf16 without warm-up),
+says that `--precision auto` picks fp32 there, and skips the arm and the metric check (hours) unless `--force`.
 
     python benchmarks/bench_precision.py [--threads 1] [--device cpu|cuda] [--model smollm2-135m|hf:PATH|random]
         [--repeats 5] [--iters 3] [--force] [--quick]
@@ -140,8 +140,8 @@ def interleaved(calls: dict, repeats: int, iters: int, device: torch.device, war
             peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else memory.peak_mb - start
             peaks[label] = max(peaks[label], peak)
     return {label: {"median_ms": round(statistics.median(ms), 2), "min_ms": round(min(ms), 2),
-                    "max_ms": round(max(ms), 2), "runs_ms": [round(m, 2) for m in ms], "peak_mb": round(peaks[label], 1)}
-            for label, ms in runs.items()}
+                    "max_ms": round(max(ms), 2), "runs_ms": [round(m, 2) for m in ms],
+                    "peak_mb": round(peaks[label], 1)} for label, ms in runs.items()}
 
 
 def ratio(timed: dict) -> dict:
@@ -196,14 +196,15 @@ def main():
     lm.eval()
     print(f"{about} on {device}, {args.threads} thread(s); --precision auto picks {auto} here ({why})", flush=True)
 
-    ids = torch.randint(0, tokenizer.vocab_size, (args.batch, args.tokens + 1), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, tokenizer.vocab_size, (args.batch, args.tokens + 1),
+                        generator=torch.Generator().manual_seed(0))  # (B, T+1)
     batch, windows = Batch.of(ids.to(device)), ids
     steps, targets = {}, None
     for precision in ("fp32", "bf16"):
         steps[precision], targets = training_step(lm, batch, precision)
     step = ratio(interleaved(steps, repeats, iters, device, warm))
-    print(f"step ({args.batch} x {args.tokens}, lora on {','.join(targets)}): bf16/fp32 = {step['ratio']:.3f} "
-          f"(pairs {step['pair_ratios']}; fp32 {step['fp32']['median_ms']:.1f} ms, bf16 {step['bf16']['median_ms']:.1f} ms)",
+    print(f"step ({args.batch} x {args.tokens}, lora on {','.join(targets)}): bf16/fp32 = {step['ratio']:.3f} (pairs "
+          f"{step['pair_ratios']}; fp32 {step['fp32']['median_ms']:.1f} ms, bf16 {step['bf16']['median_ms']:.1f} ms)",
           flush=True)
     forward = ratio(interleaved({p: (lambda p=p: evaluate(lm, windows, args.batch, precision=p))
                                  for p in ("fp32", "bf16")}, repeats, iters, device, warm))
