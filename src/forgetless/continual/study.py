@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import datetime
 import functools
+import gc
 import statistics
 import time
 from fractions import Fraction
@@ -283,6 +284,8 @@ def method_seconds(lm, stream, cfg: RunConfig, method, timed_steps: int) -> tupl
     learn_task(adapted, 1, joined(stream.train), stream, short, 0, timer)
     wall = time.perf_counter() - t0
     step_s = (timer.ends[-1] - timer.ends[0]) / timed_steps
+    del adapted, model
+    gc.collect()  # the copy and the method's tensors (reference cycles through hooks) go before the next method's
     return step_s, max(0.0, wall - (timed_steps + 1) * step_s), attach_s
 
 
