@@ -26,7 +26,7 @@ from _timing import provenance
 
 from forgetless import distributed
 from forgetless.checkpoint import write_json
-from forgetless.continual.evaluate import training_loss
+from forgetless.loss import training_loss
 from forgetless.data.corpora import load_corpus
 from forgetless.data.splits import Sampler, join
 from forgetless.data.tokenizers import ByteTokenizer

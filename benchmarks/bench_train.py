@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from _timing import provenance
 
-from forgetless.continual.evaluate import training_loss
+from forgetless.loss import training_loss
 from forgetless.data.corpora import load_corpus
 from forgetless.data.splits import Sampler, join
 from forgetless.data.tokenizers import ByteTokenizer

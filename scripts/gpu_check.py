@@ -5,7 +5,9 @@
 Steps: install the wheels carried in .whl/ (bash scripts/gpu-wheels.sh downloads them) into /tmp/site; the
 device and the optional packages; the `cuda` test marker; a two-domain smoke bench on CUDA and on the CPU
 (side by side, their metrics compared); bench_apn at the paper preset's size; bench_real on a random
-Llama 3.2 1B in bf16 (every method vs PEFT LoRA); bench_titans at 4k/16k and at 64k tokens. A step that
+Llama 3.2 1B in bf16 (every method vs PEFT LoRA); bench_precision (bf16 vs fp32: a LoRA step, a scoring forward,
+a smoke-stream arm and its metrics, on a random Llama of SmolLM2-135M's shape: the wheel is over what a call
+carries); bench_titans at 4k/16k and at 64k tokens. A step that
 fails or runs out of time is recorded and the next one runs; no step starts past the budget. Writes
 gpu-check-<card>.json, .md and .log under $OUT if set, else runs/gpu-check/. With --dry-run every step runs
 a tiny version of itself on the CPU (seconds), which checks the commands, the scripts and the report.
@@ -121,6 +123,7 @@ def plan(dry: bool, work: Path) -> dict[str, Step]:
     titans_4k = [*titans, "--contexts", "4096,16384", "--repeats", "2"]
     titans_64k = [*titans, "--contexts", "65536", "--repeats", "1"]
     apn = ["benchmarks/bench_apn.py", "--device", device, "--sizes", "paper,seed", "--repeats", "5", "--iters", "3"]
+    precision = ["benchmarks/bench_precision.py", "--device", device, "--model", "random", "--force"]
     if dry:
         text = work / "play.txt"
         text.write_text("".join(f"ROMEO:\nO speak again, bright angel, line {i}.\n" for i in range(600)))
@@ -133,6 +136,7 @@ def plan(dry: bool, work: Path) -> dict[str, Step]:
         titans_4k = titans_64k = [*titans[:3], "--tokens", "32", "--contexts", "16", "--d", "32", "--chunk", "8",
                                   "--repeats", "1", "--iters", "1"]
         apn = [*apn[:4], "quick", "--repeats", "1", "--iters", "1"]
+        precision = [*precision[:3], "--quick", "--force", "--repeats", "1", "--threads", "1"]
     steps = [
         Step("wheels", python(*(install if wheels and not dry else listing)), 60),
         Step("device", python(__file__, "--device-info"), 30),
@@ -145,6 +149,7 @@ def plan(dry: bool, work: Path) -> dict[str, Step]:
         Step("smoke-compare", python(__file__, "--compare", str(work / "smoke-cpu"), str(work / "smoke-cuda")), 30),
         Step("apn", python(*apn), 30),
         Step("bench-real", python(*real), 100),
+        Step("precision", python(*precision), 60),
         Step("titans", python(*titans_4k), 60),
         Step("titans-64k", python(*titans_64k), 90),  # last: what is left of the budget
     ]
@@ -240,6 +245,8 @@ def main() -> int:
     paths = [str(ROOT / "src")] + ([str(SITE)] if not args.dry_run else []) + [os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths)), "PYTHONUNBUFFERED": "1",
            "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "MPLBACKEND": "Agg"}
+    if (ROOT / ".whl" / "cl500").is_dir() and "FORGETLESS_CL500" not in env:  # carried by gpu-wheels.sh
+        env["FORGETLESS_CL500"] = str(ROOT / ".whl" / "cl500")
 
     def run(step: Step, background: bool = False):
         """Start `step` with what is left of the budget as its limit, if under its own; wait unless `background`."""
@@ -278,7 +285,7 @@ def main() -> int:
             done(steps["smoke-cpu"])  # before the timed benchmarks, which want the machine to themselves
     if steps["smoke-cpu"].status == "ok" and steps["smoke-cuda"].status == "ok":
         run(steps["smoke-compare"])
-    for name in ("apn", "bench-real", "titans", "titans-64k"):
+    for name in ("apn", "bench-real", "precision", "titans", "titans-64k"):
         if steps["device"].status == "ok" and steps[name].status == "not run":
             run(steps[name])
     for step in steps.values():

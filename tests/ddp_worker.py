@@ -16,7 +16,8 @@ import torch
 
 from forgetless import attach, distributed
 from forgetless.checkpoint import save_checkpoint
-from forgetless.continual.evaluate import evaluate, training_loss
+from forgetless.continual.evaluate import evaluate
+from forgetless.loss import training_loss
 from forgetless.data.splits import Batch, Sampler, eval_windows
 from forgetless.methods.base import parse_method_specs
 from forgetless.models.gpt import GPT, GPTConfig

@@ -3,7 +3,8 @@ import torch
 import torch.nn.functional as F
 
 from forgetless.errors import ForgetlessError
-from forgetless.models.gpt import GPT, GPTConfig, aux_loss
+from forgetless.models.gpt import GPT, GPTConfig
+from forgetless.side import aux_loss
 from forgetless.nn.apn import APN, APNConfig
 
 VARIANTS = [{}, {"gate": "scalar"}, {"decoder": "shared"}, {"route_dim": 8}]

@@ -12,7 +12,7 @@ from forgetless.aunn.model import AUNN, AUNNConfig, count_params, match_width
 from forgetless.aunn.train import Learner, AUNNTrainConfig, build_learner, fit, schedule
 from forgetless.aunn.use import condition, generate, load_learner, prequential, save_learner
 from forgetless.checkpoint import save_checkpoint
-from forgetless.continual.evaluate import training_loss
+from forgetless.loss import training_loss
 from forgetless.data.splits import Sampler
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPT, GPTConfig

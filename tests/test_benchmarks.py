@@ -1,5 +1,6 @@
-"""The harness benchmark runs a real (smoke) bench and accounts for its time; bench_real times every method
-interleaved with its own LoRA baseline."""
+"""The harness benchmark runs a real (smoke) bench and accounts for its time; the precision benchmark times bf16
+against fp32 and checks the metrics (tiny model); bench_real times every method interleaved with its own LoRA
+baseline."""
 import json
 import statistics
 import subprocess
@@ -89,3 +90,33 @@ def test_reproduce_publishes_the_table_and_only_the_figures_the_docs_show(tmp_pa
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in (tmp_path / "docs" / "figures" / "sec").iterdir()) == ["readme.png", "results.md", "shown.png"]
+
+
+def test_bench_precision_quick_times_both_precisions_and_checks_the_metrics():
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_precision.py"), "--quick", "--force",
+                          "--threads", "1", "--repeats", "1"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    line = json.loads(run.stdout.strip().splitlines()[-1])
+    assert line["config"]["targets"] == ["q_proj", "v_proj"] and line["config"]["threads"] == 1
+    for part in ("step", "forward"):
+        timed = line[part]
+        assert timed["fp32"]["median_ms"] > 0 and timed["bf16"]["median_ms"] > 0
+        assert timed["ratio"] == pytest.approx(timed["bf16"]["median_ms"] / timed["fp32"]["median_ms"], rel=1e-2)
+    assert line["arm"]["fp32_s"] > 0 and line["arm"]["bf16_s"] > 0 and line["arm"]["bf16_peak_rss_mb"] > 0
+    check = line["metric_check"]
+    assert check["cells"] == len(check["r_cells"]) + len(check["general_ppl"]) == 4 + 2  # R 2x2, PPL before/after
+    assert check["max_z"] == max(c["z"] for c in check["r_cells"] + check["general_ppl"])
+    assert f"--precision auto picks {line['auto']['used']} here" in run.stdout
+
+
+def test_bench_precision_skips_the_arm_where_bf16_is_emulated(monkeypatch, capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_precision
+    monkeypatch.setattr(bench_precision, "resolve_precision", lambda precision, device: ("fp32", "auto: test"))
+    monkeypatch.setattr(sys, "argv", ["bench_precision.py", "--quick", "--threads", "1", "--tokens", "16"])
+    bench_precision.main()
+    out = capsys.readouterr().out
+    line = json.loads(out.strip().splitlines()[-1])
+    assert line["config"]["repeats"] == 2 and line["config"]["iters"] == 1  # few calls where bf16 is emulated
+    assert "emulated" in line["arm"]["skipped"] and line["metric_check"] == line["arm"]
+    assert "arm and metric check skipped: bf16 is emulated" in out and "auto picks fp32 here" in out

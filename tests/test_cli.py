@@ -82,7 +82,7 @@ def test_bench_table_fits_100_columns(smoke_run):
     longest method labels; results.md has every column."""
     from rich.console import Console
 
-    from forgetless.report.tables import terminal_table
+    from forgetless.report import terminal_table
     out, _ = smoke_run
     results = json.loads((out / "results.json").read_text())
     results["methods"]["cms[periods=1,1,1,1;accumulate=updates]"] = next(iter(results["methods"].values()))
@@ -200,7 +200,7 @@ def test_out_naming_a_file_and_unavailable_devices_are_one_line_errors(tmp_path,
     (["bench", "--domain-a", "no-such-corpus"], "unknown corpus 'no-such-corpus'"),
     (["bench", "--preset", "huge"], "unknown preset 'huge'; valid: smoke, first, quick, paper"),
     (["bench", "--seeds", "0"], "--seeds must be positive"),
-    (["bench", "--protocol", "three"], "unknown protocol 'three'; valid: two-domain, sequence"),
+    (["bench", "--protocol", "three"], "unknown protocol 'three'; valid: online, sequence, two-domain"),
     (["bench", "--model-n-layer", "0"], "model.n_layer must be positive"),
     (["bench", "--adapt-lr", "fast"], "adapt.lr: cannot read 'fast' as float"),
     (["bench", "--set", "lora.rank=4", "--preset", "smoke"], "unknown config key methods.lora.rank"),
@@ -515,16 +515,15 @@ def test_bench_prints_its_plan_first(tmp_path, text_file, monkeypatch):
 def test_bench_defaults_to_the_first_run(args, preset, methods, tmp_path, monkeypatch):
     """`forgetless bench` alone runs the `first` preset's short list; --methods all (or a preset without a
     list) runs the protocol's whole set."""
-    from forgetless.continual import online, sequence, two_domain
+    from forgetless.continual import protocols
     from forgetless.methods import method_names
     seen = {}
 
-    def capture(cfg, specs, seeds, out, preset, *rest):
-        seen.update(preset=preset, methods=[s.label for s in specs], steps=cfg.pretrain.steps)
+    def capture(self, ctx, specs):
+        seen.update(preset=ctx.preset, methods=[s.label for s in specs], steps=ctx.cfg.pretrain.steps)
         raise ForgetlessError("captured")
-    monkeypatch.setattr(two_domain, "run_two_domain", capture)
-    monkeypatch.setattr(sequence, "run_sequence", capture)
-    monkeypatch.setattr(online, "run_online", capture)
+    for protocol in protocols().values():
+        monkeypatch.setattr(type(protocol), "run", capture)
     result = invoke("bench", "--out", tmp_path, *args)
     assert result.exit_code == 2 and "captured" in result.output
     protocol = "sequence" if "sequence" in args else "two-domain"
@@ -603,6 +602,20 @@ def test_bench_help_shows_the_arm_example_whole(monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     result = invoke("bench", "--help")
     assert result.exit_code == 0 and "'lora,lora[r=16]'" in result.output
+
+
+def test_bench_help_lists_each_setting_once_in_panels(monkeypatch):
+    """--domain-a, --domain-b, --tasks and --mix are shown, their long twins (--data-domain-a, ...) hidden but
+    still taken; the options are grouped in panels."""
+    monkeypatch.setenv("COLUMNS", "200")
+    text = invoke("bench", "--help").output
+    flags = [word for word in text.split() if word.startswith("--")]
+    assert all(flags.count(flag) == 1 for flag in ("--domain-a", "--domain-b", "--tasks", "--mix", "--methods"))
+    assert not {"--data-domain-a", "--data-domain-b", "--data-tasks", "--adapt-mix"} & set(flags)
+    assert all(panel in text for panel in ("─ run ", "─ arms: methods, seeds, sweeps ", "─ data ", "─ model and compute "))
+    for hidden in ("--data-domain-a", "--data-domain-b", "--data-tasks", "--adapt-mix"):  # parsed: the seeds check speaks
+        result = invoke("bench", hidden, "0.5" if hidden == "--adapt-mix" else "x", "--seeds", 0)
+        assert result.exit_code == 2 and "--seeds must be positive" in result.output, (hidden, result.output)
 
 
 @pytest.mark.parametrize("command, shown", [("bench", True), ("pretrain", False), ("adapt", False)])

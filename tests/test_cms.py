@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from forgetless import attach
-from forgetless.continual.evaluate import training_loss
+from forgetless.loss import training_loss
 from forgetless.data.splits import Sampler
 from forgetless.errors import ForgetlessError
 from forgetless.methods import build_method

@@ -18,9 +18,10 @@ from forgetless import attach, from_pretrained
 from forgetless.adapted import CONFIG, Adapted
 from forgetless.data.splits import Batch
 from forgetless.errors import ForgetlessError
-from forgetless.methods import build_method, method_names
+from forgetless.methods import METHODS, build_method, method_names
+from forgetless.methods.base import ALL, FINE_TUNING_LR, MODULES
 from forgetless.models.gpt import GPTConfig, logits_of
-from forgetless.presets import FULL_WEIGHT_LRS
+from forgetless.presets import build_config
 from tiny_models import hf_gpt2, hf_llama, ours, tiny
 
 KINDS = ["gpt", "gpt2", "llama"]
@@ -34,10 +35,6 @@ T = 12  # tokens per window (the GPT's context is 16)
 
 SMALL_APN = {"n_patches": 8, "top_k": 2, "rank": 4}
 OWN_BASE = {n for n in NAMES if build_method(n).base_config(GPTConfig()) != GPTConfig()}  # apn, cms, ...
-TRAINS_EVERYTHING = {"full", "mtl", "ewc", "distill", "ewc-distill", "wise-ft", "dynamic-eval"}
-NOTHING_INJECTED = {"full", "mtl", "ffn", "ewc", "distill", "ewc-distill", "wise-ft", "dynamic-eval"}  # and, on our GPT, the methods with a base of their own
-FOLDABLE = {"lora", "seq-lora", "o-lora", "osf"}  # merge_and_unload folds them into the base weights
-ROUNDING = {"osf": 1e-6}  # attach is neutral up to float rounding: peft's OSF adds U S V - U0 S0 V0 as one product
 OTHER_ARCHITECTURE = {"gpt": lambda method: ours(d=48, method=method),
                       "gpt2": lambda method: hf_llama(), "llama": lambda method: hf_gpt2()}
 
@@ -93,15 +90,18 @@ def requiring_grad(adapted) -> set[str]:
 
 
 # ---- the checks (shared with test_new_method.py) -------------------------------------------------
-def check_output_neutral(kind: str, name: str, atol: float = 0.0):
-    """attach changes no logit: bit for bit, or (a method that says why) within `atol`."""
+def check_output_neutral(kind: str, name: str):
+    """attach and the first start_task change no logit: bit for bit, or within the method's `attach_rounding`
+    (the protocols reuse the base's scores for the attached model when it is 0)."""
     model = base(kind, name)
     before = logits(model)
-    after = logits(attached(kind, name, model))
-    if atol:
-        torch.testing.assert_close(after, before, rtol=0, atol=atol)
-    else:
-        assert torch.equal(before, after), f"attach changed the logits by {(after - before).abs().max():.3g}"
+    adapted = attached(kind, name, model)
+    atol = adapted.method.attach_rounding
+    for when, after in (("attach", logits(adapted)), ("start_task(1)", logits(start(adapted)))):
+        if atol:
+            torch.testing.assert_close(after, before, rtol=0, atol=atol)
+        else:
+            assert torch.equal(before, after), f"{when} changed the logits by {(after - before).abs().max():.3g}"
 
 
 def check_trainable(kind: str, name: str, everything: bool | None = None):
@@ -152,7 +152,9 @@ out = {}
 for saved in sorted(folder.glob("*/*/" + CONFIG)):
     config = json.loads(saved.read_text())
     kind = saved.parent.parent.name
-    adapted = from_pretrained(tiny(kind, build_method(config["method"], config["options"])), saved.parent).eval()
+    fresh = tiny(kind, build_method(config["method"], config["options"])).eval()  # as transformers loads a model
+    adapted = from_pretrained(fresh, saved.parent)  # no .eval(): what it injects follows the model's mode
+    assert not any(m.training for m in adapted.modules()), f"{saved}: modules in training mode after loading"
     with torch.no_grad():
         out[f"{kind}/{saved.parent.name}"] = logits_of(adapted, x).contiguous()
 save_file(out, folder / "reloaded.safetensors")
@@ -161,8 +163,9 @@ save_file(out, folder / "reloaded.safetensors")
 
 def save_and_reload(kinds: list[str], names: list[str], folder: Path, plugins: tuple[str, ...] = ()) -> dict:
     """Train every method in `names` one step on each model kind (but the pairs attach refuses) and save it
-    in folder/kind/name; one fresh process loads them all onto freshly built models (`plugins`: folders of
-    methods it imports first). Returns (kind, name) -> (logits here, logits there, the fresh base's logits)."""
+    in folder/kind/name; one fresh process loads them all onto freshly built models in eval mode (`plugins`:
+    folders of methods it imports first). Returns (kind, name) -> (logits here in eval mode, logits there, the
+    fresh base's logits): everything that shapes the output, the modules' mode included, must come back."""
     x = windows(seed=3)[:, :-1].contiguous()
     save_file({"x": x}, folder / "input.safetensors")
     here = {}
@@ -187,6 +190,22 @@ def check_reloaded(reference: torch.Tensor, reloaded: torch.Tensor, base_logits:
     assert torch.equal(reference, reloaded), f"reloaded logits differ by {(reloaded - reference).abs().max():.3g}"
 
 
+def check_pretrained_lr(names: list[str]):
+    """The real presets start each method that trains the model's own weights at its declared `pretrained_lr`,
+    else at an lr its config sets, else at FINE_TUNING_LR; methods training their own modules keep theirs."""
+    for preset in ("real", "real-full"):
+        methods = build_config(preset).methods
+        for name in names:
+            cls, lr = METHODS[name], build_method(name, methods.get(name)).cfg.lr
+            own = build_method(name).cfg.lr
+            if cls.pretrained_lr is not None:
+                assert lr == cls.pretrained_lr, (preset, name)
+            elif cls.trains == MODULES:
+                assert lr == own, (preset, name)
+            else:
+                assert lr == (FINE_TUNING_LR if own is None else own), (preset, name)
+
+
 def check_other_architecture(kind: str, name: str, folder: Path):
     attached(kind, name).save_pretrained(folder)
     other = OTHER_ARCHITECTURE[kind](build_method(name, options(kind, name)))
@@ -209,19 +228,19 @@ def test_refused_pairs_say_why():
 
 @pytest.mark.parametrize("kind, name", MATRIX)
 def test_attach_is_output_neutral(kind, name):
-    check_output_neutral(kind, name, ROUNDING.get(name, 0.0))
+    check_output_neutral(kind, name)
 
 
 @pytest.mark.parametrize("kind, name", MATRIX)
 def test_only_the_methods_parameters_train(kind, name):
-    check_trainable(kind, name, everything=name in TRAINS_EVERYTHING)
+    """...and they are every weight exactly where the method's `trains` trait says ALL."""
+    check_trainable(kind, name, everything=METHODS[name].trains == ALL)
 
 
 def test_methods_training_a_pretrained_models_weights_default_to_a_fine_tuning_lr():
-    """On a pretrained model the preset's lr (5e-4, for added modules) wrecks its weights: every method that
-    trains them has its own lr or one in FULL_WEIGHT_LRS."""
-    for name in TRAINS_EVERYTHING | {"ffn", "osf"}:
-        assert build_method(name).cfg.lr is not None or name in FULL_WEIGHT_LRS, name
+    """On a pretrained model the preset's lr (5e-4, for added modules) wrecks its weights: in the real presets
+    every method that trains them (its `trains` trait) starts at its own lr, else at FINE_TUNING_LR."""
+    check_pretrained_lr(NAMES)
 
 
 @pytest.mark.parametrize("kind, name", MATRIX)
@@ -266,12 +285,14 @@ def test_new_modules_follow_a_bfloat16_model(kind, name):
 
 @pytest.mark.parametrize("kind, name", MATRIX)
 def test_merge_and_unload(kind, name):
+    """The `injects` and `merges` traits hold: a method that injects nothing (or, on our GPT, has a base of its
+    own) gives the model back; one that merges folds into the base weights; any other refuses."""
     adapted = train_step(start(attached(kind, name)))
-    inject_nothing = name in NOTHING_INJECTED or kind == "gpt" and name in OWN_BASE
+    inject_nothing = not METHODS[name].injects or kind == "gpt" and name in OWN_BASE
     assert (not adapted.injected()) == inject_nothing
     if inject_nothing:
         assert adapted.merge_and_unload() is adapted.model
-    elif name in FOLDABLE:
+    elif METHODS[name].merges:
         expected = logits(adapted)
         merged = adapted.merge_and_unload()
         assert merged is adapted.model and not isinstance(merged, Adapted)

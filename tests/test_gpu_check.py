@@ -5,8 +5,8 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["wheels", "device", "smoke-cpu", "cuda-tests", "smoke-cuda", "smoke-compare", "apn", "bench-real", "titans",
-         "titans-64k"]
+STEPS = ["wheels", "device", "smoke-cpu", "cuda-tests", "smoke-cuda", "smoke-compare", "apn", "bench-real", "precision",
+         "titans", "titans-64k"]
 
 
 def test_dry_run_runs_every_step_and_writes_the_report(tmp_path):
@@ -24,6 +24,8 @@ def test_dry_run_runs_every_step_and_writes_the_report(tmp_path):
     assert all(d["diff"] < 1e-4 for d in compared["max_difference"].values())  # CPU twice (1 and 2 threads)
     assert set(steps["bench-real"]["result"]["methods"]) == {"lora", "apn-retrofit"}
     assert steps["bench-real"]["result"]["config"]["precision"] == "bf16"
+    precision = steps["precision"]["result"]
+    assert precision["config"]["quick"] and precision["arm"]["bf16_s"] > 0 and precision["metric_check"]["cells"] > 0
     assert steps["apn"]["result"]["size"] == "quick" and steps["titans"]["result"]["contexts"][0]["context"] == 16
     md = (tmp_path / "gpu-check-cpu-dry-run.md").read_text()
     assert md.startswith("# GPU check on cpu-dry-run") and "| bench-real | ok |" in md

@@ -51,8 +51,8 @@ def hope(*args):
 
 
 @pytest.mark.parametrize("name, sets, row", [
-    ("needle", ["arms=gpt,titans", "n_layer=1", "d_model=32", "block_size=32", "eval_sequences=16", "bins=2,16,32"],
-     "| titans |"),
+    ("needle", ["arms=gpt,titans", "n_layer=1", "d_model=32", "block_size=32", "eval_sequences=16", "bins=2,16,32",
+                "scan=sequential"], "| titans |"),
     ("lm", ["preset=smoke", "domain=tinyshakespeare", "arms=gpt,hope"], "| hope |")])
 def test_each_experiment_runs_and_reports(name, sets, row, tmp_path):
     out = tmp_path / name
@@ -73,6 +73,7 @@ def test_each_experiment_runs_and_reports(name, sets, row, tmp_path):
     (["bench", "needle", "--set", "arms=gpt,mamba"], "unknown arm 'mamba'; valid: gpt, titans, hope, hope-noattn"),
     (["bench", "needle", "--set", "keys=100"], "keys + values must be at most 128"),
     (["bench", "lm", "--set", "budget_s=0"], "budget_s and lm.memory_windows must be positive"),
+    (["bench", "lm", "--set", "scan=serial"], "lm scan must be one of parallel, sequential, got 'serial'"),
     (["bench", "mamba"], "unknown experiment 'mamba'; valid: lm, needle"),
     (["bench", "lm", "--seeds", "0"], "--seeds must be positive")])
 def test_bad_options_are_one_line_errors(args, message, tmp_path):
@@ -89,6 +90,6 @@ def test_experiments_lists_every_option():
 
 def test_tables_show_a_spread_only_with_two_seeds_or_more():
     from forgetless.aunn.experiments import pm
-    from forgetless.continual.two_domain import mean_std
+    from forgetless.stats import mean_std
     assert pm(mean_std([0.297])) == "29.7"                                    # one seed: no "± 0.0"
     assert pm(mean_std([0.29, 0.31])) == "30.0 ± 1.4"

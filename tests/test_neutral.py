@@ -148,7 +148,7 @@ def test_fisher_is_the_mean_squared_window_gradient():
 
 
 def test_gate_report_and_figure(tmp_path):
-    from forgetless.methods import METHODS
+    from forgetless.report.diagnostics import method_figures, shown_layers
     adapted = attach(ours(), "neutral")
     method, model = adapted.method, adapted.model
     wa, wb = torch.randint(0, 128, (4, 13)), torch.randint(128, 256, (4, 13))
@@ -158,9 +158,8 @@ def test_gate_report_and_figure(tmp_path):
     assert all(0 <= c <= 1 for c in report["gate_closed_a"])
     assert build_method("neutral", {"gate": "none"}).report(model, wa, wb) == {}
     results = {"methods": {"neutral": {"report": {"before": report, "after": report}}, "full": {}}}
-    assert METHODS["neutral"].figures(results, ["neutral"], tmp_path) == [tmp_path / "gates.png"]
+    assert method_figures(results, tmp_path) == [tmp_path / "gates.png"]
     assert (tmp_path / "gates.png").stat().st_size > 1000
-    from forgetless.methods.neutral import shown_layers  # a 30-layer model shows six layers, first and last
     assert shown_layers(4) == [0, 1, 2, 3] and shown_layers(30) == [0, 6, 12, 17, 23, 29]
     assert adapted.figures(tmp_path / "api", wa, wb) == [tmp_path / "api" / "gates.png"]
 

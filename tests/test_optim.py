@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from forgetless.continual.evaluate import training_loss
+from forgetless.loss import training_loss
 from forgetless.data.splits import Sampler
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPT, GPTConfig

@@ -10,13 +10,13 @@ from typer.testing import CliRunner
 
 import forgetless
 from forgetless.cli import app
-from forgetless.continual.evaluate import training_loss
+from forgetless.loss import training_loss
 from forgetless.data.splits import Sampler
 from forgetless.errors import ForgetlessError
 from forgetless.methods import build_method
 from forgetless.models.gpt import GPT, GPTConfig
 from forgetless.nn.hope import HOPE
-from forgetless.nn.titans import NeuralMemory, TitansConfig, memory_scan, write
+from forgetless.nn.titans import NeuralMemory, TitansConfig, gain, memory_scan, surprise, write
 from forgetless.train import TrainConfig, train
 
 B, H, T, D, Fh = 2, 2, 11, 4, 6
@@ -81,23 +81,96 @@ def inputs(momentum=True, seed=0):
     return [t.double().requires_grad_() if t is not None else None for t in tensors]
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 4, 11, 16])
-@pytest.mark.parametrize("momentum", [True, False])
-@pytest.mark.parametrize("backprop_writes", [False, True])
-def test_chunked_writes_match_token_by_token_reference(chunk, momentum, backprop_writes):
-    args = inputs(momentum)
-    leaves = [t for t in args if t is not None]
-    got = memory_scan(*args, chunk, backprop_writes)
-    want = reference(*args, chunk, backprop_writes)
-    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+def assert_same_gradients(got, want, leaves, rtol, atol):
+    """got and want have the same gradients with respect to every leaf (a leaf neither reaches counts as zero)."""
     w = torch.randn_like(got)
-    g_got = torch.autograd.grad((got * w).sum(), leaves, allow_unused=True)
-    g_want = torch.autograd.grad((want * w).sum(), leaves, allow_unused=True)
+    g_got = torch.autograd.grad((got * w).sum(), leaves, allow_unused=True, retain_graph=True)
+    g_want = torch.autograd.grad((want * w).sum(), leaves, allow_unused=True, retain_graph=True)
     for a, b in zip(g_got, g_want):
         if a is None or b is None:
             assert (a is None or not a.any()) and (b is None or not b.any())
         else:
-            torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-10)
+            torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 11, 16])
+@pytest.mark.parametrize("momentum", [True, False])
+@pytest.mark.parametrize("backprop_writes", [False, True])
+def test_chunked_writes_match_token_by_token_reference(chunk, momentum, backprop_writes):
+    """Both forms (backprop_writes runs the sequential one) against the token-by-token reference, T = 11 tokens:
+    one chunk, chunks that divide T and chunks that leave a partial last one; batch 2, heads 2."""
+    args = inputs(momentum)
+    leaves = [t for t in args if t is not None]
+    want = reference(*args, chunk, backprop_writes)
+    for scan in ("parallel", "sequential"):
+        got = memory_scan(*args, chunk, backprop_writes, scan)
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+        assert_same_gradients(got, want, leaves, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("momentum", [True, False])
+def test_parallel_form_equals_the_sequential_one_in_float32(momentum):
+    """The memory module at its default width ratio, in float32: 37 tokens in chunks of 4, 5, 8 and 16 (none
+    divides 37), batch 3, heads 2, writes hard enough to matter; the reads and every gradient (parameters and
+    input) agree to float rounding."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 37, 16)
+    for chunk in (4, 5, 8, 16):
+        mem = NeuralMemory(16, TitansConfig(heads=2, chunk=chunk, momentum=momentum))
+        with torch.no_grad():
+            mem.gate_bias[:2] = 1.0  # eta = softplus(1) ~ 1.3: the step scale is active
+        runs = []
+        for scan in ("parallel", "sequential"):
+            mem.scan = scan
+            mem.zero_grad()
+            xi = x.clone().requires_grad_()
+            y = mem(xi)
+            (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+            runs.append([y.detach(), xi.grad, *(p.grad for p in mem.parameters())])
+        mem.writes = False
+        with torch.no_grad():
+            assert (mem(x) - runs[0][0]).abs().max() > 1e-2  # what the writes change is well above the tolerance
+        for parallel, sequential in zip(*runs):
+            torch.testing.assert_close(parallel, sequential, rtol=1e-4, atol=1e-5)
+
+
+def test_parallel_form_runs_under_bf16_autocast_as_the_sequential_one():
+    """Under CPU bf16 autocast (--precision bf16) the surprises are bf16 and the weights' stacks stay float32: the
+    two forms give the same reads and gradients to bf16 precision."""
+    torch.manual_seed(0)
+    mem = NeuralMemory(16, TitansConfig(heads=2, chunk=4))
+    with torch.no_grad():
+        mem.gate_bias[:2] = 1.0
+    x = torch.randn(2, 19, 16)
+    runs = []
+    for scan in ("parallel", "sequential"):
+        mem.scan = scan
+        mem.zero_grad()
+        with torch.autocast("cpu", torch.bfloat16):
+            y = mem(x)
+        y.float().square().sum().backward()
+        runs.append([y.float().detach(), *(p.grad for p in mem.parameters())])
+    for parallel, sequential in zip(*runs):
+        torch.testing.assert_close(parallel, sequential, rtol=2e-2, atol=2e-2 * sequential.abs().max().item())
+
+
+@pytest.mark.parametrize("momentum", [True, False])
+def test_parallel_gradients_on_both_sides_of_the_step_cap(momentum):
+    """The cap s = 1 / max(1, rho) binds in chunk 0 (rho > 1: the gradient also flows through rho) and not in
+    chunk 1 (rho < 1); the parallel form's hand-written backward still gives the sequential form's gradients."""
+    q, k, v, eta, alpha, mu, w1, w2 = inputs(momentum)
+    eta = (eta * torch.tensor([30.0] * 4 + [0.01] * 7, dtype=torch.double)).detach().requires_grad_()
+    with torch.no_grad():  # rho of the two chunks that write, at the weights they see
+        W1, W2, S1, S2, rho = w1.expand(B, *w1.shape), w2.expand(B, *w2.shape), None, None, []
+        for part in (slice(0, 4), slice(4, 8)):
+            gates = [eta[..., part], alpha[..., part], None if mu is None else mu[..., part]]
+            rho.append((gain(gates[0], gates[2]) * surprise(W1, W2, k[:, :, part], v[:, :, part])[3]).sum(-1))
+            W1, W2, S1, S2 = write(W1, W2, S1, S2, k[:, :, part], v[:, :, part], *gates, False)
+    assert (rho[0] > 1.5).all() and (rho[1] < 0.5).all()
+    args = [q, k, v, eta, alpha, mu, w1, w2]
+    got, want = (memory_scan(*args, 4, False, scan) for scan in ("parallel", "sequential"))
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+    assert_same_gradients(got, want, [t for t in args if t is not None], rtol=1e-8, atol=1e-10)
 
 
 def test_writes_leak_no_gradient_unless_asked():
@@ -309,6 +382,12 @@ def test_hope_beside_a_wide_llama_gives_finite_loss_and_gradients():
 def test_bad_titans_options_are_one_line_errors():
     with pytest.raises(ForgetlessError, match="chunk must be positive"):
         TitansConfig(chunk=0)
+    with pytest.raises(ForgetlessError, match="hope scan must be one of parallel, sequential, got 'serial'"):
+        build_method("hope", {"scan": "serial"})
+    mem = NeuralMemory(8, TitansConfig(heads=2, chunk=2))
+    mem.scan = "serial"
+    with pytest.raises(ForgetlessError, match="titans scan must be one of parallel, sequential, got 'serial'"):
+        mem(torch.randn(1, 5, 8))
     with pytest.raises(ForgetlessError, match="must divide the memory's width"):
         NeuralMemory(10, TitansConfig(heads=4))
     with pytest.raises(ForgetlessError, match="titans width must be 0"):
@@ -428,6 +507,10 @@ def test_hope_method_refuses_another_base_and_writes_can_be_turned_off():
         forgetless.attach(GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, block_size=16)), "hope")
     adapted = forgetless.attach(hope_gpt(), "hope", **SMALL, writes=False)
     assert all(not m.writes for m in adapted.modules() if isinstance(m, NeuralMemory))
+    memories = [m for m in hope_gpt().modules() if isinstance(m, NeuralMemory)]
+    assert memories and {m.scan for m in memories} == {"parallel"}  # a HOPE base runs the parallel form
+    adapted = forgetless.attach(hope_gpt(), "hope", **SMALL, scan="sequential")
+    assert {m.scan for m in adapted.modules() if isinstance(m, NeuralMemory)} == {"sequential"}
     assert sum(isinstance(m, HOPE) for m in adapted.modules()) == 2
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from forgetless.checkpoint import load_checkpoint, save_checkpoint
-from forgetless.continual.evaluate import training_loss
+from forgetless.loss import training_loss
 from forgetless.data.splits import Sampler
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPT, GPTConfig

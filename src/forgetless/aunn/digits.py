@@ -23,7 +23,7 @@ from forgetless.aunn.model import AUNNConfig, size_overrides
 from forgetless.aunn.train import AUNNTrainConfig, build_learner
 from forgetless.aunn.use import condition
 from forgetless.continual.metrics import sequence_metrics
-from forgetless.continual.two_domain import mean_std
+from forgetless.stats import mean_std
 from forgetless.errors import ForgetlessError
 from forgetless.progress import progress_task
 

@@ -23,8 +23,9 @@ from forgetless.aunn.model import AUNNConfig, match_width
 from forgetless.aunn.train import MODES, AUNNTrainConfig, build_learner, fit
 from forgetless.aunn.use import prequential
 from forgetless.config import from_dict
-from forgetless.continual.evaluate import evaluate, training_loss
-from forgetless.continual.two_domain import mean_std
+from forgetless.continual.evaluate import evaluate
+from forgetless.loss import training_loss
+from forgetless.stats import mean_std
 from forgetless.data.corpora import load_corpus
 from forgetless.data.splits import Sampler, eval_windows, join
 from forgetless.data.tokenizers import ByteTokenizer

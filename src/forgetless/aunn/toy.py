@@ -21,7 +21,7 @@ from forgetless.aunn.experiments import pm, save_figure
 from forgetless.aunn.model import AUNNConfig, size_overrides
 from forgetless.aunn.train import MODES, AUNNTrainConfig, build_learner, fit
 from forgetless.aunn.use import generate
-from forgetless.continual.two_domain import mean_std
+from forgetless.stats import mean_std
 from forgetless.data.tokenizers import ByteTokenizer
 from forgetless.errors import ForgetlessError
 

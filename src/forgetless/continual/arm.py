@@ -14,7 +14,7 @@ from forgetless.data.splits import Sampler
 from forgetless.methods import Method
 from forgetless.monitor import PeakRSS
 from forgetless.presets import AdaptConfig
-from forgetless.train import train
+from forgetless.train import autocast, train
 
 
 def adapt_task(adapted: Adapted, task: Domain, replay_from: Domain, cfg: AdaptConfig, task_index: int,
@@ -36,14 +36,22 @@ def adapt_task(adapted: Adapted, task: Domain, replay_from: Domain, cfg: AdaptCo
     return history, params
 
 
-def score(model: nn.Module, a: Domain, b: Domain, dev: bool = False) -> dict:
-    """PPL and accuracy on A's and B's held-out windows (and module monitors on B); with `dev`, PPL on
-    their validation windows too (ppl_a_dev, ppl_b_dev: what choices are made on)."""
-    ea, eb = evaluate(model, a.windows), evaluate(model, b.windows)
-    stats = {f"{k}_b": v for k, v in module_stats(model, b.windows).items()}  # e.g. APN routing on B
-    out = {"ppl_a": ea["ppl"], "acc_a": ea["acc"], "ppl_b": eb["ppl"], "acc_b": eb["acc"], **stats}
+def score(model: nn.Module, a: Domain, b: Domain, dev: bool = False, precision: str = "fp32",
+          same_as: dict | None = None) -> dict:
+    """PPL and accuracy on A's and B's held-out windows (and module monitors on B) under `precision` (the
+    training's); with `dev`, PPL on their validation windows too (ppl_a_dev, ppl_b_dev: what choices are made on).
+    `same_as`: the scores of a model whose outputs are this one's bit for bit (the base before an exactly neutral
+    attach): its PPL and accuracy are taken, only the monitors are computed."""
+    if same_as is None:
+        ea, eb = evaluate(model, a.windows, precision=precision), evaluate(model, b.windows, precision=precision)
+        out = {"ppl_a": ea["ppl"], "acc_a": ea["acc"], "ppl_b": eb["ppl"], "acc_b": eb["acc"]}
+    else:
+        out = {k: same_as[k] for k in ("ppl_a", "acc_a", "ppl_b", "acc_b")}
+    with autocast(next(model.parameters()).device, precision):
+        out.update({f"{k}_b": v for k, v in module_stats(model, b.windows).items()})  # e.g. APN routing on B
     if dev and a.dev_windows is not None and b.dev_windows is not None:
-        out.update(ppl_a_dev=evaluate(model, a.dev_windows)["ppl"], ppl_b_dev=evaluate(model, b.dev_windows)["ppl"])
+        out.update(ppl_a_dev=evaluate(model, a.dev_windows, precision=precision)["ppl"],
+                   ppl_b_dev=evaluate(model, b.dev_windows, precision=precision)["ppl"])
     return out
 
 
@@ -54,22 +62,23 @@ def run_arm(model: nn.Module, method: Method, a: Domain, b: Domain, cfg: AdaptCo
 
     `before` is `score(model, a, b)` when the caller has it (arms on one base share it). With `out_dir`,
     training checkpoints there (resumable) and the method is saved (save_pretrained) in `out_dir/seed<seed>/`.
-    The last point of the curve is the final score (not computed twice). With `fsdp`, the model is
+    The last point of the curve is the final score (not computed twice), the first is `before` where attach changes
+    no output (`Method.attach_rounding` 0; the monitors are computed). With `fsdp`, the model is
     sharded over the processes once the method is attached (Adapted.shard).
     """
-    before = before or score(model, a, b, dev=True)
+    before = before or score(model, a, b, dev=True, precision=cfg.precision)
     torch.manual_seed(seed)
     adapted = attach(model, method)
     if fsdp:
         adapted.shard()
     model = adapted.model
     report_before = method.report(model, a.windows, b.windows)
-    eval_s = 0.0
+    eval_s, first = 0.0, before if method.attach_rounding == 0 else None  # step 0: the base's outputs, bit for bit
 
     def curve_point():
-        nonlocal eval_s
+        nonlocal eval_s, first
         t = time.perf_counter()
-        point = score(model, a, b)
+        point, first = score(model, a, b, precision=cfg.precision, same_as=first), None
         eval_s += time.perf_counter() - t
         return point
 
@@ -80,7 +89,7 @@ def run_arm(model: nn.Module, method: Method, a: Domain, b: Domain, cfg: AdaptCo
                                      run_config={**(run_config or {}), "arm": [method.name, seed]},
                                      desc=f"{method.name} seed {seed}", evaluate_at_end=False)
         wall = time.perf_counter() - t0 - eval_s
-    after = score(model, a, b, dev=True)
+    after = score(model, a, b, dev=True, precision=cfg.precision)
     history.evals.append({"step": cfg.steps, **{k: v for k, v in after.items() if "_dev" not in k}})
     report_after = method.report(model, a.windows, b.windows)
     if out_dir:

@@ -9,7 +9,8 @@ from rich.markup import escape
 
 from forgetless.checkpoint import load_checkpoint, save_checkpoint
 from forgetless.config import code_fingerprint, stable_hash
-from forgetless.continual.evaluate import evaluate, module_stats, training_loss
+from forgetless.continual.evaluate import evaluate, module_stats
+from forgetless.loss import training_loss
 from forgetless.data.corpora import cache_dir
 from forgetless.data.domains import Domain
 from forgetless.data.splits import Sampler
@@ -31,7 +32,8 @@ def pretrain(model_cfg: GPTConfig, cfg: PretrainConfig, domain: Domain, tokenize
                   "tokenizer": tokenizer.to_dict()}
     t0 = time.perf_counter()
     history = train(model, list(model.named_parameters()), sampler, cfg, training_loss,
-                    evaluate=lambda: {"ppl_a": evaluate(model, domain.windows)["ppl"], **module_stats(model, domain.windows)},
+                    evaluate=lambda: {"ppl_a": evaluate(model, domain.windows, precision=cfg.precision)["ppl"],
+                                      **module_stats(model, domain.windows)},
                     ckpt_path=ckpt_path, run_config=run_config, desc=desc)
     meta = {"kind": "base", "model_config": model_cfg.to_dict(), "tokenizer": tokenizer.to_dict(),
             "domain": domain.spec, "train_config": cfg.__dict__, "history": history.__dict__,

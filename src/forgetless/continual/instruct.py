@@ -7,6 +7,8 @@ on held-out general text, so the R metrics of `continual.metrics` apply as in th
 Beside R: general-text perplexity and held-out tasks (never trained) after every task, and with
 `data.dev_rows` the same R on validation rows (each task's last training rows, never trained on;
 general text's validation windows in column 0), whose metrics (`*_dev`) are where choices are made.
+Each arm keeps the outcome of every scored test row and the general text's loss per window, so intervals
+can include the test rows' sampling error (continual/bootstrap.py).
 """
 from __future__ import annotations
 
@@ -18,26 +20,28 @@ import hashlib
 import itertools
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 
-from forgetless.adapted import architecture_fingerprint, attach, resolve_device
+from forgetless.adapted import architecture_fingerprint, attach
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.metrics import DEV_METRICS, dev_metrics, sequence_metrics
-from forgetless.continual.scoring import score_task
-from forgetless.continual.sequence import dev_summary
 from forgetless.continual.plan import Job, Plan, run_or_reuse_arm, saved_arm
-from forgetless.continual.two_domain import build_arms, fresh, mean_nested, mean_std, per_seed, provenance
+from forgetless.continual.protocol import Protocol, RunContext, build_arms, fresh, provenance
+from forgetless.continual.scoring import task_hits
+from forgetless.continual.sequence import dev_summary
 from forgetless.data.domains import Domain, load_domains
 from forgetless.data.instructions import IGNORE, Encoded, InstructionSampler, InstructionTask, encode, load_task
 from forgetless.data.splits import eval_windows
 from forgetless.errors import ForgetlessError
 from forgetless.methods import Method, MethodSpec
 from forgetless.monitor import PeakRSS
-from forgetless.presets import RunConfig
+from forgetless.presets import RunConfig, settle_precision
 from forgetless.progress import progress_task
-from forgetless.train import autocast, train
+from forgetless.stats import mean_nested, mean_std, per_seed
+from forgetless.train import HookChain, StepHooks, train
 
 METRICS = ["op", "op_tasks", "bwt", "bwt_drop", "bwt_tasks", "bwt_drop_clipped", "forgetting", "forgetting_tasks",
            "fwt", "la", "general_ppl_change"]
@@ -58,28 +62,51 @@ class Stream:
         return [task_hash(t) for t in [*self.tasks, *self.held_out, *self.dev]] + [self.general.fingerprint]
 
 
-def run_instruction_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[int], out: Path,
-                             preset: str, device: str = "auto", model: str = "smollm2-135m") -> dict:
-    """Every (method, seed) arm over the instruction tasks `cfg.data.tasks` on the pretrained `model`."""
-    from forgetless.models.hf import describe, load_model
-    device = resolve_device(device)
-    autocast(device, cfg.adapt.precision)  # refuse a precision the device lacks before any work
-    lm, tokenizer = load_model(model, device)
-    results = run_on(lm, tokenizer, cfg, methods, seeds, out, preset, model)
-    return {**results, **provenance(device), "model": model, "bases": {model: describe(lm)}}
+SCORED = ("both", "test", "validation")  # which rows an arm scores after every task (`scored_on`)
+
+
+class Scored(NamedTuple):
+    """Everything scored at one point of an arm (before any task, after each task)."""
+    row: list[float]          # the R row: general-text accuracy, then each task's score (%)
+    held: list[float]         # the held-out tasks' scores
+    ppl: float                # general-text perplexity
+    dev: list[float]          # the R row on validation rows ([] without them)
+    hits: list[str]           # per task, its scored rows in order: "1" counted right, "0" not
+    window_loss: list[float]  # the general text's mean loss per window
+
+
+class Instructions(Protocol):
+    """The task sequence over instruction tasks on a pretrained model (`bench --protocol sequence` with
+    instruction --tasks and a --model)."""
+    name = "instructions"
+    pretrains = False
+
+    def run(self, ctx: RunContext, methods: list[MethodSpec | str]) -> dict:
+        """Every (method, seed) arm over the instruction tasks `cfg.data.tasks` on the pretrained `ctx.model`."""
+        from forgetless.models.hf import describe, load_model
+        lm, tokenizer = load_model(ctx.model, ctx.device)
+        results = run_on(lm, tokenizer, ctx.cfg, methods, ctx.seeds, ctx.out, ctx.preset, ctx.model)
+        return {**results, **provenance(ctx.device), "model": ctx.model, "bases": {ctx.model: describe(lm)},
+                "precision": ctx.precision}  # as requested (ctx.cfg holds it resolved)
 
 
 def run_on(lm: nn.Module, tokenizer, cfg: RunConfig, methods, seeds: list[int], out: Path, preset: str,
-           model: str) -> dict:
-    """The protocol on a loaded model (each arm adapts its own copy) and its tokenizer."""
+           model: str, scored: str = "both") -> dict:
+    """The protocol on a loaded model (each arm adapts its own copy) and its tokenizer; `scored`: which rows
+    every arm scores (`scored_on`)."""
+    cfg, precision = settle_precision(cfg, next(lm.parameters()).device)
+    built, arms = run_arms_on(lm, tokenizer, cfg, methods, seeds, out, model, scored)
+    return {**sequence_results(cfg, built, arms, seeds, preset, scored), "precision": precision}
+
+
+def run_arms_on(lm: nn.Module, tokenizer, cfg: RunConfig, methods, seeds: list[int], out: Path, model: str,
+                scored: str = "both") -> tuple[dict, dict[str, list[dict]]]:
+    """(label -> Method, label -> each seed's arm result): every arm run, or reused from `out/arms/`."""
     built = build_arms(cfg, methods, sequence=True)
-    stream = load_stream(cfg, tokenizer)
+    stream = scored_on(load_stream(cfg, tokenizer), scored)
     arms: dict[str, list[dict]] = {label: [] for label in built}
     before = functools.cache(lambda: scores(lm, tokenizer, stream, cfg))  # shared: attach is output-neutral
-    todo = [(seed, label, method, out / "arms" / label / f"seed{seed}.json",
-             {"protocol": "instructions", "config": cfg.to_dict(), "method": method.name, "options": method.options(),
-              "model": [model, architecture_fingerprint(lm)], "stream": stream.fingerprint()})
-            for seed, (label, method) in itertools.product(seeds, built.items())]
+    todo = arm_jobs(lm, cfg, built, stream, seeds, out, model, scored)
     Plan([Job("arm", f"{label} seed {seed}", 0.0, saved_arm(path, config) is not None)
           for seed, label, _, path, config in todo], calibrated=False).show()
     with progress_task("bench arms", total=len(todo)) as advance:
@@ -89,13 +116,33 @@ def run_on(lm: nn.Module, tokenizer, cfg: RunConfig, methods, seeds: list[int], 
                 lambda arm_dir: instruction_arm(copy.deepcopy(lm), tokenizer, fresh(method), stream, cfg, seed,
                                                 arm_dir, before())))
             advance(1)
+    return built, arms
+
+
+def arm_jobs(lm: nn.Module, cfg: RunConfig, built: dict, stream: Stream, seeds: list[int], out: Path, model: str,
+             scored: str = "both") -> list[tuple]:
+    """(seed, label, method, arm file, arm config) of every arm: the config decides whether a saved arm is
+    reused (`plan.saved_arm`)."""
+    return [(seed, label, method, out / "arms" / label / f"seed{seed}.json",
+             {"protocol": "instructions", "config": cfg.to_dict(), "method": method.name, "options": method.options(),
+              "model": [model, architecture_fingerprint(lm)], "stream": stream.fingerprint(),
+              **({"scored": scored} if scored != "both" else {})})
+            for seed, (label, method) in itertools.product(seeds, built.items())]
+
+
+def sequence_results(cfg: RunConfig, built: dict, arms: dict[str, list[dict]], seeds: list[int], preset: str,
+                     scored: str = "both") -> dict:
+    """The run's results (docs/DESIGN.md §6.3) from its arms."""
+    tasks = "label accuracy or exact match (%) on {} (ScienceQA-like tasks: of the answer's first line)"
+    score = ("validation rows in place of test rows: column 0: next-token accuracy (%) on the general text's "
+             "validation windows; tasks: " + tasks.format("each task's validation rows")) if scored == "validation" \
+        else "column 0: next-token accuracy (%) on held-out general text; tasks: " + tasks.format("test rows")
     return {
         "protocol": "sequence", "kind": "instructions", "preset": preset, "seeds": list(seeds),
-        "tasks": [cfg.data.general, *cfg.data.tasks], "held_out_tasks": list(cfg.data.held_out_tasks),
-        "score": "column 0: next-token accuracy (%) on held-out general text; tasks: label accuracy or exact match "
-                 "(%) on test rows (ScienceQA-like tasks: of the answer's first line)",
-        "date": datetime.date.today().isoformat(),
-        "config": cfg.to_dict(),
+        "tasks": [cfg.data.general, *cfg.data.tasks],
+        "held_out_tasks": [] if scored == "validation" else list(cfg.data.held_out_tasks),
+        **({"scored": scored} if scored != "both" else {}),
+        "score": score, "date": datetime.date.today().isoformat(), "config": cfg.to_dict(),
         "methods": {label: summarize(runs, built[label]) for label, runs in arms.items()},
     }
 
@@ -118,17 +165,40 @@ def load_stream(cfg: RunConfig, tokenizer) -> Stream:
 
 def split_dev(task: InstructionTask, rows: int) -> tuple[InstructionTask, InstructionTask | None]:
     """(the task without its last `rows` training examples, those rows as a task's test rows: its validation
-    set, left out where a kept training prompt repeats them); (task, None) for rows=0."""
+    set, left out where a kept training prompt or a test prompt repeats them, compared as whitespace-normalised
+    text); (task, None) for rows=0."""
     if not rows:
         return task, None
     if rows >= len(task.train):
         raise ForgetlessError(f"{task.name}: data.dev_rows={rows} leaves no training example of its "
                               f"{len(task.train)}; give fewer validation rows")
     kept = task.train[:-rows]
-    seen = {" ".join(ex.prompt.split()) for ex in kept}
+    seen = {" ".join(ex.prompt.split()) for ex in kept + task.test}
     dev = [ex for ex in task.train[-rows:] if " ".join(ex.prompt.split()) not in seen]
+    if not dev:
+        raise ForgetlessError(f"{task.name}: each of its last {rows} training prompts repeats a kept training or a "
+                              "test prompt, so it has no validation rows; give more data.dev_rows")
     return (dataclasses.replace(task, train=kept),
             dataclasses.replace(task, name=f"{task.name} (validation)", train=[], test=dev))
+
+
+def scored_on(stream: Stream, scored: str) -> Stream:
+    """The stream as scored after every task: "both" (test rows, and validation rows beside them when it has
+    them), "test" (test rows only), or "validation" (each task's validation rows in place of its test rows and
+    the general text's validation windows in place of its held-out ones, no held-out task: an lr grid chooses
+    on this R without a test row being scored)."""
+    if scored not in SCORED:
+        raise ForgetlessError(f"unknown scoring {scored!r}; valid: {', '.join(SCORED)}")
+    if scored == "test":
+        return dataclasses.replace(stream, dev=[])
+    if scored == "validation":
+        if not stream.dev:
+            raise ForgetlessError("scoring validation rows needs them: give --data-dev-rows N (each task's last N "
+                                  "training rows, never trained on)")
+        return dataclasses.replace(
+            stream, tasks=[dataclasses.replace(t, test=d.test) for t, d in zip(stream.tasks, stream.dev)],
+            general=dataclasses.replace(stream.general, windows=stream.general.dev_windows), held_out=[], dev=[])
+    return stream
 
 
 def instruction_arm(model: nn.Module, tokenizer, method: Method, stream: Stream, cfg: RunConfig, seed: int,
@@ -138,14 +208,13 @@ def instruction_arm(model: nn.Module, tokenizer, method: Method, stream: Stream,
     test checks it bit for bit), else scored here."""
     torch.manual_seed(seed)
     adapted = attach(model, method)
-    rows, held, general_ppl, dev_rows, wall, loss = [], [], [], [], 0.0, []
+    kept = Scored([], [], [], [], [], [])  # each field: its value at every point scored
+    rows, held, general_ppl, dev_rows, hits, window_loss = kept
+    wall, loss = 0.0, []
 
     def score_all(now=None):
-        row, held_row, ppl, dev_row = now or scores(adapted.model, tokenizer, stream, cfg)
-        rows.append(list(row))
-        held.append(list(held_row))
-        general_ppl.append(ppl)
-        dev_rows.append(list(dev_row))
+        for values, value in zip(kept, now or scores(adapted.model, tokenizer, stream, cfg)):
+            values.append(copy.copy(value))
 
     score_all(before)
     T, joint = len(stream.tasks), method.cfg.joint
@@ -159,13 +228,14 @@ def instruction_arm(model: nn.Module, tokenizer, method: Method, stream: Stream,
             loss += [[t, s, v] for s, v in history.loss]
             score_all()
     if joint:  # one state after all tasks: it is every row's "after task t" (metrics.sequence_metrics)
-        for scored in (rows, held, general_ppl, dev_rows):
+        for scored in kept:
             scored[2:] = scored[1:2] * (T - 1)
     if out_dir is not None:
         adapted.save_pretrained(out_dir / f"seed{seed}")
     dev = {"r_matrix_dev": dev_rows, **dev_metrics(dev_rows)} if stream.dev else {}
     return {"method": method.name, "seed": seed, **({"joint": True} if joint else {}), "r_matrix": rows,
-            "held_out": held, "general_ppl": general_ppl, **metrics(rows, general_ppl, joint), **dev, "trainable_params": sum(p.numel() for _, p in params),
+            "held_out": held, "general_ppl": general_ppl, **metrics(rows, general_ppl, joint), **dev,
+            "r_hits": hits, "general_window_loss": window_loss, "trainable_params": sum(p.numel() for _, p in params),
             "total_params": sum(p.numel() for p in adapted.model.parameters()), "wall_s": wall,
             "peak_rss_mb": memory.peak_mb, "loss": loss}
 
@@ -176,11 +246,12 @@ def joint_config(cfg: RunConfig, tasks: int) -> RunConfig:
     return dataclasses.replace(cfg, adapt=dataclasses.replace(cfg.adapt, steps=cfg.adapt.steps * tasks))
 
 
-def learn_task(adapted, t: int, rows: Encoded, stream: Stream, cfg: RunConfig, seed: int):
+def learn_task(adapted, t: int, rows: Encoded, stream: Stream, cfg: RunConfig, seed: int, timer: StepHooks | None = None):
     """Task t: start it (EWC protects the rows learned last, or general text's training split before task 1), then train
     on its rows, a fraction `mix` of each batch drawn from the mixing set, else the earlier tasks' rows (replay).
     A method that mixes original data (Neutral: its l1 term silences the adapters on those rows) gets the mixing
-    set, else general-text windows without targets: they feed its term, the LM loss stays on the answers."""
+    set, else general-text windows without targets: they feed its term, the LM loss stays on the answers.
+    `timer`: step hooks run after the method's (the compute plan times steps with them)."""
     method = adapted.method
     previous = stream.general if t == 1 else windows_of(stream.train[t - 2], cfg.model.block_size)
     adapted.start_task(t, previous)
@@ -190,24 +261,29 @@ def learn_task(adapted, t: int, rows: Encoded, stream: Stream, cfg: RunConfig, s
     adapt = dataclasses.replace(adapt, mix=adapt.mix if other else 0.0)
     sampler = InstructionSampler(rows, adapt.batch_size, 1000 * seed + t, other if adapt.mix else None, adapt.mix)
     params = adapted.trainable_parameters()
-    history = train(adapted.model, params, sampler, adapt, lambda m, batch: adapted.losses(batch), hooks=method,
+    history = train(adapted.model, params, sampler, adapt, lambda m, batch: adapted.losses(batch),
+                    hooks=HookChain([method, timer]) if timer else method,
                     desc=f"{method.name} seed {seed} " + ("all tasks" if method.cfg.joint else f"task {t}"))
     adapted.end_task(t)
     return history, params
 
 
-def scores(model: nn.Module, tokenizer, stream: Stream, cfg: RunConfig) -> tuple[list, list, float, list]:
-    """(R row: general-text accuracy then each task's score, held-out tasks' scores, general-text PPL,
-    the R row on validation rows: [] without them)."""
-    general = evaluate(model, stream.general.windows)
-    dev = [100 * evaluate(model, stream.general.dev_windows)["acc"]] + \
-        [score(model, tokenizer, t, cfg) for t in stream.dev] if stream.dev else []
-    return ([100 * general["acc"]] + [score(model, tokenizer, t, cfg) for t in stream.tasks],
-            [score(model, tokenizer, t, cfg) for t in stream.held_out], general["ppl"], dev)
+def scores(model: nn.Module, tokenizer, stream: Stream, cfg: RunConfig) -> Scored:
+    """Every task's score and scored rows, the held-out tasks', general text (accuracy, PPL, loss per window)
+    and, with validation rows, the R row on them; under the training's precision."""
+    general = evaluate(model, stream.general.windows, precision=cfg.adapt.precision)
+    dev = [100 * evaluate(model, stream.general.dev_windows, precision=cfg.adapt.precision)["acc"]] + \
+        [score(model, tokenizer, t, cfg)[0] for t in stream.dev] if stream.dev else []
+    tasks = [score(model, tokenizer, t, cfg) for t in stream.tasks]
+    return Scored([100 * general["acc"]] + [s for s, _ in tasks], [score(model, tokenizer, t, cfg)[0] for t in stream.held_out],
+                  general["ppl"], dev, [h for _, h in tasks], general["window_loss"])
 
 
-def score(model: nn.Module, tokenizer, task: InstructionTask, cfg: RunConfig) -> float:
-    return score_task(model, tokenizer, task, cfg.data.test_rows or None, cfg.adapt.batch_size)["score"]
+def score(model: nn.Module, tokenizer, task: InstructionTask, cfg: RunConfig) -> tuple[float, str]:
+    """(the task's score in %, its scored rows as "1"/"0" outcomes in row order)."""
+    hits, _ = task_hits(model, tokenizer, task, cfg.data.test_rows or None, cfg.adapt.batch_size,
+                        precision=cfg.adapt.precision)
+    return 100.0 * sum(hits) / len(hits), "".join("1" if h else "0" for h in hits)
 
 
 def metrics(rows: list[list[float]], general_ppl: list[float], joint: bool = False) -> dict:

@@ -12,28 +12,25 @@ bases of their own).
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import math
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from forgetless.adapted import resolve_device
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.learner import Learner, chunk_windows
 from forgetless.continual.plan import run_arms
-from forgetless.continual.two_domain import band, build_arms, fresh, load_pretrained, mean_std, provenance
-from forgetless.continual.workers import check_workers
+from forgetless.continual.protocol import (PROTOCOLS, Protocol, RunContext, build_arms, fresh, load_pretrained,
+                                           opening, register_protocol)
 from forgetless.data.domains import Domain, load_domains
 from forgetless.errors import ForgetlessError
 from forgetless.methods import Method, MethodSpec
 from forgetless.methods.base import as_specs
 from forgetless.monitor import PeakRSS
-from forgetless.presets import AdaptConfig, OnlineConfig, RunConfig
-from forgetless.train import autocast
+from forgetless.presets import AdaptConfig, OnlineConfig
+from forgetless.stats import band, mean_std
 
 FROZEN, DYNAMIC = "frozen", "dynamic-eval"
 METRICS = ["prequential_loss", "prequential_loss_a", "prequential_loss_b", "canary_loss_before", "canary_loss_after",
@@ -71,17 +68,17 @@ def run_online_arm(model: nn.Module, method: Method, chunks: list[torch.Tensor],
     if not isinstance(method, Frozen):
         learner = Learner(model, method, cfg, original, original.train, seed, cfg.mix)
         model = learner.model
-    prequential, canary_curve, learn_s = [], [(0, evaluate(model, canary)["loss"])], 0.0
+    prequential, canary_curve, learn_s = [], [(0, evaluate(model, canary, precision=cfg.precision)["loss"])], 0.0
     with PeakRSS() as memory:
         t0 = time.perf_counter()
         for k, windows in enumerate(chunks, start=1):
-            prequential.append(evaluate(model, windows)["loss"])  # scored before it is learned
+            prequential.append(evaluate(model, windows, precision=cfg.precision)["loss"])  # scored before it is learned
             if learner is not None:
                 t = time.perf_counter()
                 learner.learn(windows, online.steps_per_chunk)
                 learn_s += time.perf_counter() - t
             if k % online.canary_every == 0 or k == len(chunks):
-                canary_curve.append((k, evaluate(model, canary)["loss"]))
+                canary_curve.append((k, evaluate(model, canary, precision=cfg.precision)["loss"]))
         wall = time.perf_counter() - t0
     updates = learner.steps if learner else 0
     return {"method": method.name, "seed": seed, "prequential": prequential, "canary": canary_curve,
@@ -90,68 +87,67 @@ def run_online_arm(model: nn.Module, method: Method, chunks: list[torch.Tensor],
             "total_params": sum(p.numel() for p in model.parameters()), "peak_rss_mb": memory.peak_mb}
 
 
-def run_online(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[int], out: Path, preset: str,
-               device: str = "auto", model: str = "byte-gpt", base_seeds: int = 1, workers: int = 1) -> dict:
-    """The `frozen` and `dynamic-eval` arms plus every (method, seed) arm over one stream on `device` (bases as
-    in `run_two_domain`); the results dict of docs/DESIGN.md §6.3."""
-    device = resolve_device(device)
-    check_workers(workers, device)
-    for train_cfg in (cfg.pretrain, cfg.adapt):  # refuse a precision the device lacks before any work
-        autocast(device, train_cfg.precision)
-    specs = [s for s in as_specs(methods) if s.name not in (FROZEN, DYNAMIC) or s.options]
-    built = {FROZEN: Frozen(Method.Config()), **build_arms(cfg, [DYNAMIC]), **build_arms(cfg, specs)}
-    pretrained = load_pretrained(model, device)
-    (a, b), tokenizer = load_domains([cfg.data.domain_a, cfg.data.domain_b],
-                                     pretrained[1] if pretrained else cfg.data.tokenizer, cfg.model.block_size,
-                                     cfg.data.val_fraction, cfg.data.eval_windows, cfg.data.dev_fraction)
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size))
-    chunks, switch = stream(a, b, cfg.online, cfg.model.block_size)
-    canary = a.windows[:cfg.online.canary_windows or None]
-    n_canary = 1 + math.ceil(cfg.online.chunks / cfg.online.canary_every)
+@register_protocol
+class Online(Protocol):
+    """One stream from A to B, each chunk scored, then learned; a canary of A's held-out windows."""
+    name = "online"
 
-    def arm_config(label, method, base_name):
-        return {"protocol": "online", "config": cfg.to_dict(), "online": dataclasses.asdict(cfg.online),
-                "method": method.name, "options": method.options(), "base": base_name,
-                "domains": [a.fingerprint, b.fingerprint]}
+    def run(self, ctx: RunContext, methods: list[MethodSpec | str]) -> dict:
+        """The `frozen` and `dynamic-eval` arms plus every (method, seed) arm over one stream (bases as in the
+        two-domain protocol); the results dict of docs/DESIGN.md §6.3."""
+        cfg, device = ctx.cfg, ctx.device
+        specs = [s for s in as_specs(methods) if s.name not in (FROZEN, DYNAMIC) or s.options]
+        built = {FROZEN: Frozen(Method.Config()), **build_arms(cfg, [DYNAMIC]), **build_arms(cfg, specs)}
+        pretrained = load_pretrained(ctx.model, device)
+        (a, b), tokenizer = load_domains([cfg.data.domain_a, cfg.data.domain_b],
+                                         pretrained[1] if pretrained else cfg.data.tokenizer, cfg.model.block_size,
+                                         cfg.data.val_fraction, cfg.data.eval_windows, cfg.data.dev_fraction)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size))
+        ctx = dataclasses.replace(ctx, cfg=cfg)
+        chunks, switch = stream(a, b, cfg.online, cfg.model.block_size)
+        canary = a.windows[:cfg.online.canary_windows or None]
+        n_canary = 1 + math.ceil(cfg.online.chunks / cfg.online.canary_every)
 
-    def arm_seconds(calibration, method, base_cfg):
-        windows = sum(len(c) for c in chunks)
-        score = (windows + n_canary * len(canary)) * calibration.window(base_cfg)
-        if isinstance(method, Frozen):
-            return score
-        return score + cfg.online.chunks * cfg.online.steps_per_chunk * \
-            calibration.step(base_cfg, method, len(chunks[0]))
+        def arm_config(label, method, base_name):
+            return {"protocol": "online", "config": cfg.to_dict(), "online": dataclasses.asdict(cfg.online),
+                    "method": method.name, "options": method.options(), "base": base_name,
+                    "domains": [a.fingerprint, b.fingerprint]}
 
-    frozen: dict[str, list[float]] = {}  # base name -> its prequential losses without updates, shared by its arms
+        def arm_seconds(calibration, method, base_cfg):
+            windows = sum(len(c) for c in chunks)
+            score = (windows + n_canary * len(canary)) * calibration.window(base_cfg)
+            if isinstance(method, Frozen):
+                return score
+            return score + cfg.online.chunks * cfg.online.steps_per_chunk * \
+                calibration.step(base_cfg, method, len(chunks[0]))
 
-    def run(label, method, seed, base_name, load, arm_dir):
-        model = load()
-        if base_name not in frozen:
-            frozen[base_name] = [evaluate(model, c)["loss"] for c in chunks]
-        method = method if isinstance(method, Frozen) else fresh(method)
-        return {**run_online_arm(model, method, chunks, canary, a, cfg.adapt, cfg.online, seed),
-                "frozen_prequential": frozen[base_name]}
+        frozen: dict[str, list[float]] = {}  # base name -> its prequential losses without updates, shared by its arms
 
-    arms, summary = run_arms(built, seeds, cfg, a, tokenizer, device, model, pretrained, out, arm_config, run,
-                             arm_seconds, base_seeds, workers)
-    positions = [k * cfg.online.chunk_tokens for k in range(1, len(chunks) + 1)]
-    return {
-        "protocol": "online", "preset": preset, "seeds": list(seeds), "base_seeds": base_seeds,
-        **provenance(device), "model": model,
-        "domains": {"a": cfg.data.domain_a, "b": cfg.data.domain_b},
-        "held_out": {"a": a.val_keys, "b": b.val_keys},
-        "data_fingerprints": {"a": a.fingerprint, "b": b.fingerprint},
-        "date": datetime.date.today().isoformat(),
-        "config": {**cfg.to_dict(), "online": dataclasses.asdict(cfg.online)},
-        "stream": {"chunks": len(chunks), "chunk_tokens": cfg.online.chunk_tokens,
-                   "windows_per_chunk": len(chunks[0]), "switch_chunk": switch, "positions": positions,
-                   "a": f"{cfg.data.domain_a}: " + (f"validation works {', '.join(a.dev_keys)}" if a.dev_keys
-                                                    else "validation text (the tail of its training text)"),
-                   "b": f"{cfg.data.domain_b}: training text", "canary_windows": len(canary)},
-        "bases": summary,
-        "methods": {label: summarize(runs, arms[FROZEN], arms[DYNAMIC], built[label], switch, cfg.online)
-                    for label, runs in arms.items()},
-    }
+        def run(label, method, seed, base_name, load, arm_dir):
+            model = load()
+            if base_name not in frozen:
+                frozen[base_name] = [evaluate(model, c, precision=cfg.adapt.precision)["loss"] for c in chunks]
+            method = method if isinstance(method, Frozen) else fresh(method)
+            return {**run_online_arm(model, method, chunks, canary, a, cfg.adapt, cfg.online, seed),
+                    "frozen_prequential": frozen[base_name]}
+
+        arms, summary = run_arms(ctx, built, a, tokenizer, pretrained, arm_config, run, arm_seconds)
+        positions = [k * cfg.online.chunk_tokens for k in range(1, len(chunks) + 1)]
+        return {
+            **opening(ctx, self.name, a, b),
+            "config": {**cfg.to_dict(), "online": dataclasses.asdict(cfg.online)},
+            "stream": {"chunks": len(chunks), "chunk_tokens": cfg.online.chunk_tokens,
+                       "windows_per_chunk": len(chunks[0]), "switch_chunk": switch, "positions": positions,
+                       "a": f"{cfg.data.domain_a}: " + (f"validation works {', '.join(a.dev_keys)}" if a.dev_keys
+                                                        else "validation text (the tail of its training text)"),
+                       "b": f"{cfg.data.domain_b}: training text", "canary_windows": len(canary)},
+            "bases": summary,
+            "methods": {label: summarize(runs, arms[FROZEN], arms[DYNAMIC], built[label], switch, cfg.online)
+                        for label, runs in arms.items()},
+        }
+
+
+run_online = PROTOCOLS["online"]  # run_online(cfg, methods, seeds, out, preset, device, model, ...)
 
 
 def arm_metrics(run: dict, frozen: dict, dynamic: dict, switch: int) -> dict:

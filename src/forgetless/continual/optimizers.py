@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from pathlib import Path
+from dataclasses import dataclass
 
-from forgetless.adapted import resolve_device
 from forgetless.continual.base_model import base_path, cached_base, load_base
-from forgetless.continual.two_domain import band, mean_std, run_two_domain
+from forgetless.continual.protocol import Protocol, RunContext
+from forgetless.continual.two_domain import TwoDomain
 from forgetless.continual.workers import run_jobs
 from forgetless.data.domains import load_domains
 from forgetless.errors import ForgetlessError
@@ -24,25 +24,33 @@ from forgetless.methods import MethodSpec, build_method
 from forgetless.optim import OPTIMIZERS
 from forgetless.presets import RunConfig
 from forgetless.progress import progress_task
+from forgetless.stats import band, mean_std
 
 
-def run_optimizers(cfg: RunConfig, methods: list[str], optimizers: list[str], seeds: list[int], out: Path,
-                   preset: str, pretrain_seeds: int = 1, lrs: list[str] | None = None, device: str = "auto",
-                   base_seeds: int = 1, workers: int = 1) -> dict:
-    """`lrs` (e.g. ["1e-4", "3e-4"]): adapt with each optimizer at each learning rate, so that the
-    optimizers can be compared along their retention/adaptation trade-off rather than at one lr."""
-    unknown = [o for o in optimizers if o not in OPTIMIZERS]
-    if unknown or not optimizers:
-        raise ForgetlessError(f"unknown optimizer {unknown[0] if unknown else '(none)'!r} in --optimizers; "
-                              f"valid: {', '.join(OPTIMIZERS)}")
-    if any("[" in m for m in methods):
-        raise ForgetlessError("--optimizers makes one arm per method and optimizer: give plain method names, e.g. full,ffn")
-    specs = [arm_spec(cfg, m, o, lr) for m in methods for o in optimizers for lr in lrs or [None]]
-    results = run_two_domain(cfg, specs, seeds, out, preset, device, base_seeds=base_seeds, workers=workers)
-    results["optimizers"] = list(optimizers)
-    results["pretraining"] = pretraining_runs(cfg, optimizers, list(range(pretrain_seeds)), resolve_device(device),
-                                              workers)
-    return results
+@dataclass
+class Optimizers(Protocol):
+    """The two-domain protocol with every method adapted by each optimizer (at each of `lrs`, if given: the
+    optimizers compared along their retention/adaptation trade-off rather than at one lr), plus each
+    optimizer's pretraining curves over `pretrain_seeds` bases (`bench --optimizers`)."""
+    optimizers: list[str]
+    pretrain_seeds: int = 1
+    lrs: list[str] | None = None
+    name = "optimizers"
+
+    def run(self, ctx: RunContext, methods: list[str]) -> dict:
+        unknown = [o for o in self.optimizers if o not in OPTIMIZERS]
+        if unknown or not self.optimizers:
+            raise ForgetlessError(f"unknown optimizer {unknown[0] if unknown else '(none)'!r} in --optimizers; "
+                                  f"valid: {', '.join(OPTIMIZERS)}")
+        if any("[" in m for m in methods):
+            raise ForgetlessError("--optimizers makes one arm per method and optimizer: give plain method names, "
+                                  "e.g. full,ffn")
+        specs = [arm_spec(ctx.cfg, m, o, lr) for m in methods for o in self.optimizers for lr in self.lrs or [None]]
+        results = TwoDomain().run(ctx, specs)
+        results["optimizers"] = list(self.optimizers)
+        results["pretraining"] = pretraining_runs(ctx.cfg, self.optimizers, list(range(self.pretrain_seeds)),
+                                                  ctx.device, ctx.workers)
+        return results
 
 
 def arm_spec(cfg: RunConfig, method: str, optimizer: str, lr: str | None) -> MethodSpec:

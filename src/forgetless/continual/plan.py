@@ -21,6 +21,7 @@ from forgetless.checkpoint import write_json
 from forgetless.config import code_fingerprint, stable_hash
 from forgetless.continual.base_model import base_label, base_path, cached_base, load_base, warn_if_other_code
 from forgetless.continual.evaluate import evaluate
+from forgetless.continual.protocol import RunContext
 from forgetless.data.splits import Batch
 from forgetless.continual.workers import run_jobs, worker_threads
 from forgetless.errors import ForgetlessError
@@ -136,17 +137,19 @@ def window_seconds(model_cfg: GPTConfig, device: torch.device, n: int = 16) -> f
 
 
 # ---- a bench run: bases, then arms, planned and under one bar ---------------------------------------
-def run_arms(built: dict, seeds: list[int], cfg, domain, tokenizer, device, model: str, pretrained, out: Path,
-             run_config, run, arm_seconds, base_seeds: int = 1, workers: int = 1) -> tuple[dict, dict]:
-    """Every (seed, arm) of `built` (label -> Method), saved under `out/arms/` as it finishes and reused when
-    its config matches. First the plan; then one bar over the bases to pretrain on `domain` (cached; a
-    `pretrained` (model, tokenizer) needs none) and the arms. With `base_seeds` N > 1, arm seed s starts
-    from a base pretrained with seed pretrain.seed + s mod N (its own base, cached).
+def run_arms(ctx: RunContext, built: dict, domain, tokenizer, pretrained, run_config, run,
+             arm_seconds) -> tuple[dict, dict]:
+    """Every (seed, arm) of `built` (label -> Method) over the run context `ctx`, saved under `ctx.out/arms/` as
+    it finishes and reused when its config matches. First the plan; then one bar over the bases to pretrain on
+    `domain` (cached; a `pretrained` (model, tokenizer) needs none) and the arms. With `ctx.base_seeds` N > 1,
+    arm seed s starts from a base pretrained with seed pretrain.seed + s mod N (its own base, cached).
 
     `run_config(label, method, base_name)` is an arm's config (its saved result is reused while it matches);
     `run(label, method, seed, base_name, load, arm_dir)` runs it (`load()` is a fresh copy of its base);
     `arm_seconds(calibration, method, base_cfg)` estimates it. `workers` > 1: bases, then arms, run in that
     many forked CPU processes side by side (`continual.workers`). Returns (label -> results per seed, bases summary)."""
+    cfg, seeds, device, model, out, base_seeds, workers = (ctx.cfg, ctx.seeds, ctx.device, ctx.model, ctx.out,
+                                                           ctx.base_seeds, ctx.workers)
     if pretrained and base_seeds > 1:
         raise ForgetlessError("--base-seeds pretrains forgetless's own bases; a pretrained --model has one base")
     bases: dict[Path, tuple] = {}     # base checkpoint -> (model config, pretraining config)

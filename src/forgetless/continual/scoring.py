@@ -19,6 +19,7 @@ from forgetless.data.instructions import Example, InstructionTask, head, keep_en
 from forgetless.data.splits import check_length, eval_windows
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import takes_logits_to_keep
+from forgetless.train import autocast
 
 
 # ---- label accuracy --------------------------------------------------------------------------
@@ -26,11 +27,17 @@ def label_accuracy(model: nn.Module, tokenizer, examples: list[Example], labels:
                    normalize: bool = False) -> float:
     """Fraction of examples whose answer is the label of highest log-likelihood given the prompt
     (`label_scores`: summed token log-probs; normalize=True: per-token mean)."""
+    hits = label_hits(model, tokenizer, examples, labels, batch_size, normalize)
+    return sum(hits) / len(hits)
+
+
+def label_hits(model: nn.Module, tokenizer, examples: list[Example], labels: list[str], batch_size: int = 8,
+               normalize: bool = False) -> list[bool]:
+    """Per example: whether its answer is the label of highest log-likelihood (`label_accuracy`'s outcomes)."""
     if not examples:
         raise ForgetlessError("label accuracy needs at least one example")
     scores = label_scores(model, tokenizer, [ex.prompt for ex in examples], labels, batch_size, normalize)  # (N, K)
-    picks = scores.argmax(1).tolist()
-    return sum(labels[k] == ex.answer for k, ex in zip(picks, examples)) / len(examples)
+    return [labels[k] == ex.answer for k, ex in zip(scores.argmax(1).tolist(), examples)]
 
 
 @torch.no_grad()
@@ -91,11 +98,18 @@ def exact_match(model: nn.Module, tokenizer, examples: list[Example], max_new_to
                 batch_size: int = 8, first_line: bool = False) -> float:
     """Fraction of examples whose greedy answer equals the answer after whitespace/case normalization
     (first_line=True: the first lines of both)."""
+    hits = exact_hits(model, tokenizer, examples, max_new_tokens, batch_size, first_line)
+    return sum(hits) / len(hits)
+
+
+def exact_hits(model: nn.Module, tokenizer, examples: list[Example], max_new_tokens: int, batch_size: int = 8,
+               first_line: bool = False) -> list[bool]:
+    """Per example: whether its greedy answer matches (`exact_match`'s outcomes)."""
     if not examples:
         raise ForgetlessError("exact match needs at least one example")
     answers = greedy_answers(model, tokenizer, [ex.prompt for ex in examples], max_new_tokens, batch_size)
     cut = head if first_line else (lambda text: text)
-    return sum(normalized(cut(a)) == normalized(cut(ex.answer)) for a, ex in zip(answers, examples)) / len(examples)
+    return [normalized(cut(a)) == normalized(cut(ex.answer)) for a, ex in zip(answers, examples)]
 
 
 def normalized(text: str) -> str:
@@ -140,21 +154,28 @@ def greedy_answers(model: nn.Module, tokenizer, prompts: list[str], max_new_toke
 
 # ---- one task --------------------------------------------------------------------------------
 def score_task(model: nn.Module, tokenizer, task: InstructionTask, rows: int | None = None, batch_size: int = 8,
-               max_new_tokens: int | None = None) -> dict:
+               max_new_tokens: int | None = None, precision: str = "fp32") -> dict:
     """Label accuracy when the task has labels, else exact match (of the answers' first lines when the task
-    says so), on its first `rows` test examples (all when None), in %. Exact match generates up to the
-    longest of those answers (first lines) plus one token unless told."""
+    says so), on its first `rows` test examples (all when None), in %, the forwards under `precision`'s autocast.
+    Exact match generates up to the longest of those answers (first lines) plus one token unless told."""
+    hits, kind = task_hits(model, tokenizer, task, rows, batch_size, max_new_tokens, precision)
+    return {"score": 100.0 * sum(hits) / len(hits), "kind": kind, "rows": len(hits)}
+
+
+def task_hits(model: nn.Module, tokenizer, task: InstructionTask, rows: int | None = None, batch_size: int = 8,
+              max_new_tokens: int | None = None, precision: str = "fp32") -> tuple[list[bool], str]:
+    """(per test row: whether `score_task` counts it right, the score's kind): the outcomes behind the score,
+    for intervals over test rows (continual/bootstrap.py)."""
     examples = task.test[:rows]
     if not examples:
         raise ForgetlessError(f"task {task.name} has no test examples to score")
-    if task.labels:
-        score, kind = label_accuracy(model, tokenizer, examples, task.labels, batch_size), "label_accuracy"
-    else:
+    with autocast(next(model.parameters()).device, precision):
+        if task.labels:
+            return label_hits(model, tokenizer, examples, task.labels, batch_size), "label_accuracy"
         cut = head if task.first_line else (lambda text: text)
         longest = max(len(text_ids(tokenizer, cut(ex.answer))) for ex in examples) + 1
-        score = exact_match(model, tokenizer, examples, max_new_tokens or longest, batch_size, task.first_line)
-        kind = "first_line_match" if task.first_line else "exact_match"
-    return {"score": 100.0 * score, "kind": kind, "rows": len(examples)}
+        hits = exact_hits(model, tokenizer, examples, max_new_tokens or longest, batch_size, task.first_line)
+    return hits, "first_line_match" if task.first_line else "exact_match"
 
 
 # ---- general text ------------------------------------------------------------------------------

@@ -12,25 +12,23 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import time
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from forgetless.adapted import attach, resolve_device
+from forgetless.adapted import attach
 from forgetless.continual.arm import adapt_task
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.metrics import DEV_METRICS, dev_metrics, sequence_metrics
 from forgetless.continual.plan import run_arms
-from forgetless.continual.two_domain import (build_arms, fresh, load_pretrained, mean_nested, mean_std,
-                                             per_seed, provenance)
-from forgetless.continual.workers import check_workers
+from forgetless.continual.protocol import (PROTOCOLS, Protocol, RunContext, build_arms, fresh, load_pretrained,
+                                           provenance, register_protocol)
 from forgetless.data.domains import Domain, load_domains
 from forgetless.errors import ForgetlessError
 from forgetless.methods import Method, MethodSpec
 from forgetless.monitor import PeakRSS
 from forgetless.presets import AdaptConfig, RunConfig
-from forgetless.train import autocast
+from forgetless.stats import mean_nested, mean_std, per_seed
 
 METRICS = ["op", "op_tasks", "bwt", "bwt_drop", "bwt_tasks", "bwt_drop_clipped", "forgetting", "forgetting_tasks",
            "fwt", "la"]
@@ -61,17 +59,18 @@ def check_mix_from(specs: list[str], mix_from: str):
 
 
 def run_sequence_arm(model: nn.Module, method: Method, tasks: list[Domain], cfg: AdaptConfig, seed: int,
-                     mix_from: str = "earlier") -> dict:
+                     mix_from: str = "earlier", before: tuple | None = None) -> dict:
     """Train `method` on tasks[1:] in order (mixed-in rows, if any, from `replay_source`); score every
-    task after each. A joint arm (`method.cfg.joint`, e.g. mtl) learns them at once instead: `joint_phase`."""
+    task after each. A joint arm (`method.cfg.joint`, e.g. mtl) learns them at once instead: `joint_phase`.
+    `before`: `base_scores` of `model` (arms on one base share it), taken as row 0 where attach changes no
+    output (`Method.attach_rounding` 0), else row 0 is scored here."""
     torch.manual_seed(seed)
     adapted = attach(model, method)
     model = adapted.model
     windows = [d.windows for d in tasks]
-    dev_windows = [d.dev_windows for d in tasks] if all(d.dev_windows is not None and len(d.dev_windows)
-                                                       for d in tasks) else []
-    rows, reports, wall, loss = [[evaluate(model, w) for w in windows]], [], 0.0, []
-    dev_rows = [[100 * evaluate(model, w)["acc"] for w in dev_windows]]
+    rows, dev_rows = [[r] for r in (before if before and method.attach_rounding == 0 else
+                                      base_scores(model, tasks, cfg.precision))]
+    reports, wall, loss = [], 0.0, []
     T = len(tasks) - 1
     phases = [joint_phase(tasks, cfg, replay_source(tasks, 1, mix_from, method))] if method.cfg.joint else \
         [(t, task, cfg, replay_source(tasks, t, mix_from, method), tasks[t - 1]) for t, task in enumerate(tasks[1:], 1)]
@@ -82,19 +81,28 @@ def run_sequence_arm(model: nn.Module, method: Method, tasks: list[Domain], cfg:
                                          desc=f"{method.name} seed {seed} " + ("all tasks" if method.cfg.joint else f"task {t}"))
             wall += time.perf_counter() - t0
             loss += [[t, s, v] for s, v in history.loss]
-            rows.append([evaluate(model, w) for w in windows])
-            dev_rows.append([100 * evaluate(model, w)["acc"] for w in dev_windows])
+            row, dev_row = base_scores(model, tasks, cfg.precision)
+            rows.append(row)
+            dev_rows.append(dev_row)
             reports.append(method.task_report(model, windows))
     if method.cfg.joint:  # one state after all tasks: it is every row's "after task t" (metrics.sequence_metrics)
         rows, dev_rows, reports = rows[:1] + rows[1:] * T, dev_rows[:1] + dev_rows[1:] * T, reports * T
     R = [[100 * e["acc"] for e in row] for row in rows]
     joint = {"joint": True} if method.cfg.joint else {}
-    dev = {"r_matrix_dev": dev_rows, **dev_metrics(dev_rows)} if dev_windows else {}
+    dev = {"r_matrix_dev": dev_rows, **dev_metrics(dev_rows)} if dev_rows[0] else {}
     return {"method": method.name, "seed": seed, **joint, "r_matrix": R,
             "ppl_matrix": [[e["ppl"] for e in row] for row in rows],
             **sequence_metrics(R, bool(joint)), **dev, "trainable_params": sum(p.numel() for _, p in params),
             "total_params": sum(p.numel() for p in model.parameters()), "wall_s": wall,
             "peak_rss_mb": memory.peak_mb, "loss": loss, **({"task_reports": reports} if any(reports) else {})}
+
+
+def base_scores(model: nn.Module, tasks: list[Domain], precision: str) -> tuple[list[dict], list[float]]:
+    """(evaluate on each task's held-out windows, accuracy (%) on each task's validation windows: [] unless every
+    task has them): one row of R and of R on validation windows."""
+    dev = all(d.dev_windows is not None and len(d.dev_windows) for d in tasks)
+    return ([evaluate(model, d.windows, precision=precision) for d in tasks],
+            [100 * evaluate(model, d.dev_windows, precision=precision)["acc"] for d in tasks] if dev else [])
 
 
 def joint_phase(tasks: list[Domain], cfg: AdaptConfig, replay_from: Domain) -> tuple:
@@ -107,46 +115,56 @@ def joint_phase(tasks: list[Domain], cfg: AdaptConfig, replay_from: Domain) -> t
     return 1, joint, dataclasses.replace(cfg, steps=cfg.steps * (len(tasks) - 1)), replay_from, tasks[0]
 
 
-def run_sequence(cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[int], out: Path, preset: str,
-                 device: str = "auto", model: str = "byte-gpt", base_seeds: int = 1,
-                 workers: int = 1) -> dict:
-    """Every (method, seed) arm over the corpus sequence on `device` (bases as in `run_two_domain`); the
-    results dict of docs/DESIGN.md §6."""
-    device = resolve_device(device)
-    check_workers(workers, device)
-    for train_cfg in (cfg.pretrain, cfg.adapt):  # refuse a precision the device lacks before any work
-        autocast(device, train_cfg.precision)
-    specs = [cfg.data.domain_a, *cfg.data.tasks]
-    if len(specs) < 2:
-        raise ForgetlessError("the sequence protocol needs tasks after the base: --tasks CORPUS1,CORPUS2,...")
-    check_mix_from(specs, cfg.data.mix_from)
-    built = build_arms(cfg, methods, sequence=True)
-    pretrained = load_pretrained(model, device)
-    tasks, tokenizer = load_domains(specs, pretrained[1] if pretrained else cfg.data.tokenizer, cfg.model.block_size,
-                                    cfg.data.val_fraction, cfg.data.eval_windows,
-                                     cfg.data.dev_fraction)
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size))
+@register_protocol
+class Sequence(Protocol):
+    """A base on the first corpus, then the tasks in order, every task scored after each."""
+    name = "sequence"
 
-    def arm_config(label, method, base_name):
-        return {"protocol": "sequence", "config": cfg.to_dict(), "method": method.name, "options": method.options(),
-                "base": base_name, "tasks": [t.fingerprint for t in tasks], **replay_tag(cfg, method)}
+    def run(self, ctx: RunContext, methods: list[MethodSpec | str]) -> dict:
+        """Every (method, seed) arm over the corpus sequence (bases as in the two-domain protocol); the results
+        dict of docs/DESIGN.md §6."""
+        cfg, device = ctx.cfg, ctx.device
+        specs = [cfg.data.domain_a, *cfg.data.tasks]
+        if len(specs) < 2:
+            raise ForgetlessError("the sequence protocol needs tasks after the base: --tasks CORPUS1,CORPUS2,...")
+        check_mix_from(specs, cfg.data.mix_from)
+        built = build_arms(cfg, methods, sequence=True)
+        pretrained = load_pretrained(ctx.model, device)
+        tasks, tokenizer = load_domains(specs, pretrained[1] if pretrained else cfg.data.tokenizer, cfg.model.block_size,
+                                        cfg.data.val_fraction, cfg.data.eval_windows,
+                                         cfg.data.dev_fraction)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=tokenizer.vocab_size))
+        ctx = dataclasses.replace(ctx, cfg=cfg)
 
-    def arm_seconds(calibration, method, base_cfg):
-        T, windows = len(tasks) - 1, sum(t.windows.shape[0] for t in tasks)
-        return (T * cfg.adapt.steps * calibration.step(base_cfg, method, cfg.adapt.batch_size)
-                + (T + 1) * windows * calibration.window(base_cfg))
+        def arm_config(label, method, base_name):
+            return {"protocol": "sequence", "config": cfg.to_dict(), "method": method.name, "options": method.options(),
+                    "base": base_name, "tasks": [t.fingerprint for t in tasks], **replay_tag(cfg, method)}
 
-    arms, summary = run_arms(built, seeds, cfg, tasks[0], tokenizer, device, model, pretrained, out, arm_config,
-                             lambda label, method, seed, base_name, load, arm_dir:
-                             run_sequence_arm(load(), fresh(method), tasks, cfg.adapt, seed,
-                                                              cfg.data.mix_from), arm_seconds, base_seeds, workers)
-    return {
-        "protocol": "sequence", "preset": preset, "seeds": list(seeds), "base_seeds": base_seeds, "tasks": specs,
-        **provenance(device),
-        "score": "next-token accuracy on held-out windows, %", "date": datetime.date.today().isoformat(),
-        "config": cfg.to_dict(), "bases": summary, "model": model,
-        "methods": {label: summarize(runs, built[label]) for label, runs in arms.items()},
-    }
+        def arm_seconds(calibration, method, base_cfg):
+            T, windows = len(tasks) - 1, sum(t.windows.shape[0] for t in tasks)
+            return (T * cfg.adapt.steps * calibration.step(base_cfg, method, cfg.adapt.batch_size)
+                    + (T + 1) * windows * calibration.window(base_cfg))
+
+        befores: dict[str, tuple] = {}  # base name -> its scores (row 0), shared by the arms on it
+
+        def run(label, method, seed, base_name, load, arm_dir):
+            model = load()
+            if method.attach_rounding == 0 and base_name not in befores:
+                befores[base_name] = base_scores(model, tasks, cfg.adapt.precision)
+            return run_sequence_arm(model, fresh(method), tasks, cfg.adapt, seed, cfg.data.mix_from,
+                                    befores.get(base_name))
+
+        arms, summary = run_arms(ctx, built, tasks[0], tokenizer, pretrained, arm_config, run, arm_seconds)
+        return {
+            "protocol": "sequence", "preset": ctx.preset, "seeds": list(ctx.seeds), "base_seeds": ctx.base_seeds,
+            "tasks": specs, **provenance(device), "precision": ctx.precision,
+            "score": "next-token accuracy on held-out windows, %", "date": datetime.date.today().isoformat(),
+            "config": cfg.to_dict(), "bases": summary, "model": ctx.model,
+            "methods": {label: summarize(runs, built[label]) for label, runs in arms.items()},
+        }
+
+
+run_sequence = PROTOCOLS["sequence"]  # run_sequence(cfg, methods, seeds, out, preset, device, model, ...)
 
 
 def summarize(runs: list[dict], method: Method) -> dict:

@@ -23,7 +23,7 @@ from forgetless.methods import Method
 from forgetless.monitor import PeakRSS
 from forgetless.presets import AdaptConfig
 from forgetless.progress import progress_task
-from forgetless.train import train
+from forgetless.train import autocast, train
 
 HELD_OUT = 0.1  # of each data set, scored before and after
 
@@ -37,7 +37,7 @@ def adapt_on_data(model: nn.Module, tokenizer, method: Method, new, old, cfg: Ad
     cfg = method.training_config(cfg)
     mix = cfg.mix if old is not None else 0.0
     pad = Collator(tokenizer).pad_id
-    before = scores(model, new_held, old_held, pad)
+    before = scores(model, new_held, old_held, pad, cfg.precision)
     torch.manual_seed(seed)
     adapted = attach(model, method)
     adapted.start_task(1, old_train if method.needs_previous else None)
@@ -52,13 +52,13 @@ def adapt_on_data(model: nn.Module, tokenizer, method: Method, new, old, cfg: Ad
                                     "adapt": cfg.__dict__, "seed": seed})
         wall = time.perf_counter() - t0
     adapted.end_task(1)
-    after = scores(adapted.model, new_held, old_held, pad)
+    after = scores(adapted.model, new_held, old_held, pad, cfg.precision)
     form, folder = adapted.export(out / "model", tokenizer)
     (out / "training.safetensors").unlink(missing_ok=True)
     report = {"model": model_spec, "method": method.name, "options": method.options(), "seed": seed,
               "rows": {"new_train": len(new_train), "new_held_out": len(new_held),
                        "old_train": len(old_train or []), "old_held_out": len(old_held or [])},
-              "mix": mix, "steps": cfg.steps, "lr": cfg.lr, "before": before, "after": after,
+              "mix": mix, "steps": cfg.steps, "lr": cfg.lr, "precision": cfg.precision, "before": before, "after": after,
               "trainable_params": sum(p.numel() for _, p in params),
               "total_params": sum(p.numel() for p in adapted.model.parameters()),
               "wall_s": wall, "peak_rss_mb": memory.peak_mb, "loss": history.loss,
@@ -86,11 +86,13 @@ def encoded(rows, pad: int) -> Encoded:
 
 
 @torch.no_grad()
-def scores(model: nn.Module, new_held, old_held, pad: int, batch_size: int = 8) -> dict:
-    """Loss and token accuracy on the trained tokens of the held-out new rows; perplexity of the old ones."""
-    out = {f"new_{k}": v for k, v in score(model, new_held, pad, batch_size).items()}
-    if old_held is not None:
-        old = score(model, old_held, pad, batch_size)
+def scores(model: nn.Module, new_held, old_held, pad: int, precision: str = "fp32", batch_size: int = 8) -> dict:
+    """Loss and token accuracy on the trained tokens of the held-out new rows; perplexity of the old ones; the
+    forwards under `precision`'s autocast (the training's)."""
+    with autocast(next(model.parameters()).device, precision):
+        out = {f"new_{k}": v for k, v in score(model, new_held, pad, batch_size).items()}
+        old = score(model, old_held, pad, batch_size) if old_held is not None else None
+    if old is not None:
         out.update(old_loss=old["loss"], old_ppl=math.exp(old["loss"]), old_acc=old["acc"])
     return out
 

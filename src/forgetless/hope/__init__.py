@@ -15,13 +15,16 @@ import time
 
 import torch
 
-from forgetless.continual.evaluate import training_loss
+from forgetless.loss import training_loss
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPT, GPTConfig
 from forgetless.train import TrainConfig, steps_for_seconds, train
 
 HOPE_OPTIONS = {"titans": {}, "hope": {"self_modify": True}, "hope-noattn": {"self_modify": True, "attention": False}}
 ARMS = ["gpt", *HOPE_OPTIONS]
+SCAN_HELP = ("how the memories of the titans and hope arms run their chunks: parallel, or sequential (the form of "
+             "the results before 2026-11-26): the same math, but sequential is slower, so the titans arm takes "
+             "fewer steps in the CPU budget")
 
 EXPERIMENTS = {
     "lm": ("forgetless.hope.lm", "byte-level language modelling: held-out PPL at equal parameters and CPU time"),
@@ -45,6 +48,16 @@ def arm_config(arm: str, model: GPTConfig) -> GPTConfig:
     target = GPT(arm_config("titans", model)).num_params()
     return min((dataclasses.replace(model, ffn="dense", ffn_options={}, ffn_mult=m) for m in range(1, 33)),
                key=lambda c: abs(GPT(c).num_params() - target))
+
+
+def arm_model(arm: str, model: GPTConfig, scan: str) -> GPT:
+    """The arm's GPT (`arm_config`), its memories running their chunks by `scan` (nn/titans.py)."""
+    from forgetless.nn.titans import NeuralMemory
+    net = GPT(arm_config(arm, model))
+    for m in net.modules():
+        if isinstance(m, NeuralMemory):
+            m.scan = scan
+    return net
 
 
 def train_for(model: GPT, sampler, cfg: TrainConfig, seconds: float, desc: str) -> dict:

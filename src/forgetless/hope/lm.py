@@ -17,13 +17,14 @@ import torch
 from forgetless.aunn.experiments import pm, save_figure
 from forgetless.config import from_dict
 from forgetless.continual.evaluate import evaluate
-from forgetless.continual.two_domain import mean_std
+from forgetless.stats import mean_std
 from forgetless.data.domains import load_domains
 from forgetless.data.splits import Sampler
 from forgetless.errors import ForgetlessError
-from forgetless.hope import arm_config, check_arms, has_memory, train_for
+from forgetless.hope import SCAN_HELP, arm_model, check_arms, has_memory, train_for
 from forgetless.methods.hope import cross_entropy, set_writes
-from forgetless.models.gpt import GPT, GPTConfig
+from forgetless.models.gpt import GPTConfig
+from forgetless.nn.titans import check_scan
 from forgetless.presets import PRESETS, DataConfig
 from forgetless.train import PretrainConfig
 
@@ -38,6 +39,7 @@ class Config:
         "help": "gpt, titans, hope, hope-noattn (forgetless.hope)"})
     budget_s: float = field(default=300.0, metadata={"help": "training CPU seconds of every arm"})
     memory_windows: int = field(default=32, metadata={"help": "held-out windows scored with the memory's writes off"})
+    scan: str = field(default="parallel", metadata={"help": SCAN_HELP})
 
     def __post_init__(self):
         check_arms(self.arms)
@@ -45,6 +47,7 @@ class Config:
             raise ForgetlessError(f"lm.preset: unknown {self.preset!r}; valid: {', '.join(PRESETS)}")
         if self.budget_s <= 0 or self.memory_windows <= 0:
             raise ForgetlessError("lm.budget_s and lm.memory_windows must be positive")
+        check_scan(self.scan, "lm")
 
 
 def configs(cfg: Config, seed: int) -> tuple[GPTConfig, PretrainConfig, DataConfig]:
@@ -61,7 +64,7 @@ def run(cfg: Config, seed: int) -> dict:
     out = {}
     for arm in cfg.arms:
         torch.manual_seed(seed)
-        model = GPT(arm_config(arm, model_cfg))
+        model = arm_model(arm, model_cfg, cfg.scan)
         sampler = Sampler(domain.train, train_cfg.batch_size, model_cfg.block_size, seed)
         run_ = train_for(model, sampler, train_cfg, cfg.budget_s, desc=f"{arm} seed {seed}")
         result = {"params": model.num_params(), **run_, "loss": evaluate(model, domain.windows)["loss"],

@@ -15,12 +15,13 @@ from pathlib import Path
 import torch
 
 from forgetless.aunn.experiments import pm, save_figure
-from forgetless.continual.two_domain import mean_std
+from forgetless.stats import mean_std
 from forgetless.data.splits import Batch
 from forgetless.errors import ForgetlessError
-from forgetless.hope import arm_config, check_arms, has_memory, train_for
+from forgetless.hope import SCAN_HELP, arm_model, check_arms, has_memory, train_for
 from forgetless.methods.hope import set_writes
 from forgetless.models.gpt import GPT, GPTConfig
+from forgetless.nn.titans import check_scan
 from forgetless.train import PretrainConfig
 
 FILLER = 128  # filler bytes are FILLER..255; keys and values sit below
@@ -42,6 +43,7 @@ class Config:
     eval_sequences: int = field(default=512, metadata={"help": "unseen sequences scored per arm"})
     bins: list[int] = field(default_factory=lambda: [2, 32, 64, 96, 128], metadata={
         "help": "distance bin edges (left-closed)"})
+    scan: str = field(default="parallel", metadata={"help": SCAN_HELP})
 
     def __post_init__(self):
         check_arms(self.arms)
@@ -50,6 +52,7 @@ class Config:
                                   "block_size / 4")
         if min(self.budget_s, self.batch_size, self.eval_sequences, self.n_layer, self.d_model) <= 0:
             raise ForgetlessError("needle: budget_s, batch_size, eval_sequences, n_layer and d_model must be positive")
+        check_scan(self.scan, "needle")
 
 
 def needles(cfg: Config, n: int, generator: torch.Generator) -> tuple[Batch, torch.Tensor, torch.Tensor]:
@@ -109,7 +112,7 @@ def run(cfg: Config, seed: int) -> dict:
     out = {}
     for arm in cfg.arms:
         torch.manual_seed(seed)
-        model = GPT(arm_config(arm, model_cfg))
+        model = arm_model(arm, model_cfg, cfg.scan)
         result = {"params": model.num_params(),
                   **train_for(model, NeedleSampler(cfg, seed), train_cfg, cfg.budget_s, desc=f"{arm} seed {seed}")}
         correct = recall(model, test, asks)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -103,6 +102,7 @@ def patches_for(d: int, apn_cfg: APNConfig, budget: float) -> int:
 class APNMethod(Method):
     """APN base (APN FFNs pretrained on A); adapt only the patches, as in the source."""
     Config = APNMethodConfig
+    order = 50
     default_for = ("two-domain",)  # APN bases are costly; run them in a sequence with --methods apn,...
 
     def __init__(self, cfg: APNMethodConfig):
@@ -164,9 +164,9 @@ class APNMethod(Method):
 
     def trainable_parameters(self, model):
         return [(f"{prefix}.{name}", p) for prefix, m in model.named_modules() if isinstance(m, APN)
-                for name, p in m.named_parameters() if self.trains(name)]
+                for name, p in m.named_parameters() if self.trains_tensor(name)]
 
-    def trains(self, name: str) -> bool:
+    def trains_tensor(self, name: str) -> bool:
         if self.cfg.decoders_only and name not in DECODERS:
             return False
         if name in ("prototypes", "route_proj.weight") and not self.cfg.train_prototypes:
@@ -286,90 +286,18 @@ class APNMethod(Method):
     def report(self, model, windows_a, windows_b):
         return {**routing_report(model, windows_a, windows_b), "allocations": self.allocations}
 
-    @classmethod
-    def figures(cls, results, labels, folder):
-        drawn = [(name, draw(results, labels, folder / name)) for name, draw in
-                 (("routing_monitors.png", monitor_curves), ("routing_overlap.png", routing_histograms))]
-        return [folder / name for name, ok in drawn if ok]
 
-
-MONITORS = [("usage_entropy", "patch-usage entropy / log K"), ("confidence", "router confidence (max cos)"),
-            ("residual_ratio", "||APN(x)|| / ||x||")]
-
-
-def monitor_curves(results: dict, labels: list[str], path: Path) -> bool:
-    """Routing monitors on B during adaptation (dashed: the base's pretraining, on A)."""
-    from forgetless.report.figures import colors, plt, save
-    methods = {n: results["methods"][n] for n in labels if "usage_entropy_b" in results["methods"][n].get("curves", {})}
-    bases = {n: b for n, b in results.get("bases", {}).items() if b.get("evals") and "usage_entropy" in b["evals"][-1]}
-    if not methods and not bases:
-        return False
-    color = colors(list(results["methods"]))
-    fig, axes = plt.subplots(2, 3, figsize=(13, 7))
-    for col, (key, label) in enumerate(MONITORS):
-        for name, m in methods.items():
-            axes[0, col].plot(m["curves"]["step"], m["curves"][f"{key}_b"]["mean"], marker=".", color=color[name], label=name)
-        axes[0, col].set_title(f"adaptation: {label} on B", fontsize=9)
-        axes[0, col].set_xlabel("adaptation step")
-        for name, b in bases.items():
-            evals = [e for e in b["evals"] if key in e]
-            axes[1, col].plot([e["step"] for e in evals], [e[key] for e in evals], ls="--", marker=".", label=f"base {name}")
-        axes[1, col].set_title(f"pretraining: {label} on A", fontsize=9)
-        axes[1, col].set_xlabel("pretraining step")
-    for ax in axes[:, 0]:
-        if ax.get_legend_handles_labels()[0]:  # a retrofit has no APN base whose pretraining to show
-            ax.legend(fontsize=7)
-    save(fig, path, dpi=100)
-    return True
-
-
-def routing_histograms(results: dict, labels: list[str], path: Path) -> bool:
-    """Per APN arm: active-set overlap of token pairs (A-A reference, A-B before/after adaptation)
-    and the router-confidence distribution on A and B ("before" only where the arm reported it)."""
-    from forgetless.report.figures import plt, save
-    methods = {n: results["methods"][n] for n in labels
-               if results["methods"][n].get("report", {}).get("after", {}).get("overlap_ab")}
-    if not methods:
-        return False
-    fig, axes = plt.subplots(2, len(methods), figsize=(4 * len(methods), 7), squeeze=False)
-    for col, (name, m) in enumerate(methods.items()):
-        after = m["report"]["after"]
-        before = m["report"].get("before") or after
-        k = len(after["overlap_ab"]) - 1
-        x = list(range(k + 1))
-        width = 0.27
-        ax = axes[0, col]
-        ax.bar([i - width for i in x], before["overlap_aa"], width, label="A-A pairs, before")
-        ax.bar(x, before["overlap_ab"], width, label="A-B pairs, before")
-        ax.bar([i + width for i in x], after["overlap_ab"], width, label="A-B pairs, after")
-        ax.set_xticks(x)
-        ax.set_xlabel(f"shared active patches (of k={k})")
-        ax.set_title(f"{name}: active-set overlap", fontsize=9)
-        ax.legend(fontsize=7)
-        ax = axes[1, col]
-        edges = after["confidence_bins"]
-        mids = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
-        for when, rep, ls in (("before", before, "--"), ("after", after, "-"))[int(before is after):]:
-            ax.plot(mids, rep["confidence_a"], ls=ls, color="tab:blue", label=f"A, {when}")
-            ax.plot(mids, rep["confidence_b"], ls=ls, color="tab:red", label=f"B, {when}")
-        ax.set_xlabel("router confidence (max cosine to a prototype)")
-        ax.set_title(f"{name}: confidence distribution", fontsize=9)
-        ax.legend(fontsize=7)
-    save(fig, path, dpi=100)
-    return True
-
-
-def arm(name: str, doc: str, **defaults):
-    """Register an APN arm: the same method with other defaults."""
+def arm(name: str, order: int, doc: str, **defaults):
+    """Register an APN arm: the same method with other defaults, at `order` in tables."""
     fields_ = [(k, type(v), field(default=v)) for k, v in defaults.items()]
     config = dataclasses.make_dataclass(f"{name.title().replace('-', '')}Config", fields_, bases=(APNMethodConfig,))
-    cls = type(name.title().replace("-", ""), (APNMethod,), {"Config": config, "__doc__": doc})
+    cls = type(name.title().replace("-", ""), (APNMethod,), {"Config": config, "__doc__": doc, "order": order})
     return register_method(name)(cls)
 
 
-arm("apn-local", "APN base; only active patches update, with per-patch norm caps and router-confidence gating",
+arm("apn-local", 51, "APN base; only active patches update, with per-patch norm caps and router-confidence gating",
     local=True, norm_cap=0.5, gate_on="router", gate_min=0.3)
-arm("apn-param-matched", "APN base with n_patches chosen so its parameters match the dense base",
+arm("apn-param-matched", 52, "APN base with n_patches chosen so its parameters match the dense base",
     param_matched=True)
-arm("apn-retrofit", "APN beside every FFN of the trained dense base; only routing and patches train",
+arm("apn-retrofit", 53, "APN beside every FFN of the trained dense base; only routing and patches train",
     retrofit=True, lr=1e-3)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import re
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -53,6 +53,9 @@ class MethodConfig:
 
 METHODS: dict[str, type["Method"]] = {}
 ALL_LINEAR = "all-linear"
+ALL, WEIGHTS, MODULES = "all", "weights", "modules"  # what a method trains (Method.trains)
+PEFT = "peft"  # Method.export_form of a method export writes as a PEFT adapter (LoRA)
+FINE_TUNING_LR = 5e-5  # transformers' Trainer default: a method training a pretrained model's own weights starts here
 
 
 def register_method(name: str):
@@ -64,18 +67,21 @@ def register_method(name: str):
     return wrap
 
 
-# Table order: the names of docs/DESIGN.md §6 with the later methods beside their kin, then any other
-# registered method (a plugin's) by name.
-CANONICAL_ORDER = ["full", "ffn", "lora", "adapter", "apn", "apn-local", "apn-param-matched", "apn-retrofit",
-                   "moram", "moe-lora", "seq-lora", "o-lora", "osf", "mtl", "neutral", "ewc", "distill", "wise-ft", "cms", "cms-fast", "hope",
-                   "dynamic-eval"]
-
-
 def method_names(protocol: str | None = None) -> list[str]:
-    """Registered methods in table order; with `protocol`, those in its default set (`--methods all`)."""
-    rank = {n: i for i, n in enumerate(CANONICAL_ORDER)}
+    """Registered methods in table order (each method's `order`, then by name); with `protocol`, those in its
+    default set (`--methods all`)."""
     names = [n for n in METHODS if protocol is None or protocol in METHODS[n].default_for]
-    return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
+    return sorted(names, key=lambda n: (METHODS[n].order, n))
+
+
+def traits_text(cls: type["Method"]) -> str:
+    """A method class's traits in a few words (the `forgetless methods` table)."""
+    trains = {ALL: "trains every weight", WEIGHTS: "trains model weights", MODULES: "trains its modules"}[cls.trains]
+    flags = [(not cls.injects, "injects nothing"), (cls.merges, "merges"), (cls.export_form == PEFT, "exports PEFT"),
+             (cls.grows, "grows per task"), (cls.needs_previous, "needs the previous task"),
+             (cls.reads_retained, "reads old rows"), (cls.shardable, "shards (FSDP)")]
+    lr = cls.pretrained_options().get("lr")
+    return ", ".join([trains, *(text for on, text in flags if on), *([f"lr {lr:g} on a pretrained model"] if lr else [])])
 
 
 def build_method(name: str, options: dict | None = None) -> "Method":
@@ -162,16 +168,42 @@ class Method(StepHooks):
     """
     name = "base"
     Config = MethodConfig
+
+    # ---- traits: what the method is, declared on its class (presets, export, the CLI and the tests read them) ----
+    order: float = math.inf  # place in tables and in `--methods all` (docs/DESIGN.md §6; a plugin's: after, by name)
     default_for: tuple[str, ...] = ("two-domain", "sequence")  # protocols whose `--methods all` runs it
+    trains = MODULES  # ALL: every weight of the model; WEIGHTS: some of the model's own weights (its FFNs, their
+    # singular directions); MODULES: its own modules only (those it injects, or the FFNs of a base of its kind)
+    injects = True  # adds modules to the model (False: trains the model's weights in place; so, on its own base,
+    # does a method with a base of its kind, `base_config`)
+    merges = False  # `merge` folds it exactly into the base weights (merge_and_unload; export writes merged weights)
+    export_form: str | None = None  # PEFT: export writes a PEFT adapter (a local transformers base, one task);
+    # None: merged weights where it merges or injects nothing, else the forgetless folder (export.form_of)
+    grows = False  # adds modules for every task (on_task_start; from_pretrained grows them again)
+    shardable = False  # runs under FSDP (Adapted.shard): tested with sharded parameters, adamw, no hooks of its own
     needs_previous = False  # start_task needs the data learned last (EWC's Fisher)
     mixes_original = False  # its mixed rows must be original-distribution data, never earlier tasks (Neutral's l1)
     reads_retained = ""  # the term that acts on the batch's retained rows of old data (e.g. a KL term); "": none
+    pretrained_lr: float | None = None  # its lr on a pretrained model (presets real, real-full; adapt --data);
+    # None: FINE_TUNING_LR where it trains the model's own weights with no lr of its own, else its config's
     start_copies: tuple[str, ...] = ()  # hook_state prefixes holding the weights at the task's start (EWC's anchor):
     # not saved for task 1 when they are the base's, which from_pretrained gets from the base it loads onto
     # token_weights(logits (B, T, V), batch) -> (B, T) weights of each token's LM loss (None: all 1), e.g. to gate
     # updates by entropy; a method that defines it gets every position's logits (None here: only scored ones)
     token_weights = None
-    shardable = False  # runs under FSDP (Adapted.shard): tested with sharded parameters, adamw, no hooks of its own
+    attach_rounding = 0.0  # attach and start_task(1) change no logit bit for bit (the protocols reuse the base's
+    # scores for the attached model's first point); > 0: by up to this much (tests/test_contract.py checks either)
+
+    @classmethod
+    def pretrained_options(cls) -> dict:
+        """The options it starts from on a pretrained model: its `pretrained_lr`, else FINE_TUNING_LR where it trains
+        the model's own weights (`trains` ALL or WEIGHTS) and its config sets no lr (a pretrained model's weights
+        take the usual fine-tuning lr; the presets' 5e-4 suits small added modules and wrecks them)."""
+        lr = cls.pretrained_lr
+        own_lr = next(f.default for f in fields(cls.Config) if f.name == "lr")
+        if lr is None and cls.trains != MODULES and own_lr is None:
+            lr = FINE_TUNING_LR
+        return {} if lr is None else {"lr": lr}
 
     def __init__(self, cfg: MethodConfig):
         self.cfg = cfg
@@ -222,12 +254,6 @@ class Method(StepHooks):
     def task_report(self, model: nn.Module, windows: list[torch.Tensor]) -> dict:
         """Sequence protocol: diagnostics on every task's held-out windows (JSON-able), after each task."""
         return {}
-
-    @classmethod
-    def figures(cls, results: dict, labels: list[str], folder: Path) -> list[Path]:
-        """Draw this method's own diagnostics (the `report` / `task_reports` of the arms `labels` in
-        `results`) into `folder`; return the files written."""
-        return []
 
     def remember(self, model: nn.Module, data):
         """Before a task: `data` is what the model learned last (a Domain, or (N, T+1) token windows);

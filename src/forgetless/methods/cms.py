@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -63,6 +62,7 @@ def levels(model) -> list[tuple[str, Level]]:
 class CMSMethod(Method):
     """CMS base (FFN = MLP levels updated every 1, 4, 32, 128 steps); the levels adapt on their periods."""
     Config = CMSMethodConfig
+    order = 100
 
     def base_config(self, model_cfg: GPTConfig) -> GPTConfig:
         options = {f.name: getattr(self.cfg, f.name) for f in dataclasses.fields(CMSConfig)}
@@ -112,10 +112,6 @@ class CMSMethod(Method):
         periods = sorted(change)
         return {"level_periods": periods, "level_change": [sum(change[c]) / len(change[c]) for c in periods]}
 
-    @classmethod
-    def figures(cls, results, labels, folder):
-        return [folder / "level_change.png"] if level_changes(results, labels, folder / "level_change.png") else []
-
 
 @dataclass
 class CMSFastConfig(CMSMethodConfig):
@@ -126,23 +122,5 @@ class CMSFastConfig(CMSMethodConfig):
 class CMSFast(CMSMethod):
     """CMS base; only the fast levels (period <= 4) adapt, the slow levels stay as pretrained."""
     Config = CMSFastConfig
+    order = 101
 
-
-def level_changes(results: dict, labels: list[str], path: Path) -> bool:
-    """CMS arms: how far each level (by update period) moved during adaptation, relative to its size."""
-    from forgetless.report.figures import plt, reported, save
-    arms = reported(results, labels, "level_change")
-    if not arms:
-        return False
-    fig, ax = plt.subplots(figsize=(6, 4))
-    width = 0.8 / len(arms)
-    for k, (name, r) in enumerate(arms.items()):
-        xs = [i + k * width for i in range(len(r["level_periods"]))]
-        ax.bar(xs, r["level_change"], width=width, label=name)
-    periods = next(iter(arms.values()))["level_periods"]
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(periods))], [f"C = {round(c)}" for c in periods])
-    ax.set(xlabel="CMS level (update period)", ylabel="||θ - θ_base|| / ||θ_base|| after adaptation",
-           title="How much each CMS level moved (mean over layers and seeds)")
-    ax.legend(fontsize=8)
-    save(fig, path, dpi=110)
-    return True

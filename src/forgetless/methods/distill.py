@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import Method, MethodConfig, copy_weights, register_method
+from forgetless.methods.base import ALL, Method, MethodConfig, copy_weights, register_method
 from forgetless.models.gpt import logits_of
 
 
@@ -43,6 +43,7 @@ class DistillConfig(MethodConfig):
 class Distill(Method):
     """Full fine-tuning plus a KL term to the task's starting model on the mixed-in original rows."""
     Config = DistillConfig
+    order, trains, injects = 91, ALL, False
     start_copies = ("teacher.",)  # copies of the weights at the task's start
     default_for = ()  # named only: `--methods all` (and the tables it reproduces) stay as they were
     reads_retained = "distillation's KL term"

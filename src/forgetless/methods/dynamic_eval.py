@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import Method, MethodConfig, copy_weights, register_method
+from forgetless.methods.base import ALL, Method, MethodConfig, copy_weights, register_method
 
 
 @dataclass
@@ -31,6 +31,7 @@ class DynamicEvalConfig(MethodConfig):
 class DynamicEval(Method):
     """Dynamic evaluation: SGD on every weight, decaying toward the original weights."""
     Config = DynamicEvalConfig
+    order, trains, injects = 110, ALL, False
     start_copies = ("origin.",)  # copies of the weights at the task's start
     default_for = ()
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import Method, MethodConfig, register_method
+from forgetless.methods.base import ALL, Method, MethodConfig, register_method
 from forgetless.progress import progress_task
 from forgetless.models.gpt import logits_of
 
@@ -39,6 +39,7 @@ class EWCConfig(MethodConfig):
 class EWC(Method):
     """Full fine-tuning plus a diagonal-Fisher penalty towards the weights of the learned domains."""
     Config = EWCConfig
+    order, trains, injects = 90, ALL, False
     start_copies = ("anchor.",)  # copies of the weights at the task's start
 
     needs_previous = True

@@ -28,6 +28,7 @@ class EWCDistillConfig(DistillConfig, EWCConfig):
 class EWCDistill(EWC, Distill):
     """Full fine-tuning plus a KL term on mixed-in original rows and a diagonal-Fisher penalty."""
     Config = EWCDistillConfig
+    order = 93
     default_for = ()  # named only, like distill
     start_copies = (*EWC.start_copies, *Distill.start_copies)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from forgetless.methods.base import Method, MethodConfig, find_ffns, register_method
+from forgetless.methods.base import WEIGHTS, Method, MethodConfig, find_ffns, register_method
 
 
 @dataclass
@@ -17,6 +17,7 @@ class FFNConfig(MethodConfig):
 class FFNOnly(Method):
     """Fine-tune only the FFN weights; attention, embeddings and norms stay frozen."""
     Config = FFNConfig
+    order, trains, injects = 20, WEIGHTS, False
 
     def trainable_parameters(self, model):
         out = []

@@ -25,7 +25,7 @@ from forgetless.methods.cms import ALIGN, aligned
 from forgetless.models.gpt import GPT, GPTConfig, logits_of
 from forgetless.nn.adapter import input_width, n_params, width_for
 from forgetless.nn.hope import HOPE, HopeConfig
-from forgetless.nn.titans import NeuralMemory
+from forgetless.nn.titans import NeuralMemory, check_scan
 
 
 @dataclass
@@ -43,11 +43,18 @@ class HopeMethodConfig(MethodConfig, HopeConfig):
         "help": "recompute each memory's forward in backward instead of keeping its per-chunk weights: one "
                 "layer's at a time (batch 8 x 200 beside SmolLM2's 30 MLPs with model-wide memories, width=576: "
                 "tens of GB otherwise; little at a retrofit's default width); same values"})
+    scan: str = field(default="parallel", metadata={
+        "help": "how each memory runs its chunks: parallel (each chunk's surprise and write in one pass without a "
+                "graph, its adjoint written out for backward; the gates' coefficients and the reads batched over "
+                "the chunks) or sequential (one chunk at a time in the graph: the reference, and the form of "
+                "results before 2026-11-26); the same math, equal to float rounding. backprop_writes always runs "
+                "sequential"})
 
     def __post_init__(self):
         super().__post_init__()
         if not self.retrofit_size > 0:
             raise ForgetlessError(f"hope retrofit_size must be positive, got {self.retrofit_size}")
+        check_scan(self.scan, "hope")
 
 
 def slots(model) -> list[tuple[str, HOPE]]:
@@ -58,6 +65,7 @@ def slots(model) -> list[tuple[str, HOPE]]:
 class HopeMethod(Method):
     """HOPE base (FFN = Titans memory + CMS levels); the slots adapt, the memory writes at test time."""
     Config = HopeMethodConfig
+    order = 102
     default_for = ()
 
     def hope_options(self) -> HopeConfig:
@@ -78,7 +86,7 @@ class HopeMethod(Method):
         set_writes(model, self.cfg.writes)
         for m in model.modules():
             if isinstance(m, NeuralMemory):
-                m.checkpoint = self.cfg.checkpoint
+                m.checkpoint, m.scan = self.cfg.checkpoint, self.cfg.scan
         return model
 
     def retrofit(self, model):

@@ -15,8 +15,8 @@ from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model,
 from peft.tuners.lora import LoraLayer
 
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import (ALL_LINEAR, Method, MethodConfig, default_linear_targets, find_modules, is_regex,
-                                     register_method, replace_module)
+from forgetless.methods.base import (ALL_LINEAR, PEFT, Method, MethodConfig, default_linear_targets, find_modules,
+                                     is_regex, register_method, replace_module)
 
 
 @dataclass
@@ -39,7 +39,7 @@ class LoRAMethodConfig(MethodConfig):
 class LoRA(Method):
     """LoRA via peft on the linears; in a sequence, merged after each task and started afresh."""
     Config = LoRAMethodConfig
-    shardable = True
+    order, merges, export_form, shardable = 30, True, PEFT, True
 
     def attach(self, model):
         rules = self.cfg.target_modules or default_linear_targets(model)
@@ -84,6 +84,7 @@ class LoRA(Method):
 @register_method("seq-lora")
 class SeqLoRA(LoRA):
     """One LoRA (peft) trained through all tasks in order, never merged."""
+    order = 62
     default_for = ("sequence",)  # on one task it is `lora`
 
     def on_task_start(self, model, task):

@@ -18,6 +18,7 @@ class MoELoRAMethodConfig(BankConfig, MoELoRAConfig):
 class MoELoRA(GrowingBank):
     """One rank-r LoRA expert per task beside the linears, mixed by a learned router."""
     Config = MoELoRAMethodConfig
+    order = 61
     module_cls = MoELoRALinear
     per_task = ("down", "up")
     shared = ("router",)

@@ -10,7 +10,6 @@ Source: Mixture of Rank-1 Memory (MoRAM), the MoRAM poster.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
@@ -29,12 +28,9 @@ class MoRAMMethodConfig(BankConfig, MoRAMConfig):
 class MoRAM(GrowingBank):
     """Rank-1 memory atoms beside the linears, r new atoms per task, self-activated retrieval."""
     Config = MoRAMMethodConfig
+    order = 60
     module_cls = MoRAMLinear
     per_task = ("keys", "values")
-
-    @classmethod
-    def figures(cls, results, labels, folder):
-        return [folder / "atom_map.png"] if atom_maps(results, labels, folder / "atom_map.png") else []
 
     def task_report(self, model, windows, max_windows: int = 32):
         """Atom-activation map: mean evaluation mixture weight of every atom (averaged over the
@@ -48,34 +44,3 @@ class MoRAM(GrowingBank):
             weights.append(torch.stack([m.last_weights for m in layers]).mean(0).tolist())  # (R,)
         return {"atom_task": layers[0].atom_task(), "atom_weights": weights}
 
-
-def atom_maps(results: dict, labels: list[str], path: Path) -> bool:
-    """MoRAM-style activation maps: for each arm with atoms (rows) and each stage t (columns), the
-    mean mixture weight of every atom (grouped by the task that added it) on each task's inputs."""
-    from forgetless.report.figures import plt
-    arms = {name: results["methods"][name]["task_reports"] for name in labels
-            if results["methods"][name].get("task_reports") and "atom_weights" in results["methods"][name]["task_reports"][-1]}
-    if not arms:
-        return False
-    stages = max(len(reports) for reports in arms.values())
-    fig, axes = plt.subplots(len(arms), stages, figsize=(2.4 * stages + 1.5, 3.2 * len(arms)), squeeze=False,
-                             constrained_layout=True)
-    vmax = max(v for reports in arms.values() for r in reports for row in r["atom_weights"] for v in row)
-    for axes_row, (name, reports) in zip(axes, arms.items()):
-        for t, (ax, report) in enumerate(zip(axes_row, reports), start=1):
-            image = ax.imshow(list(zip(*report["atom_weights"])), aspect="auto", cmap="magma", vmin=0, vmax=vmax,
-                              interpolation="nearest")
-            owner = [round(a) for a in report["atom_task"]]
-            edges = [i for i in range(1, len(owner)) if owner[i] != owner[i - 1]]
-            for e in edges:
-                ax.axhline(e - 0.5, color="white", lw=0.8)
-            starts = [0, *edges]
-            ax.set_yticks([(s + e - 1) / 2 for s, e in zip(starts, [*edges, len(owner)])],
-                          [f"task {owner[s]}" for s in starts], fontsize=7)
-            ax.set_xticks(range(len(report["atom_weights"])), range(len(report["atom_weights"])), fontsize=7)
-            ax.set_xlabel("inputs of task", fontsize=8)
-            ax.set_title(f"{name}\nafter task {t}" if t == 1 else f"after task {t}", fontsize=8)
-    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="mean mixture weight w_i (evaluation)")
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return True

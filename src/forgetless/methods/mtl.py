@@ -24,4 +24,5 @@ class MTLConfig(MethodConfig):
 class MTL(Full):
     """Full fine-tuning, trained jointly on all tasks of a sequence (the multi-task upper reference)."""
     Config = MTLConfig
+    order = 71
     default_for = ()  # named only: `--methods all` (and the tables it reproduces) stay as they were

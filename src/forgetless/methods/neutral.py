@@ -11,7 +11,6 @@ Source: Neutral Residues: Revisiting Adapters for Model Extension (ICML 2025, ar
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +42,9 @@ class NeutralMethodConfig(MethodConfig, NeutralConfig):
 class Neutral(Method):
     """Gated GLU adapters beside the FFNs, kept silent on original data by an l1 term (base frozen)."""
     Config = NeutralMethodConfig
+    order = 80
+    pretrained_lr = 3e-4  # on SmolLM2 it learns at LoRA's pace there (docs/RESULTS.md, "Neutral Residues at LoRA's
+    # pace on a pretrained model", chosen on validation windows); on the byte GPT its own 1e-3 does
     mixes_original = True  # the l1 term silences the adapters on the mixed rows: they must not be earlier tasks
     reads_retained = "the l1 term that keeps its adapters silent on old data"
 
@@ -83,10 +85,6 @@ class Neutral(Method):
         model.train(was_training)
         return [a.gate_values(a.last_logit).mean(-1).flatten() for a in self.adapters(model)]
 
-    @classmethod
-    def figures(cls, results, labels, folder):
-        return [folder / "gates.png"] if gate_histograms(results, labels, folder / "gates.png") else []
-
     def report(self, model, windows_a, windows_b, max_windows: int = 32, bins: int = 40, top: float = 2.0):
         """Gate distributions on held-out original (A) and new (B) data, per layer (fixed bins on
         [0, top], larger gates counted in the last bin, so seeds average bin by bin)."""
@@ -105,35 +103,3 @@ def per_token_mean(values: torch.Tensor, tokens: torch.Tensor | None) -> torch.T
     """Mean of `values` (R, T) over the positions where `tokens` (R, T) is 1 (all when None)."""
     return values.mean() if tokens is None else (values * tokens).sum() / tokens.sum().clamp_min(1)
 
-
-def shown_layers(n_layers: int, most: int = 6) -> list[int]:
-    """Every layer of a shallow model; of a deep one `most` evenly spaced, the first and last among them."""
-    if n_layers <= most:
-        return list(range(n_layers))
-    return sorted({round(i * (n_layers - 1) / (most - 1)) for i in range(most)})
-
-
-def gate_histograms(results: dict, labels: list[str], path: Path) -> bool:
-    """Neutral-residue gates after adaptation: distribution of g(x) on held-out A vs B, per layer (at most six
-    layers of a deep model: results.json keeps them all)."""
-    from forgetless.report.figures import plt, reported, save
-    arms = reported(results, labels, "gate_hist_a")
-    if not arms:
-        return False
-    n_layers = max(len(r["gate_hist_a"]) for r in arms.values())
-    shown = shown_layers(n_layers)
-    fig, axes = plt.subplots(len(arms), len(shown), figsize=(3.2 * len(shown), 2.6 * len(arms)), squeeze=False)
-    for row, (name, r) in zip(axes, arms.items()):
-        edges = r["gate_bins"]
-        mids = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
-        for layer, ax in zip([i for i in shown if i < len(r["gate_hist_a"])], row):
-            for side, color in (("a", "tab:blue"), ("b", "tab:red")):
-                ax.step(mids, r[f"gate_hist_{side}"][layer], where="mid", color=color,
-                        label=f"{side.upper()}: mean {r[f'gate_mean_{side}'][layer]:.3f}, "
-                              f"closed {r[f'gate_closed_{side}'][layer]:.0%}")
-            ax.set_yscale("symlog", linthresh=1e-3)
-            ax.set_title(f"{name} · layer {layer}", fontsize=8)
-            ax.set_xlabel("gate g(x) (last bin: ≥)", fontsize=7)
-            ax.legend(fontsize=6)
-    save(fig, path, dpi=100)
-    return True

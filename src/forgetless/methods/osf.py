@@ -38,7 +38,8 @@ from types import SimpleNamespace
 import torch.nn as nn
 
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import ALL_LINEAR, Method, MethodConfig, find_modules, register_method, replace_module
+from forgetless.methods.base import (ALL_LINEAR, WEIGHTS, Method, MethodConfig, find_modules, register_method,
+                                     replace_module)
 from forgetless.models.gpt import GPT
 
 MAX_FRACTION = 0.95  # the preserved share never reaches the whole layer: every task trains some directions
@@ -76,7 +77,9 @@ class OSF(Method):
     """PEFT's OSF on the target linears; between tasks the delta is merged and the SVD redone with a larger
     frozen subspace."""
     Config = OSFMethodConfig
+    order, trains, merges = 70, WEIGHTS, True  # the weights' own singular directions, through peft's layers
     default_for = ()  # named only: `--methods all` (and the tables it reproduces) stay as they were
+    attach_rounding = 1e-6  # peft's OSF adds U S V - U0 S0 V0 as one product
 
     def preserved(self, task: int) -> float | int:
         """What task `task` freezes, as PEFT reads effective_rank: a float fraction or an int count."""

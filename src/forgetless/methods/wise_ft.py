@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import Method, MethodConfig, copy_weights, register_method
+from forgetless.methods.base import ALL, Method, MethodConfig, copy_weights, register_method
 
 
 @dataclass
@@ -32,6 +32,7 @@ class WiseFTConfig(MethodConfig):
 class WiseFT(Method):
     """Full fine-tuning whose task change is scaled by `weight` at the end of every task."""
     Config = WiseFTConfig
+    order, trains, injects = 92, ALL, False
     start_copies = ("start.",)  # copies of the weights at the task's start
     default_for = ()  # named only: `--methods all` (and the tables it reproduces) stay as they were
 

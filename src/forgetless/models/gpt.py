@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from forgetless.config import from_dict
 from forgetless.errors import ForgetlessError
+from forgetless.side import Recorded
 
 
 @dataclass
@@ -175,12 +176,6 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def aux_loss(model: nn.Module) -> torch.Tensor | None:
-    """Sum of the auxiliary losses (e.g. APN load balancing) left on modules by the last forward."""
-    losses = [m.aux_loss for m in model.modules() if getattr(m, "aux_loss", None) is not None]
-    return torch.stack(losses).sum() if losses else None
-
-
 def logits_of(model: nn.Module, idx: torch.Tensor, keep: torch.Tensor | None = None,
               mask: torch.Tensor | None = None) -> torch.Tensor:
     """Logits (B, T, V) from our GPT or from a Hugging Face causal LM; with `keep` (P,) positions, only
@@ -204,7 +199,7 @@ def takes_logits_to_keep(model: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def recorded_forward(model: nn.Module, modules: list[nn.Module], windows: torch.Tensor):
+def recorded_forward(model: nn.Module, modules: list[Recorded], windows: torch.Tensor):
     """Run `model` in eval mode on windows (W, T+1) with `record` on for `modules` (they keep
     what they saw, e.g. APN routing), then restore the training mode and the flags."""
     was_training, flags = model.training, [m.record for m in modules]

@@ -68,7 +68,7 @@ def load_model(spec: str, device="auto") -> tuple[nn.Module, TextTokenizer]:
     """(model, tokenizer) that `spec` names (see the module docstring): the float32 causal LM on `device`, and
     a TextTokenizer whose `.hf` is the transformers tokenizer (forgetless.data, Collator and Adapted.export
     take either)."""
-    from forgetless.adapted import resolve_device
+    from forgetless.device import resolve_device
     device = resolve_device(str(device))
     if spec.startswith("hf:"):
         path = Path(spec[3:]).expanduser()

@@ -27,6 +27,7 @@ from forgetless import distributed
 from forgetless.config import from_dict
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPTConfig, recorded_forward, register_ffn
+from forgetless.side import AuxLoss, Monitored
 
 
 @dataclass
@@ -66,7 +67,8 @@ class Routing:
     residual_ratio: float     # mean ||APN(x)|| / ||x||
 
 
-class APN(nn.Module):
+class APN(AuxLoss, Monitored, nn.Module):
+    """aux_loss: the routing regularizer of the last training forward; with `record` on, `last_routing`."""
     def __init__(self, d: int, cfg: APNConfig, out_std: float = 0.02):
         super().__init__()
         self.cfg, self.d = cfg, d
@@ -85,10 +87,8 @@ class APN(nn.Module):
             self.base_decoder = nn.Parameter(torch.randn(r, d) * out_std)        # U_0^T: (r, d)
             self.offset_in = nn.Parameter(torch.randn(K, r, q) / math.sqrt(r))   # B_i: (K, r, q)
             self.offset_out = nn.Parameter(torch.zeros(K, q, d))                 # A_i^T: (K, q, d)
-        self.aux_loss: torch.Tensor | None = None
         self.train_route: tuple[torch.Tensor, torch.Tensor] | None = None  # (index, weight) of the last training forward
-        self.last_routing: Routing | None = None
-        self.record = False  # keep `last_routing` after each forward (monitors, continual knobs)
+        self.last_routing: Routing | None = None  # kept while `record` is on (monitors, continual knobs)
         self.update_gate: tuple[float, float] | None = None  # train only tokens with confidence in range
         self.dense = False  # dense_dispatch instead of dispatch (same values; set by methods.apn for few patches)
 

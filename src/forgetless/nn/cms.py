@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from forgetless.config import from_dict
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPTConfig, register_ffn
+from forgetless.side import LoopHooks
 from forgetless.train import StepHooks
 
 ACCUMULATE = ("grads", "updates")
@@ -68,7 +69,7 @@ class ChunkedUpdates(StepHooks):
     optimizer's per-step updates, each computed at the unchanged weights. Works with any optimizer."""
 
     def __init__(self, model: nn.Module, params: list[tuple[str, nn.Parameter]]):
-        owner = {id(p): m for m in model.modules() if getattr(m, "update_period", 1) > 1 for p in m.parameters()}
+        owner = {id(p): m for m in model.modules() if isinstance(m, Level) and m.update_period > 1 for p in m.parameters()}
         self.slow = [(name, p, owner[id(p)].update_period, owner[id(p)].accumulate)
                      for name, p in params if id(p) in owner]
         self.gathered = {name: torch.zeros_like(p) for name, p, _, _ in self.slow}
@@ -109,7 +110,7 @@ class ChunkedUpdates(StepHooks):
                 self.gathered[name] = tensors[name].clone()
 
 
-class CMS(nn.Module):
+class CMS(LoopHooks, nn.Module):
     """The chain of levels: `cms_ffn(cfg)` as a GPT's FFN, `CMS(d, hidden, opts, ...)` anywhere else
     (e.g. beside a pretrained model's MLP, with `zero_out=True` so it starts as a no-op)."""
 

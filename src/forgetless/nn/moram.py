@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from forgetless.errors import ForgetlessError
+from forgetless.side import Recorded
 
 
 @dataclass
@@ -35,16 +36,16 @@ class MoRAMConfig:
             raise ForgetlessError("moram: atoms_per_task and tau must be positive, top_k >= 0 (0 = all atoms)")
 
 
-class MoRAMLinear(nn.Module):
-    """`base(x)` plus the atoms' mixture; `base` is any layer mapping d_in -> d_out (kept frozen)."""
+class MoRAMLinear(Recorded, nn.Module):
+    """`base(x)` plus the atoms' mixture; `base` is any layer mapping d_in -> d_out (kept frozen). With `record`
+    on, `last_weights` keeps the mean w per atom of the last forward."""
 
     def __init__(self, base: nn.Module, d_in: int, d_out: int, cfg: MoRAMConfig):
         super().__init__()
         self.base, self.cfg, self.d_in, self.d_out = base, cfg, d_in, d_out
         self.keys = nn.ParameterList()    # per task: (r, d_in) a_i
         self.values = nn.ParameterList()  # per task: (r, d_out) b_i
-        self.record = False               # keep `last_weights` (mean w per atom) after each forward
-        self.last_weights: torch.Tensor | None = None
+        self.last_weights: torch.Tensor | None = None  # (R,)
 
     def add_task(self):
         """Freeze every atom so far and add r fresh ones (keys Kaiming-uniform, values zero)."""

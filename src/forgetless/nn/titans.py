@@ -13,9 +13,14 @@ chunk's starting weights, all tokens at once and in closed form; momentum and de
 of scalar gates, summed with a (C, C) mask (no loop over tokens). The chunk's rates are scaled by one s <= 1 so
 that its step times the curvature of its loss is at most 1 (`step_scale`): the write is stable at any width and
 rate. Queries of chunk n read the memory as written by chunks 0..n-1, so the output at t never sees a later
-token. The memory starts from its learned initial weights for every sequence (batch row) and carries its state
-from chunk to chunk. With `self_modify` the q/k/v and gate projections are linear memories of each sequence
-too, written by the same rule (HOPE's self-modifying Titans).
+token. Only each chunk's surprise (its gradients at the weights the chunks before it wrote) must wait for the
+previous chunk: `parallel_scan` runs the chunks' surprises and writes as one autograd Function, a few ops per
+chunk without a graph and its adjoint by hand in backward, and the gates' coefficients and all reads batched
+over the chunks; `sequential_scan`, one chunk at a time in the graph, is the reference (the same values to float
+rounding; the only form before 2026-11-26). The memory starts from its learned initial weights for
+every sequence (batch row) and carries its state from chunk to chunk. With `self_modify` the q/k/v and gate
+projections are linear memories of each sequence too, written by the same rule (HOPE's self-modifying Titans;
+chunk by chunk, as the projections of a chunk's keys depend on the chunks before).
 
 Source: Nested Learning (Behrouz, Razaviyayn, Zhong, Mirrokni), building on Titans: Learning to Memorize at
 Test Time (Behrouz, Zhong, Mirrokni).
@@ -73,7 +78,8 @@ class NeuralMemory(nn.Module):
     """Titans memory as a sequence layer: (B, T, d) -> (B, T, d). `writes = False` freezes the memory at its
     learned initial weights (reads only), e.g. to measure what test-time writes do. `checkpoint = True` keeps
     only x for backward and runs the forward again there: the per-chunk weights (B, H, F, D), four tensors per
-    chunk, then exist for one layer at a time instead of for every layer (same values and gradients)."""
+    chunk, then exist for one layer at a time instead of for every layer (same values and gradients). `scan`
+    picks how the chunks run (SCANS; the same values to float rounding)."""
 
     def __init__(self, d: int, opts: TitansConfig, bias: bool = True):
         super().__init__()
@@ -84,7 +90,7 @@ class NeuralMemory(nn.Module):
         if opts.self_modify and w != d:
             raise ForgetlessError(f"titans self_modify writes projections of the block's input: it needs width = d "
                                   f"({d}), got {w}; drop width or self_modify")
-        self.cfg, self.writes, self.checkpoint = opts, True, False
+        self.cfg, self.writes, self.checkpoint, self.scan = opts, True, False, "parallel"
         H, D = opts.heads, w // opts.heads
         Fh = opts.mem_mult * D
         self.c_qkv = nn.Linear(d, 3 * w, bias=bias)
@@ -112,7 +118,8 @@ class NeuralMemory(nn.Module):
             qkv = self.conv(qkv.transpose(1, 2))[..., :T].transpose(1, 2)  # causal: left context only
         q, k, v, eta, alpha, mu = self.split(qkv, self.c_gates(x) + self.gate_bias)
         chunk = self.cfg.chunk if self.writes else T
-        y = memory_scan(q, k, v, eta, alpha, mu, self.w1, self.w2, chunk, self.cfg.backprop_writes)  # (B, H, T, D)
+        y = memory_scan(q, k, v, eta, alpha, mu, self.w1, self.w2, chunk, self.cfg.backprop_writes,
+                        self.scan)  # (B, H, T, D)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, w) -> (B, T, d)
 
     def split(self, qkv, gates):
@@ -180,9 +187,29 @@ class Recompute(torch.autograd.Function):
         return None, *(next(grads) if need else None for need in needs)
 
 
-def memory_scan(q, k, v, eta, alpha, mu, w1, w2, chunk: int, backprop_writes: bool = False):
+SCANS = ("parallel", "sequential")
+
+
+def memory_scan(q, k, v, eta, alpha, mu, w1, w2, chunk: int, backprop_writes: bool = False, scan: str = "parallel"):
     """Reads of the memory written chunk by chunk. q, k, v (B, H, T, D); eta, alpha, mu (B, H, T) (mu None: no
-    momentum); w1 (H, F, D), w2 (H, D, F) the initial weights. Returns the reads M_{chunk start}(q_t), (B, H, T, D)."""
+    momentum); w1 (H, F, D), w2 (H, D, F) the initial weights. Returns the reads M_{chunk start}(q_t), (B, H, T, D).
+    `scan`: "parallel" (`parallel_scan`) or "sequential" (`sequential_scan`, the reference), the same math;
+    backprop_writes needs the graph through every chunk's surprise and always runs sequentially."""
+    check_scan(scan, "titans")
+    if q.shape[2] <= chunk:  # one chunk: nothing is written before it is read
+        return mlp(w1, w2, q)
+    if backprop_writes or scan == "sequential":
+        return sequential_scan(q, k, v, eta, alpha, mu, w1, w2, chunk, backprop_writes)
+    return parallel_scan(q, k, v, eta, alpha, mu, w1, w2, chunk)
+
+
+def check_scan(scan: str, owner: str):
+    if scan not in SCANS:
+        raise ForgetlessError(f"{owner} scan must be one of {', '.join(SCANS)}, got {scan!r}")
+
+
+def sequential_scan(q, k, v, eta, alpha, mu, w1, w2, chunk: int, backprop_writes: bool = False):
+    """The reference: one chunk at a time, its reads, then its write (`write`), all in the graph."""
     B, H, T, D = q.shape
     W1, W2 = w1.expand(B, *w1.shape), w2.expand(B, *w2.shape)  # (B, H, F, D), (B, H, D, F)
     S1 = S2 = None
@@ -196,7 +223,99 @@ def memory_scan(q, k, v, eta, alpha, mu, w1, w2, chunk: int, backprop_writes: bo
     return torch.cat(reads, dim=2)
 
 
-def mlp(W1, W2, x):  # W1 (B, H, F, D), W2 (B, H, D, F), x (B, H, C, D) -> (B, H, C, D)
+def parallel_scan(q, k, v, eta, alpha, mu, w1, w2, chunk: int):
+    """`sequential_scan` with stop-gradient writes, the graph taken apart. Batched over all chunks: the gates'
+    coefficients (in closed form, `coefficients`) and, after the writes, every chunk's reads. Chunk by chunk
+    (`Writes`): each chunk's surprise at the weights the chunks before it wrote and its write, the one step that
+    must wait for the previous chunk, a few whole-matrix ops per chunk with no graph, and its adjoint in backward."""
+    B, H, T, D = q.shape
+    N = -(-T // chunk) - 1  # chunks that write: all but the last (maybe partial) one, which is only read
+
+    def chunks(t, n=N):  # (B, H, T, ...) -> (n, B, H, C, ...): chunk-major, so that each chunk is contiguous
+        return None if t is None else t[:, :, :n * chunk].unflatten(2, (n, chunk)).movedim(2, 0).contiguous()
+    eta, alpha, mu = map(chunks, (eta, alpha, mu))  # (N, B, H, C)
+    c, decay, carry, keep, m = coefficients(eta, alpha, mu)  # (N, B, H, C), (N, B, H): at the unscaled rates
+    W1, W2 = Writes.apply(c, m, gain(eta, mu), decay, carry, keep, w1.expand(B, *w1.shape),
+                          w2.expand(B, *w2.shape), chunks(k.detach()), chunks(v.detach()))  # (N+1, B, H, ., .)
+    reads = mlp(W1, W2, chunks(F.pad(q, (0, 0, 0, (N + 1) * chunk - T)), N + 1))  # (N+1, B, H, C, D)
+    return reads.movedim(0, 2).flatten(2, 3)[:, :, :T]
+
+
+class Writes(torch.autograd.Function):
+    """The weights each chunk reads, W_0 = the initial ones and W_{n+1} = decay_n W_n + carry_n S_n - s_n G_n,
+    S_{n+1} = keep_n S_n - s_n M_n (S_0 = 0), with G_n = sum_t c_t grad_t and M_n = sum_t m_t grad_t over chunk
+    n's tokens, grad_t the gradient of its loss at W_n (`surprise`, a constant: the writes are stop-gradient) and
+    s_n = 1 / max(1, rho_n), rho_n = sum_t gains_t curv_t (`step_scale`). Each weight matrix's state X = [W; S]
+    (K = 2 with momentum, [W] without) goes to A_n X - s_n [G; M], A_n = [[decay, carry], [0, keep]]. Forward and
+    backward (the adjoint, run backwards) are a few ops per chunk into preallocated stacks, without a graph.
+    c, m, gains (N, B, H, C); decay, carry, keep (N, B, H) (m, carry, keep None: no momentum); W1 (B, H, F, D),
+    W2 (B, H, D, F); k, v (N, B, H, C, D), not differentiated -> W_0..W_N for W1 (N+1, B, H, F, D) and W2."""
+
+    @staticmethod
+    def forward(ctx, c, m, gains, decay, carry, keep, W1, W2, k, v):
+        N, B, H = decay.shape
+        K = 1 if m is None else 2
+        wide = torch.promote_types(torch.promote_types(W1.dtype, decay.dtype), c.dtype)  # as sequential_scan's W
+        Xs = [W.new_zeros((N + 1, B, H, K, *W.shape[2:]), dtype=wide) for W in (W1, W2)]  # (N+1, B, H, K, ., .)
+        Xs[0][0, :, :, 0], Xs[1][0, :, :, 0] = W1, W2
+        cm = c[..., None] if m is None else torch.stack([c, m], -1)  # (N, B, H, C, K)
+        diag = decay[..., None] if m is None else torch.stack([decay, keep], -1)  # (N, B, H, K)
+        pieces, rhos = [], []
+        carries = [None] * N if m is None else carry[..., None, None].unbind(0)
+        for n, (kn, vn, cmn, gn, dn, cn) in enumerate(zip(k, v, cm, gains, diag[..., None, None], carries)):
+            dz, err, a, curv = surprise(Xs[0][n, :, :, 0], Xs[1][n, :, :, 0], kn, vn)
+            rhos.append((gn * curv).sum(-1))  # (B, H)
+            w = cmn * rhos[-1].clamp_min(1).reciprocal()[..., None, None]  # (B, H, C, K): s c_t, s m_t
+            for X, GM in zip(Xs, (spread(w, dz, kn), spread(w, err, a))):
+                torch.mul(X[n], dn, out=X[n + 1])  # decay W, keep S
+                if K == 2:
+                    X[n + 1, :, :, 0].addcmul_(X[n, :, :, 1], cn)  # + carry S
+                X[n + 1].sub_(GM)
+            pieces.append((dz, err, a, curv))
+        ctx.save_for_backward(cm, diag, carry, torch.stack(rhos), k, *Xs, *(torch.stack(t) for t in zip(*pieces)))
+        return Xs[0][:, :, :, 0], Xs[1][:, :, :, 0]
+
+    @staticmethod
+    def backward(ctx, grad1, grad2):  # (N+1, B, H, F, D), (N+1, B, H, D, F)
+        cm, diag, carry, rho, k, X1s, X2s, dz, err, a, curv = ctx.saved_tensors
+        k, dz, err, a = (t.to(X1s.dtype) for t in (k, dz, err, a))  # the surprises may be autocast's bf16
+        N, B, H, K = diag.shape
+        s = rho.clamp_min(1).reciprocal()  # (N, B, H)
+        ds_drho = torch.where(rho >= 1, -s.square(), torch.zeros_like(s))  # as clamp_min passes the gradient
+        d_cm, d_gains, d_A = torch.empty_like(cm), torch.empty_like(curv), diag.new_empty((N, B, H, K, K))
+        lams = [X.new_zeros(X.shape[1:]) for X in (X1s, X2s)]  # d loss / d X_{n+1}: (B, H, K, ., .)
+        for lam, g in zip(lams, (grad1, grad2)):
+            lam[:, :, 0] = g[-1]
+        for n in reversed(range(N)):
+            dn = diag[n, ..., None, None]  # (B, H, K, 1, 1)
+            # <lam_i, grad_t> for each state i and token t: (B, H, C, K)
+            u = along(lams[0], k[n], dz[n]) + along(lams[1], a[n], err[n])
+            d_cm[n] = -s[n, ..., None, None] * u
+            d_gains[n] = (-(cm[n] * u).sum((-1, -2)) * ds_drho[n])[..., None] * curv[n]
+            d_A[n] = sum(lam.flatten(-2) @ X[n].flatten(-2).transpose(-1, -2) for lam, X in zip(lams, (X1s, X2s)))
+            for lam, g in zip(lams, (grad1, grad2)):  # lam <- A^T lam + [d loss / d W_n (its reads); 0]
+                if K == 2:
+                    lam[:, :, 1].mul_(dn[:, :, 1]).addcmul_(lam[:, :, 0], carry[n, ..., None, None])
+                lam[:, :, 0].mul_(dn[:, :, 0]).add_(g[n])
+        d_c, d_m = d_cm[..., 0], d_cm[..., 1] if K == 2 else None
+        d_decay, d_carry, d_keep = d_A[..., 0, 0], *((d_A[..., 0, 1], d_A[..., 1, 1]) if K == 2 else (None, None))
+        return d_c, d_m, d_gains, d_decay, d_carry, d_keep, lams[0][:, :, 0], lams[1][:, :, 0], None, None
+
+
+def spread(w, x, y):
+    """sum_t w_ti x_t y_t^T for each i: w (..., C, K), x (..., C, m), y (..., C, n) -> (..., K, m, n), one matmul."""
+    wx = (w[..., :, None] * x[..., None, :]).flatten(-2)  # (..., C, K m)
+    return (wx.transpose(-1, -2) @ y).unflatten(-2, (w.shape[-1], x.shape[-1]))
+
+
+def along(lam, x, g):
+    """<lam_i, g_t x_t^T> for each state i and token t: lam (..., K, m, n), x (..., C, n), g (..., C, m) ->
+    (..., C, K)."""
+    proj = (x @ lam.flatten(-3, -2).transpose(-1, -2)).unflatten(-1, lam.shape[-3:-1])  # (..., C, K, m)
+    return (proj * g[..., None, :]).sum(-1)
+
+
+def mlp(W1, W2, x):  # W1 (..., F, D), W2 (..., D, F), x (..., C, D) -> (..., C, D)
     return x + F.gelu(x @ W1.transpose(-1, -2)) @ W2.transpose(-1, -2)
 
 
@@ -206,23 +325,46 @@ def write(W1, W2, S1, S2, k, v, eta, alpha, mu, backprop_writes: bool):
     U1, U2 = (W1, W2) if backprop_writes else (W1.detach(), W2.detach())
     if not backprop_writes:
         k, v = k.detach(), v.detach()
-    z = k @ U1.transpose(-1, -2)                                     # (B, H, C, F)
+    dz, err, a, curv = surprise(U1, U2, k, v)
+    c, decay, carry, keep, m = coefficients(eta * step_scale(gain(eta, mu), curv), alpha, mu)
+    G1, G2, M1, M2 = chunk_write(c, m, dz, k, err, a)
+    W1, S1 = advance(W1, S1, decay, carry, keep, G1, M1)
+    W2, S2 = advance(W2, S2, decay, carry, keep, G2, M2)
+    return W1, W2, S1, S2
+
+
+def surprise(W1, W2, k, v):
+    """A chunk's gradient pieces of loss_t = ||M(k_t) - v_t||^2 at W1 (..., F, D), W2 (..., D, F) in closed form:
+    grad_W1 = dz_t k_t^T, grad_W2 = err_t a_t^T. k, v (..., C, D) -> dz (..., C, F), err (..., C, D), a (..., C, F)
+    and curv (..., C), the bound 2 (|a|^2 + |k|^2 |W2 diag(GELU'(z))|_F^2) >= the top eigenvalue of the Gauss-Newton
+    matrix of loss_t."""
+    z = k @ W1.transpose(-1, -2)                                     # (..., C, F)
     a, slope = F.gelu(z), gelu_grad(z)
-    err = 2 * (k + a @ U2.transpose(-1, -2) - v)                     # (B, H, C, D): d loss / d M(k)
-    dz = (err @ U2) * slope                                          # (B, H, C, F)
-    # curvature bound of loss_t: 2 (|a|^2 + |k|^2 |W2 diag(GELU'(z))|_F^2) >= top eigenvalue of its Gauss-Newton
-    curv = 2 * (a.square().sum(-1) + k.square().sum(-1) * (slope.square() @ U2.square().sum(-2)[..., None])[..., 0])
-    c, decay, carry, keep, m = coefficients(eta * step_scale(eta, mu, curv), alpha, mu)
-    G1 = weighted(c, dz, k)                                          # sum_t c_t grad_W1 loss_t: (B, H, F, D)
-    G2 = weighted(c, err, a)                                         # (B, H, D, F)
-    W1, W2 = decay[..., None, None] * W1 - G1, decay[..., None, None] * W2 - G2
-    if mu is None:
-        return W1, W2, None, None
-    M1, M2 = weighted(m, dz, k), weighted(m, err, a)
-    if S1 is not None:  # momentum carried in from the previous chunks
-        W1, W2 = W1 + carry[..., None, None] * S1, W2 + carry[..., None, None] * S2
-        M1, M2 = M1 - keep[..., None, None] * S1, M2 - keep[..., None, None] * S2
-    return W1, W2, -M1, -M2
+    err = 2 * (k + a @ W2.transpose(-1, -2) - v)                     # (..., C, D): d loss / d M(k)
+    dz = (err @ W2) * slope                                          # (..., C, F)
+    curv = 2 * (a.square().sum(-1) + k.square().sum(-1) * (slope.square() @ W2.square().sum(-2)[..., None])[..., 0])
+    return dz, err, a, curv
+
+
+def chunk_write(c, m, dz, k, err, a):
+    """sum_t c_t grad_t for W1 and W2 (G1, G2), and with m for the momentum (M1, M2; None without momentum).
+    c, m (..., C); dz, k, err, a (..., C, .)."""
+    M = (None, None) if m is None else (weighted(m, dz, k), weighted(m, err, a))
+    return weighted(c, dz, k), weighted(c, err, a), *M
+
+
+def advance(W, S, decay, carry, keep, G, M):
+    """One chunk of the gated recurrence in closed form (`coefficients`): W' = decay W + carry S - G and
+    S' = keep S - M; S None for zero (the first chunk), M None without momentum. Gates (B, H) or (.., B, H)
+    broadcast over W's last dims."""
+    decay, carry, keep = (None if g is None else g.view(*g.shape, *[1] * (W.dim() - g.dim()))
+                          for g in (decay, carry, keep))
+    W = decay * W - G
+    if M is None:
+        return W, None
+    if S is None:
+        return W, -M
+    return W + carry * S, keep * S - M
 
 
 def write_linear(P, P0, S, keys, values, eta, alpha, mu, backprop_writes: bool):
@@ -231,23 +373,22 @@ def write_linear(P, P0, S, keys, values, eta, alpha, mu, backprop_writes: bool):
     U = P if backprop_writes else P.detach()
     k = keys if backprop_writes else keys.detach()
     err = 2 * (k @ U.transpose(-1, -2) - (values @ P.transpose(-1, -2)).detach())  # (B, C, out)
-    c, decay, carry, keep, m = coefficients(eta * step_scale(eta, mu, 2 * k.square().sum(-1)), alpha, mu)
-    P = P0 + decay[..., None, None] * (P - P0) - weighted(c, err, k)
-    if mu is None:
-        return P, None
-    M = weighted(m, err, k)
-    if S is not None:
-        P, M = P + carry[..., None, None] * S, M - keep[..., None, None] * S
-    return P, -M
+    c, decay, carry, keep, m = coefficients(eta * step_scale(gain(eta, mu), 2 * k.square().sum(-1)), alpha, mu)
+    P, S = advance(P - P0, S, decay, carry, keep, weighted(c, err, k), None if m is None else weighted(m, err, k))
+    return P0 + P, S
 
 
-def step_scale(eta, mu, curv):
-    """The chunk's write rates scaled so that rho = sum_t eta_t curv_t / (1 - mu_t) <= 1: each token's step with
-    what momentum adds in later chunks, times its curvature bound. At rho <= 1 the chunked scan of a quadratic loss
+def gain(eta, mu):
+    """Each token's rate with what its momentum adds in later chunks, eta / (1 - mu) (eta without momentum)."""
+    return eta if mu is None else eta / (1 - mu).clamp_min(1e-6)
+
+
+def step_scale(gains, curv):
+    """The chunk's write rates scaled so that rho = sum_t gain_t curv_t <= 1 (`gain`): each token's step with what
+    momentum adds in later chunks, times its curvature bound. At rho <= 1 the chunked scan of a quadratic loss
     is stable for any chunk, momentum and retention (DESIGN §2.4); below 1 the rates are unchanged.
-    eta, mu (..., C) (mu None: no momentum), curv (..., C) -> (..., 1)."""
-    gain = eta if mu is None else eta / (1 - mu).clamp_min(1e-6)
-    return 1 / (gain * curv).sum(-1, keepdim=True).clamp_min(1)
+    gains, curv (..., C) -> (..., 1)."""
+    return 1 / (gains * curv).sum(-1, keepdim=True).clamp_min(1)
 
 
 def coefficients(eta, alpha, mu):

@@ -7,21 +7,27 @@ from pathlib import Path
 from forgetless import distributed
 from forgetless.checkpoint import write_json
 from forgetless.report import figures as drawing
-from forgetless.report.figures import method_figures, r_heatmaps, write_figures
-from forgetless.report.online import online_figure, online_markdown, online_tradeoff, write_online_csv
+from forgetless.report.diagnostics import method_figures
+from forgetless.report.figures import r_heatmaps, write_figures
+from forgetless.report.online import (online_figure, online_markdown, online_terminal_rows, online_tradeoff,
+                                      write_online_csv)
 from forgetless.report.frontier import (curves, frontier_figure, frontier_markdown, matched, matched_markdown,
                                         operating_points)
-from forgetless.report.tables import markdown, sequence_markdown, write_csv, write_sequence_csv
+from forgetless.report.study import op_vs_bwt, study_markdown
+from forgetless.report.tables import (markdown, sequence_markdown, sequence_terminal_rows, terminal_rows, write_csv,
+                                      write_sequence_csv)
 
 
-def write_report(results: dict, out: Path) -> list[Path]:
-    """results.json/csv/md and figures in `out`; a run with sweeps also gets `frontier` (JSON, Markdown)
-    and frontier.png. Under torchrun rank 0 writes them; the others wait in the barrier that pairs with
-    the one ending write_json (results.json), and return no files."""
+def write_report(results: dict, out: Path, figures: bool = True) -> list[Path]:
+    """results.json/csv/md and figures in `out` (none with `figures` False: `forgetless report` draws them later);
+    a run with sweeps also gets `frontier` (JSON, Markdown) and frontier.png. Under torchrun rank 0 writes them;
+    the others wait in the barrier that pairs with the one ending write_json (results.json), and return no files."""
     if not distributed.is_main():
         distributed.barrier()
         return []
     out.mkdir(parents=True, exist_ok=True)
+    if "study" in results:
+        return write_study(results, out)
     if results["protocol"] != "online" and curves(results):  # the online protocol has no frontier
         results["frontier"] = operating_points(results)
         if found := matched(results):
@@ -45,16 +51,35 @@ def write_report(results: dict, out: Path) -> list[Path]:
         text += "\n".join(matched_markdown(results)) + "\n"
     (out / "results.md").write_text(text)
     tables = [out / "results.json", out / "results.csv", out / "results.md"]
+    if not figures:
+        return tables
     if not drawing.available():
         return skipped(tables)
     if sequence:
         r_heatmaps(results, out / "r_matrix.png")
         figures = [out / "r_matrix.png", *method_figures(results, out)]
     else:
-        figures = write_figures(results, out)
+        figures = [*write_figures(results, out), *method_figures(results, out)]
     if frontier_figure(results, out / "frontier.png"):
         figures.append(out / "frontier.png")
     return [*tables, *figures]
+
+
+def write_study(results: dict, out: Path) -> list[Path]:
+    """A study's files (continual/study.py): results.json, .csv (the main order's sequence columns), .md (the field's
+    table, published rows, lr grid, the main order in full) and figures (R matrices, OP against BWT)."""
+    write_json(out / "results.json", results)
+    write_sequence_csv(results, out / "results.csv")
+    (out / "results.md").write_text(study_markdown(results))
+    tables = [out / "results.json", out / "results.csv", out / "results.md"]
+    if not drawing.available():
+        return skipped(tables)
+    study = results["study"]
+    r_heatmaps(results, out / "r_matrix.png", title=f"R of each method: order {study['main_order']} of the "
+               f"{study['stream'] if ',' not in study['stream'] else 'task'} stream, mean over seeds "
+               f"{results['seeds']}; column 0: general text")
+    op_vs_bwt(results, out / "op_vs_bwt.png")
+    return [*tables, out / "r_matrix.png", out / "op_vs_bwt.png"]
 
 
 def skipped(files: list[Path]) -> list[Path]:
@@ -62,3 +87,19 @@ def skipped(files: list[Path]) -> list[Path]:
     from forgetless.progress import console
     console.print(drawing.PLOTS_MISSING, markup=False, highlight=False, soft_wrap=True)
     return files
+
+
+def terminal_table(results: dict, title: str, caption: str):
+    """The rich table `forgetless bench` prints: the terminal columns of either protocol."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    rows_of = {"two-domain": terminal_rows, "sequence": sequence_terminal_rows, "online": online_terminal_rows}
+    heads, body = rows_of[results["protocol"]](results)
+    table = Table(title=title, caption=caption)
+    for h in heads:  # a long method label folds onto a second line; numbers never do
+        table.add_column(h, justify="left" if h == "method" else "right", no_wrap=h != "method",
+                         overflow="fold" if h == "method" else "ellipsis")
+    for r in body:
+        table.add_row(*map(escape, r))  # method specs such as ewc[lam=1e4] look like markup
+    return table

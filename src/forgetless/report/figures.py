@@ -1,6 +1,6 @@
 """Figures of what every method returns: retention vs adaptation, forgetting and loss curves, the
-mixing sweep, optimizer pretraining curves and frontier (two-domain), R heatmaps (sequence). Each
-method draws its own diagnostics (`Method.figures`: APN routing, Neutral gates, CMS levels, MoRAM atoms)."""
+mixing sweep, optimizer pretraining curves and frontier (two-domain), R heatmaps (sequence). The figures
+of each method's own diagnostics (APN routing, Neutral gates, CMS levels, MoRAM atoms): report/diagnostics.py."""
 from __future__ import annotations
 
 import functools
@@ -217,22 +217,11 @@ def write_figures(results: dict, folder: Path) -> list[Path]:
                        ("optimizer_frontier.png", optimizer_frontier)):
         if draw(results, folder / name):
             paths.append(folder / name)
-    return paths + method_figures(results, folder)
+    return paths
 
 
-def method_figures(results: dict, folder: Path) -> list[Path]:
-    """Each registered method's own figures, drawn once for all the arms it ran (by label)."""
-    from forgetless.methods import METHODS
-    by_draw: dict = {}
-    for label, m in results["methods"].items():
-        cls = METHODS.get(m.get("method") or label.split("[")[0])
-        if cls is not None:
-            by_draw.setdefault(cls.figures.__func__, (cls, []))[1].append(label)
-    return [path for cls, labels in by_draw.values() for path in cls.figures(results, labels, folder)]
-
-
-def r_heatmaps(results: dict, path: Path, per_row: int = 4):
-    """One heatmap of R per method (rows: after task t; columns: task i), `per_row` to a row."""
+def r_heatmaps(results: dict, path: Path, per_row: int = 4, title: str | None = None):
+    """One heatmap of R per method (rows: after task t; columns: task i), `per_row` to a row, under `title`."""
     methods = results["methods"]
     rows, cols = -(-len(methods) // per_row), min(per_row, len(methods))
     fig, axes = plt.subplots(rows, cols, figsize=(2.9 * cols + 1.2, 2.8 * rows), squeeze=False,
@@ -252,5 +241,7 @@ def r_heatmaps(results: dict, path: Path, per_row: int = 4):
         if k % cols == 0:
             ax.set_ylabel("after task t", fontsize=8)
     fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="accuracy %")
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.savefig(path, dpi=100)
     plt.close(fig)

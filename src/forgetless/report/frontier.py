@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from forgetless.continual.two_domain import mean_std
+from forgetless.stats import mean_std
 from forgetless.report.figures import colors, plt, save
 
 F_LIMITS, G_TARGET, LA_MARGIN = (5.0, 2.0), 0.9, 1.0

@@ -48,23 +48,6 @@ def scaled(stat: dict, factor: float) -> dict:
     return {k: None if v is None else factor * v for k, v in stat.items()}
 
 
-def terminal_table(results: dict, title: str, caption: str):
-    """The rich table `forgetless bench` prints: the terminal columns of either protocol."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    from forgetless.report.online import online_terminal_rows
-    rows_of = {"two-domain": terminal_rows, "sequence": sequence_terminal_rows, "online": online_terminal_rows}
-    heads, body = rows_of[results["protocol"]](results)
-    table = Table(title=title, caption=caption)
-    for h in heads:  # a long method label folds onto a second line; numbers never do
-        table.add_column(h, justify="left" if h == "method" else "right", no_wrap=h != "method",
-                         overflow="fold" if h == "method" else "ellipsis")
-    for r in body:
-        table.add_row(*map(escape, r))  # method specs such as ewc[lam=1e4] look like markup
-    return table
-
-
 def seeds_text(seeds: list[int], base_seeds: int | None = 1) -> str:
     """Which seeds the numbers cover and which variance their ± includes."""
     if len(seeds) == 1:

@@ -1,0 +1,307 @@
+"""An instruction stream as the field reports it (`forgetless study`, docs/DESIGN.md §3.4): each method's lr
+chosen on validation rows from a grid on order 1, then every order at that lr, more seeds on order 1, and
+OP / BWT / general-PPL change with intervals over test rows and seeds, beside the published rows.
+
+1. Grid (`grid/`): every method at each grid lr on the stream's order 1, one seed, scoring validation rows
+   only (each task's last `data.dev_rows` training rows, never trained on; no test row is scored).
+2. Choice: `LR_RULE`, declared before any arm runs.
+3. Orders (`order<k>/`): the chosen arms on each order, `seeds` seeds each, `order1_seeds` on order 1,
+   scoring the test rows (every one with the study's default `data.test_rows` 0).
+4. Results: order 1's R and metrics per method (the sequence schema), and beside them the lr grid and choice,
+   every order's metrics and their mean, bootstrap intervals (continual/bootstrap.py) and paired differences.
+
+Every arm is saved as it finishes under its phase's folder and reused when its config matches (continual/plan.py),
+so a study resumes; `plan_study` estimates its minutes from steps and scoring timed here.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import functools
+import statistics
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import torch
+
+from forgetless.continual import bootstrap
+from forgetless.continual.instruct import (arm_jobs, joined, learn_task, load_stream, run_arms_on, scored_on,
+                                           sequence_results)
+from forgetless.continual.plan import saved_arm
+from forgetless.continual.protocol import build_arms, fresh, provenance
+from forgetless.data.streams import DEFAULT_GRID, HELD_OUT, LR_RULE
+from forgetless.errors import ForgetlessError
+from forgetless.methods import MethodSpec
+from forgetless.device import resolve_device
+from forgetless.presets import RunConfig, settle_precision
+from forgetless.stats import mean_nested
+from forgetless.train import StepHooks
+
+TIE = 1e-9  # validation OPs this close are a tie (LR_RULE)
+STUDY_DATA = {"test_rows": 0, "dev_rows": 50}  # every test row; 50 validation rows per task carved from training
+
+
+def study_defaults(stream: str) -> dict:
+    """Config the study sets over the preset's (a config file and flags still win): every test row, validation
+    rows, and the stream's held-out task (none for a stream written out)."""
+    return {"data": {**STUDY_DATA, "held_out_tasks": HELD_OUT.get(stream, [])}}
+
+
+def loaded(model: str, device: str, cfg: RunConfig):
+    """(the pretrained model on its device, its tokenizer, `cfg` with its precision settled there, the provenance
+    of a results file)."""
+    from forgetless.models.hf import describe, load_model
+    device = resolve_device(device)
+    cfg, precision = settle_precision(cfg, device)  # auto resolved; a precision the device lacks refused
+    lm, tokenizer = load_model(model, device)
+    return lm, tokenizer, cfg, {**provenance(device), "model": model, "bases": {model: describe(lm)},
+                                "precision": precision}
+
+
+# ---- the lr grid ----------------------------------------------------------------------------------
+def parse_grid(entries: list[str] | None) -> dict[str, list[tuple[str, float]]] | None:
+    """--lr-grid entries -> {label or "": [("x", factor) | ("=", lr)]}; None for "none". An entry is
+    `[LABEL=]V1,V2,...`: `x1/3` multiplies the method's lr, `3e-4` is an lr; "" is every other arm's (default
+    `DEFAULT_GRID`)."""
+    entries = entries or []
+    if [e.strip() for e in entries] == ["none"]:
+        return None
+    grid = {}
+    for entry in [DEFAULT_GRID, *entries]:
+        label, _, values = entry.rpartition("=") if "=" in entry.split("[")[-1].split("]")[-1] else ("", "", entry)
+        try:
+            points = [("x", float(Fraction(v.strip()[1:]))) if v.strip().startswith("x") else ("=", float(v))
+                      for v in values.split(",") if v.strip()]
+        except (ValueError, ZeroDivisionError):
+            points = []
+        if not points or any(v <= 0 for _, v in points):
+            raise ForgetlessError(f"--lr-grid {entry!r}: write factors of each method's lr (x1/3,x1,x3), learning "
+                                  "rates (1e-4,3e-4,1e-3), LABEL=VALUES for one method, or none")
+        grid[label.strip()] = points
+    return grid
+
+
+def grid_lrs(grid: dict, spec: MethodSpec, cfg: RunConfig) -> list[float]:
+    """The lrs `spec` runs at in the grid, ascending: its entry's (else the default's) around its own lr."""
+    base = spec.build(cfg.methods.get(spec.name)).own("lr", cfg.adapt.lr)
+    points = grid.get(spec.label, grid.get(spec.name, grid[""]))
+    return sorted({float(lr_text(base * v if kind == "x" else v)) for kind, v in points})
+
+
+def lr_text(lr: float) -> str:
+    return f"{lr:.3g}"
+
+
+def at_lr(spec: MethodSpec, lr: float) -> MethodSpec:
+    """The arm of `spec` at `lr` (its label shows the lr: seq-lora[mix=0.2;lr=0.0003])."""
+    return MethodSpec(spec.name, {**{k: v for k, v in spec.options.items() if k != "lr"}, "lr": lr_text(lr)})
+
+
+def choose(points: list[tuple[float, float]]) -> float:
+    """`LR_RULE` over (lr, validation OP) points: the lr of the highest OP; ties go to the lower lr."""
+    best = max(op for _, op in points)
+    return min(lr for lr, op in points if op >= best - TIE)
+
+
+# ---- the study --------------------------------------------------------------------------------------
+def with_tasks(cfg: RunConfig, tasks: list[str]) -> RunConfig:
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tasks=list(tasks)))
+
+
+def order_seeds(orders: dict, seeds: list[int], order1_seeds: list[int]) -> dict[str, list[int]]:
+    """Seeds per order: `order1_seeds` on order 1, `seeds` on the others."""
+    return {k: order1_seeds if k == "1" else seeds for k in orders}
+
+
+def check_study(cfg: RunConfig, specs: list[MethodSpec], grid, seeds: list[int], order1_seeds: list[int],
+                paired_with: str | None = None):
+    """One-line errors before any work."""
+    if grid is not None and not cfg.data.dev_rows:
+        raise ForgetlessError("the lr grid chooses on validation rows, and data.dev_rows is 0: give --data-dev-rows N "
+                              "(e.g. 50), or --lr-grid none to run each method at its own lr")
+    if not seeds or not set(seeds) <= set(order1_seeds):
+        raise ForgetlessError(f"order 1 runs at least the seeds every order runs: --order1-seeds "
+                              f"{len(order1_seeds)} < --seeds {len(seeds)}")
+    labels = [s.label for s in specs]
+    if len(set(labels)) < len(labels):
+        raise ForgetlessError("a method is listed twice in --methods; list each arm once")
+    if paired_with is not None and paired_with not in labels:
+        raise ForgetlessError(f"--paired-with {paired_with}: not among --methods ({', '.join(labels)})")
+
+
+def run_study(lm, tokenizer, cfg: RunConfig, specs: list[MethodSpec], stream: str, orders: dict[str, list[str]],
+              grid_order: list[str], seeds: list[int], order1_seeds: list[int], grid, out: Path, preset: str,
+              model: str, resamples: int = bootstrap.RESAMPLES, paired_with: str | None = None) -> dict:
+    """The whole study on a loaded model: the grid on `grid_order` (the stream's order 1), then `orders`.
+    Returns the study's results (the sequence schema for the main order, plus `study` and per-method
+    `lr`, `arm`, `lr_grid`, `orders`, `intervals`, `over_orders`, `paired`)."""
+    from forgetless.report import write_report
+    check_study(cfg, specs, grid, seeds, order1_seeds, paired_with)
+    labels = [s.label for s in specs]
+    paired_with = paired_with or next((s.label for s in specs if s.name == "mtl"), labels[0])
+    build_arms(cfg, specs, sequence=True)  # bad names, options or joint arms fail before the grid runs
+    chosen, grids = {s.label: s for s in specs}, {}
+    if grid is not None:
+        points = {s.label: [(lr, at_lr(s, lr)) for lr in grid_lrs(grid, s, cfg)] for s in specs}
+        grid_cfg = with_tasks(cfg, grid_order)
+        built, arms = run_arms_on(lm, tokenizer, grid_cfg, [p for ps in points.values() for _, p in ps], seeds[:1],
+                                  out / "grid", model, "validation")
+        write_report(sequence_results(grid_cfg, built, arms, seeds[:1], preset, "validation"), out / "grid", False)
+        for label, ps in points.items():
+            pick = choose([(lr, arms[p.label][0]["op_tasks"]) for lr, p in ps])
+            chosen[label] = dict(ps)[pick]
+            grids[label] = [{"lr": lr, "arm": p.label, "chosen": lr == pick,
+                             **{f"{m}_dev": arms[p.label][0][m] for m in bootstrap.METRICS}} for lr, p in ps]
+    per_order = {}
+    for k, seeds_k in order_seeds(orders, seeds, order1_seeds).items():
+        cfg_k = with_tasks(cfg, orders[k])
+        built, arms = run_arms_on(lm, tokenizer, cfg_k, list(chosen.values()), seeds_k, out / f"order{k}", model, "test")
+        write_report(sequence_results(cfg_k, built, arms, seeds_k, preset, "test"), out / f"order{k}", False)
+        per_order[k] = (cfg_k, built, {label: arms[chosen[label].label] for label in labels})
+    return study_results(cfg, specs, chosen, grids, per_order, stream, orders, grid, seeds, order1_seeds, preset,
+                         model, resamples, paired_with)
+
+
+def study_results(cfg, specs, chosen, grids, per_order, stream, orders, grid, seeds, order1_seeds, preset, model,
+                  resamples, paired_with) -> dict:
+    main = "1" if "1" in per_order else next(iter(per_order))
+    cfg_main, built_main, arms_main = per_order[main]
+    results = {**sequence_results(cfg_main, {s.label: built_main[chosen[s.label].label] for s in specs}, arms_main,
+                                  order_seeds(orders, seeds, order1_seeds)[main], preset, "test"), "model": model}
+    draws = bootstrap.Draws(resamples)
+    runs = {label: {k: bootstrap.Runs.of(arms[label], cfg_k.data.tasks) for k, (cfg_k, _, arms) in per_order.items()}
+            for label in results["methods"]}
+    for spec in specs:
+        label, m = spec.label, results["methods"][spec.label]
+        method = chosen[label].build(cfg.methods.get(spec.name))
+        m.update(lr=method.own("lr", cfg.adapt.lr), arm=chosen[label].label,
+                 orders={k: order_entry(arms[label], cfg_k.data.tasks) for k, (cfg_k, _, arms) in per_order.items()},
+                 intervals=bootstrap.intervals({main: runs[label][main]}, draws))
+        if grids:
+            m["lr_grid"] = grids[label]
+        if len(per_order) > 1:
+            m["over_orders"] = bootstrap.intervals(runs[label], draws)
+        if label != paired_with:
+            m["paired"] = {"vs": paired_with, "order": main,
+                           **bootstrap.paired({main: runs[label][main]}, {main: runs[paired_with][main]}, draws)}
+    from forgetless.report.references import references
+    results["study"] = {
+        "stream": stream, "orders": {k: list(v) for k, v in orders.items()}, "main_order": main,
+        "seeds_per_order": len(seeds), "order1_seeds": list(order1_seeds),
+        "lr_grid": grid and {label or "*": [[kind, v] for kind, v in points] for label, points in grid.items()},
+        "lr_rule": LR_RULE if grid else "none: each method at its own lr", "grid_order": "1", "grid_seed": seeds[0],
+        "bootstrap": {"resamples": resamples, "level": bootstrap.LEVEL, "how": BOOTSTRAP_HOW},
+        "paired_with": paired_with, "references": references(stream)}
+    return results
+
+
+BOOTSTRAP_HOW = ("percentile intervals; each replicate draws every task's test rows and the general text's windows "
+                 "with replacement (the same draw for every seed, order and method), then each order's seeds")
+
+
+def order_entry(arms: list[dict], tasks: list[str]) -> dict:
+    """One order's seed means of the field's metrics, its seeds and R."""
+    return {"tasks": list(tasks), "seeds": [a["seed"] for a in arms],
+            **{m: statistics.fmean(a[m] for a in arms) for m in bootstrap.METRICS},
+            "r_matrix": mean_nested([a["r_matrix"] for a in arms])}
+
+
+# ---- the compute plan ---------------------------------------------------------------------------------
+class StepTimes(StepHooks):
+    """Records when each optimizer step ends."""
+
+    def __init__(self):
+        self.ends = []
+
+    def after_step(self, model, optimizer, step, last):
+        self.ends.append(time.perf_counter())
+
+
+def plan_study(lm, tokenizer, cfg: RunConfig, specs: list[MethodSpec], orders: dict[str, list[str]],
+               grid_order: list[str], seeds: list[int], order1_seeds: list[int], grid, out: Path, model: str,
+               timed_steps: int = 3) -> dict:
+    """Arms x estimated minutes of the study, from this machine: per method, `timed_steps` training steps (after
+    one more) on rows of every task, the rest of a task's time (start and end of a task: EWC's Fisher, OSF's
+    split), attaching, and scoring timed on a few rows of each task on the bare model. Arms saved in `out`
+    count 0 (an order's arms as well once the grid has chosen their lr)."""
+    check_study(cfg, specs, grid, seeds, order1_seeds)
+    streams = functools.cache(lambda tasks, scored: scored_on(load_stream(with_tasks(cfg, tasks), tokenizer), scored))
+
+    def saved(tasks: list[str], arms: list[MethodSpec], seeds_: list[int], folder: str, scored: str) -> list:
+        c = with_tasks(cfg, tasks)
+        jobs = arm_jobs(lm, c, build_arms(c, arms, sequence=True), streams(tuple(tasks), scored), seeds_, out / folder,
+                        model, scored)
+        return [saved_arm(path, config) for _, _, _, path, config in jobs]
+
+    scoring = scoring_seconds(lm, tokenizer, streams(tuple(grid_order), "both"), cfg)
+    T, steps, rows, busy = len(grid_order), cfg.adapt.steps, [], set()  # busy: runs with an arm left to train
+    for spec in specs:
+        method = spec.build(cfg.methods.get(spec.name))
+        step_s, task_s, attach_s = method_seconds(lm, streams(tuple(grid_order), "both"), cfg, method, timed_steps)
+        joint = method.cfg.joint
+        train_s = attach_s + (task_s + T * steps * step_s if joint else T * (task_s + steps * step_s))
+        arm_s = {kind: train_s + (1 if joint else T) * scoring[kind] for kind in ("test", "validation")}
+        lrs = grid_lrs(grid, spec, cfg) if grid is not None else []
+        found = saved(grid_order, [at_lr(spec, lr) for lr in lrs], seeds[:1], "grid", "validation") if lrs else []
+        final = at_lr(spec, choose([(lr, f["op_tasks"]) for lr, f in zip(lrs, found)])) if lrs and all(found) \
+            else None if lrs else spec
+        counts = {"grid": [len(lrs), sum(f is None for f in found)], "orders": [0, 0], "extra seeds": [0, 0]}
+        for k, seeds_k in order_seeds(orders, seeds, order1_seeds).items():
+            for kind, these in (("orders", [s for s in seeds_k if s in seeds]),
+                                ("extra seeds", [s for s in seeds_k if s not in seeds])):
+                todo = len(these) if final is None or not these else \
+                    sum(f is None for f in saved(orders[k], [final], these, f"order{k}", "test"))
+                counts[kind] = [counts[kind][0] + len(these), counts[kind][1] + todo]
+                busy |= {f"order{k}"} if todo else set()
+        busy |= {"grid"} if counts["grid"][1] else set()
+        minutes = (counts["grid"][1] * arm_s["validation"]
+                   + (counts["orders"][1] + counts["extra seeds"][1]) * arm_s["test"]) / 60
+        rows.append({"method": spec.label, "lrs": [lr_text(v) for v in lrs], "step_s": step_s, "task_s": task_s,
+                     "attach_s": attach_s, "arm_min": {k: v / 60 for k, v in arm_s.items()}, **counts,
+                     "minutes": minutes})
+    before_min = sum(scoring["validation" if run == "grid" else "test"] for run in busy) / 60  # once per run with work
+    return {"rows": rows, "tasks": T, "steps_per_task": steps, "batch_size": cfg.adapt.batch_size,
+            "precision": cfg.adapt.precision, "scoring_s": scoring, "before_min": before_min,
+            "total_min": sum(r["minutes"] for r in rows) + before_min, "orders": {k: list(v) for k, v in orders.items()},
+            "seeds": list(seeds), "order1_seeds": list(order1_seeds), "threads": torch.get_num_threads(),
+            "date": datetime.date.today().isoformat()}
+
+
+def method_seconds(lm, stream, cfg: RunConfig, method, timed_steps: int) -> tuple[float, float, float]:
+    """(seconds per training step, the rest of a task's learning, attaching): one task of `timed_steps` + 1 steps on
+    every task's rows joined, on a copy of the model."""
+    from forgetless.adapted import attach
+    model = copy.deepcopy(lm)
+    t0 = time.perf_counter()
+    adapted = attach(model, fresh(method))
+    attach_s = time.perf_counter() - t0
+    timer = StepTimes()
+    short = dataclasses.replace(cfg, adapt=dataclasses.replace(cfg.adapt, steps=timed_steps + 1, warmup=0))
+    t0 = time.perf_counter()
+    learn_task(adapted, 1, joined(stream.train), stream, short, 0, timer)
+    wall = time.perf_counter() - t0
+    step_s = (timer.ends[-1] - timer.ends[0]) / timed_steps
+    return step_s, max(0.0, wall - (timed_steps + 1) * step_s), attach_s
+
+
+def scoring_seconds(lm, tokenizer, stream, cfg: RunConfig, rows: int = 8) -> dict[str, float]:
+    """Seconds of one scoring pass after a task, on test rows and on validation rows: a few rows of each task
+    and windows of the general text timed on the bare model, scaled to the rows each pass scores."""
+    from forgetless.continual.evaluate import evaluate
+    from forgetless.continual.instruct import score
+    per_row = {}
+    for task in [*stream.tasks, *stream.held_out]:
+        few = dataclasses.replace(task, test=task.test[:rows])
+        t0 = time.perf_counter()
+        score(lm, tokenizer, few, cfg)
+        per_row[task.name] = (time.perf_counter() - t0) / len(few.test)
+    t0 = time.perf_counter()
+    evaluate(lm, stream.general.windows[:rows])
+    window_s = (time.perf_counter() - t0) / len(stream.general.windows[:rows])
+    limit = cfg.data.test_rows or None
+    test = sum(per_row[t.name] * len(t.test[:limit]) for t in [*stream.tasks, *stream.held_out])
+    dev = sum(per_row[t.name] * len(d.test[:limit]) for t, d in zip(stream.tasks, stream.dev))
+    return {"test": test + window_s * len(stream.general.windows),
+            "validation": dev + window_s * len(stream.general.dev_windows)}

@@ -1,0 +1,22 @@
+"""Which device a run uses: `--device` resolved once, where a command or protocol starts."""
+from __future__ import annotations
+
+import torch
+
+from forgetless import distributed
+from forgetless.errors import ForgetlessError
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """auto (CUDA when available, else CPU), cpu, cuda[:N] or mps; an unavailable device is an error.
+    Under torchrun, auto and cuda mean this process's GPU (cuda:LOCAL_RANK)."""
+    if name in ("auto", "cuda") and distributed.world_size() > 1 and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    kind = name.split(":")[0]
+    if kind not in ("cpu", "cuda", "mps"):
+        raise ForgetlessError(f"unknown device {name!r}; valid: auto, cpu, cuda, cuda:N, mps")
+    if kind == "cuda" and not torch.cuda.is_available() or kind == "mps" and not torch.backends.mps.is_available():
+        raise ForgetlessError(f"device {name} is not available on this machine; use --device cpu (or auto)")
+    return torch.device(name)

@@ -1,0 +1,154 @@
+"""A study's tables and figures (`forgetless study`, continual/study.py): the field's columns (OP and BWT over the
+tasks, general-text PPL change) as the mean over orders and as order 1's mean over seeds with intervals that
+include the test rows' sampling error, the published rows beside them, the lr grid, the compute plan; R matrices
+and accuracy against forgetting."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from forgetless.report.figures import colors, plt, save
+from forgetless.report.tables import sequence_markdown
+
+
+def interval(stat: dict | None, fmt: str = "{:.1f}", scale: float = 1.0) -> str:
+    """'43.2 [38.1, 48.0]' from {mean, lo, hi}; '—' when missing."""
+    if not stat or stat.get("mean") is None:
+        return "—"
+    return f"{fmt.format(scale * stat['mean'])} [{fmt.format(scale * stat['lo'])}, {fmt.format(scale * stat['hi'])}]"
+
+
+def study_rows(results: dict) -> tuple[list[str], list[list[str]]]:
+    """Our rows: chosen lr, OP mean over orders, order-1 OP / BWT / general PPL change with intervals, OP per order."""
+    study, main = results["study"], results["study"]["main_order"]
+    orders = list(study["orders"])
+    seeds = len(results["seeds"])
+    heads = ["method", "lr (chosen on validation)" if study["lr_grid"] else "lr",
+             *(["OP, mean over orders"] if len(orders) > 1 else []),
+             f"OP, order {main} ({seeds} seed{'s' if seeds > 1 else ''})", f"BWT, order {main}",
+             f"general PPL change, order {main}", *(["OP per order (" + " / ".join(orders) + ")"] if len(orders) > 1 else [])]
+    body = []
+    for label, m in results["methods"].items():
+        intervals = m["intervals"]
+        body.append([label, f"{m['lr']:.3g}", *([interval(m["over_orders"]["op_tasks"])] if len(orders) > 1 else []),
+                     interval(intervals["op_tasks"]), interval(intervals.get("bwt_tasks"), "{:+.1f}"),
+                     interval(intervals["general_ppl_change"], "{:+.1f}", 100.0).replace("]", "] %", 1),
+                     *([" / ".join(f"{m['orders'][k]['op_tasks']:.1f}" for k in orders)] if len(orders) > 1 else [])])
+    return heads, body
+
+
+def reference_rows(results: dict) -> tuple[list[str], list[list[str]]]:
+    heads = ["published (reference, not like-for-like)", "model", "OP", "BWT", "measured on", "source"]
+    return heads, [[r["method"], r["model"], f"{r['op']:.1f}", "—" if r["bwt"] is None else f"{r['bwt']:+.1f}", r["tasks"],
+                    r["source"]] for r in results["study"]["references"]]
+
+
+def table(heads: list[str], body: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads), *("| " + " | ".join(r) + " |" for r in body)]
+
+
+def study_markdown(results: dict) -> str:
+    study = results["study"]
+    cfg = results["config"]
+    orders = "; ".join(f"order {k}: {' → '.join(t)}" for k, t in study["orders"].items())
+    others = f"other orders: {study['seeds_per_order']} seed(s) each, their means averaged with it in 'mean over " \
+             "orders'. " if len(study["orders"]) > 1 else ""
+    lines = [f"Study of the `{study['stream']}` stream ({orders}) on `{results.get('model', '?')}`, preset "
+             f"{results['preset']}, precision {cfg['adapt']['precision']}, {cfg['adapt']['steps']} steps of batch "
+             f"{cfg['adapt']['batch_size']} per task, {results['date']}.", "",
+             f"OP = mean accuracy over the tasks after the last one, BWT = mean change of each earlier task from right "
+             f"after learning it to the end (< 0 = forgetting), both over the tasks alone (general ability is its own "
+             f"column); general PPL change on held-out general text. Order {study['main_order']}: mean over seeds "
+             f"{results['seeds']}; {others}Intervals: 95 % "
+             f"({study['bootstrap']['how']}; {study['bootstrap']['resamples']} replicates). lr rule: {study['lr_rule']}.",
+             "", *table(*study_rows(results))]
+    if study["references"]:
+        lines += ["", "Published rows, as reference points: other models and scales, some on other task sets (see "
+                      "'measured on'); not a like-for-like comparison.", "", *table(*reference_rows(results))]
+    else:
+        lines += ["", f"No published rows for the `{study['stream']}` stream in the project's sources."]
+    paired = [(label, m["paired"]) for label, m in results["methods"].items() if "paired" in m]
+    if paired:
+        lines += ["", f"Paired differences against `{study['paired_with']}` on order {study['main_order']} (same test "
+                      "rows and seeds drawn for both):", "",
+                  *table(["method", "OP difference", "BWT difference", "general PPL change difference"],
+                         [[label, interval(p["op_tasks"], "{:+.1f}"), interval(p.get("bwt_tasks"), "{:+.1f}"),
+                           interval(p["general_ppl_change"], "{:+.1f}", 100.0) + " points"] for label, p in paired])]
+    grid = [(label, m["lr_grid"]) for label, m in results["methods"].items() if "lr_grid" in m]
+    if grid:
+        lines += ["", f"lr grid on order 1 (seed {study['grid_seed']}), validation rows only: validation OP / BWT per "
+                      "lr, the chosen lr in bold:", "",
+                  *table(["method", "lr: validation OP / BWT"],
+                         [[label, "; ".join((f"**{p['lr']:.3g}**" if p["chosen"] else f"{p['lr']:.3g}")
+                                            + f": {p['op_tasks_dev']:.1f} / "
+                                            + ("—" if p["bwt_tasks_dev"] is None else f"{p['bwt_tasks_dev']:+.1f}")
+                                            for p in points)] for label, points in grid])]
+    lines += ["", f"Order {study['main_order']} in full (the sequence table; its ± is over seeds only):", "",
+              sequence_markdown(results)]
+    return "\n".join(lines) + "\n"
+
+
+def terminal_tables(results: dict, title: str, caption: str) -> list:
+    """The rich tables `forgetless study` prints: ours, then the published rows (when the stream has some)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    tables = []
+    heads, body = reference_rows(results)
+    published = (heads[:-1], [r[:-1] for r in body])  # without the source column: results.md has it
+    for (heads, body), ours in ((study_rows(results), True), (published, False)):
+        if not body:
+            continue
+        table = Table(title=title if ours else None, caption=caption if ours else None)
+        for i, h in enumerate(heads):  # our numbers right-aligned; the published rows' text left
+            table.add_column(h, justify="right" if ours and i else "left", overflow="fold")
+        for r in body:
+            table.add_row(*map(escape, r))
+        tables.append(table)
+    return tables
+
+
+def op_vs_bwt(results: dict, path: Path):
+    """Accuracy (OP) against forgetting (BWT) on the main order, one point per method with its intervals."""
+    methods = results["methods"]
+    color = colors(list(methods))
+    fig, ax = plt.subplots(figsize=(6.4, 4.6))
+    for label, m in methods.items():
+        op, bwt = m["intervals"]["op_tasks"], m["intervals"].get("bwt_tasks")
+        if bwt is None:
+            continue
+        ax.errorbar(bwt["mean"], op["mean"], xerr=[[bwt["mean"] - bwt["lo"]], [bwt["hi"] - bwt["mean"]]],
+                    yerr=[[op["mean"] - op["lo"]], [op["hi"] - op["mean"]]], fmt="o", capsize=3, color=color[label],
+                    label=f"{label} (lr {m['lr']:.3g})")
+    ax.axvline(0, color="grey", lw=0.8, ls=":")
+    study = results["study"]
+    name = study["stream"] if "," not in study["stream"] else "task"
+    ax.set(xlabel="BWT over the tasks (points; < 0 = forgetting)  → better", ylabel="OP: accuracy after the last task (%)  ↑")
+    ax.set_title(f"{name} stream, order {study['main_order']}, {len(results['seeds'])} seed(s)\n"
+                 "95 % intervals over test rows and seeds", fontsize=10)
+    ax.legend(fontsize=7)
+    save(fig, path)
+
+
+def plan_markdown(plan: dict) -> str:
+    """The compute plan as a table to paste into RESULTS: arms x estimated minutes per method."""
+    orders = ", ".join(plan["orders"])
+    extra = [s for s in plan["order1_seeds"] if s not in plan["seeds"]]
+    lines = [f"Compute plan ({plan['date']}, {plan['threads']} thread(s), precision {plan['precision']}): per method "
+             f"the lr grid on order 1 (validation rows only), then orders {orders} with seed(s) {plan['seeds']}"
+             + (f" and seeds {extra} on order 1" if extra else "") + f"; {plan['tasks']} tasks of {plan['steps_per_task']} "
+             f"steps of batch {plan['batch_size']}. Estimates from steps and scoring timed here (arms already saved: "
+             "0 min; the orders' arms count as saved only once the grid has chosen their lr).", "",
+             "| method | lr grid | s / step | s / task besides steps | min / arm (test / validation scoring) | grid arms "
+             "(left) | order arms (left) | extra-seed arms (left) | minutes left |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in plan["rows"]:
+        lines.append(f"| {r['method']} | {', '.join(r['lrs']) or 'own lr'} | {r['step_s']:.2f} | "
+                     f"{r['task_s'] + r['attach_s'] / plan['tasks']:.1f} | {r['arm_min']['test']:.1f} / "
+                     f"{r['arm_min']['validation']:.1f} | {r['grid'][0]} ({r['grid'][1]}) | {r['orders'][0]} "
+                     f"({r['orders'][1]}) | {r['extra seeds'][0]} ({r['extra seeds'][1]}) | {r['minutes']:.0f} |")
+    arms = sum(r[k][0] for r in plan["rows"] for k in ("grid", "orders", "extra seeds"))
+    left = sum(r[k][1] for r in plan["rows"] for k in ("grid", "orders", "extra seeds"))
+    lines += [f"| scoring before training, once per run | | | | | | | | {plan['before_min']:.0f} |",
+              f"| **total: {arms} arms ({left} left)** | | | | | | | | **{plan['total_min']:.0f}** "
+              f"(**{plan['total_min'] / 60:.1f} h**) |"]
+    return "\n".join(lines) + "\n"

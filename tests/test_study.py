@@ -1,0 +1,240 @@
+"""`forgetless study`: named streams and orders, the validation split, the lr grid and its rule, bootstrap
+intervals over test rows and seeds, the table with published rows, the figures and the compute plan, on a tiny
+random Llama and a fake two-task stream written to tmp_path."""
+import json
+import re
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from forgetless.cli import app
+from forgetless.continual import bootstrap
+from forgetless.continual.instruct import load_stream, scored_on, split_dev
+from forgetless.continual.study import choose, grid_lrs, parse_grid, plan_study, run_study
+from forgetless.data.instructions import Example, InstructionTask, load_task
+from forgetless.data.streams import STREAMS, pick_orders, stream_orders
+from forgetless.errors import ForgetlessError
+from forgetless.methods.base import parse_method_specs
+from forgetless.presets import build_config
+from forgetless.report import write_report
+from forgetless.report.references import references
+from forgetless.report.study import plan_markdown, study_markdown, terminal_tables
+from tiny_lm import tiny_llama, tiny_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def write_task(folder, name, labels, train=24, test=10):
+    """A classification task whose answer follows the item number; its last training prompt repeats an earlier one
+    (so the validation split must leave it out) and its first test prompt repeats a training one (left out of test)."""
+    rows = [{"prompt": f"{name} item {i}: which one?", "answer": labels[(7 * i) % len(labels)]} for i in range(train)]
+    rows[-1] = dict(rows[0])
+    tests = [{"prompt": f"{name}  item 3: which one?", "answer": rows[3]["answer"]}] + \
+        [{"prompt": f"{name} item {i}: which one?", "answer": labels[(7 * i) % len(labels)]} for i in range(500, 500 + test)]
+    (folder / name).mkdir()
+    for part, records in (("train", rows), ("test", tests)):
+        (folder / name / f"{part}.json").write_text(json.dumps(records))
+    (folder / name / "labels.json").write_text(json.dumps(labels))
+    return str(folder / name)
+
+
+@pytest.fixture(scope="module")
+def stream(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("stream")
+    a, b = write_task(folder, "colors", ["red", "green", "blue"]), write_task(folder, "sizes", ["small", "large"])
+    (folder / "general.txt").write_text(" ".join(f"The river flows past mill {i}; bread is baked at dawn."
+                                                 for i in range(250)))
+    cfg = build_config("real", {"model": {"block_size": 32}, "adapt": {"steps": 2, "batch_size": 4, "ckpt_every": 2,
+                                                                       "warmup": 1},
+                                "data": {"general": str(folder / "general.txt"), "eval_windows": 4, "train_examples": 0,
+                                         "test_rows": 0, "dev_rows": 5, "held_out_tasks": []}})
+    return {"folder": folder, "a": a, "b": b, "cfg": cfg, "spec": f"{a},{b};{b},{a}", "tok": tiny_tokenizer()}
+
+
+@pytest.fixture(scope="module")
+def study(stream, tmp_path_factory):
+    """The whole study: a 2-point grid of lora and mtl on order 1, both orders, a second seed on order 1."""
+    out = tmp_path_factory.mktemp("study")
+    tok, orders = stream["tok"], stream_orders(stream["spec"])
+    lm = tiny_llama(tok.vocab_size)
+    results = run_study(lm, tok, stream["cfg"], parse_method_specs("lora,mtl"), stream["spec"], orders, orders["1"],
+                        [0], [0, 1], parse_grid(["x1,x3"]), out, "real", "tiny", resamples=300)
+    return {"results": results, "out": out, "lm": lm, "files": write_report(results, out)}
+
+
+def test_named_streams_are_the_papers_orders_and_bad_names_are_one_line():
+    assert STREAMS["standard"] == {"1": ["dbpedia", "amazon", "yahoo", "agnews"], "2": ["dbpedia", "amazon", "agnews", "yahoo"],
+                                   "3": ["yahoo", "amazon", "agnews", "dbpedia"]}
+    assert STREAMS["trace"] == {"1": ["FOMC", "ScienceQA", "NumGLUE-cm", "NumGLUE-ds"]}
+    assert pick_orders("standard", "3,1") == {"1": STREAMS["standard"]["1"], "3": STREAMS["standard"]["3"]}
+    assert stream_orders("a.json,b.json;b.json,a.json") == {"1": ["a.json", "b.json"], "2": ["b.json", "a.json"]}
+    with pytest.raises(ForgetlessError, match="unknown stream 'nope'"):
+        stream_orders("nope")
+    with pytest.raises(ForgetlessError, match="stream standard has orders 1, 2, 3; got --orders '4'"):
+        pick_orders("standard", "4")
+    with pytest.raises(ForgetlessError, match="same tasks"):
+        stream_orders("a.json,b.json;a.json,c.json")
+
+
+def test_validation_rows_are_neither_trained_on_nor_test_rows(stream):
+    norm = lambda examples: {" ".join(ex.prompt.split()) for ex in examples}  # noqa: E731
+    loaded = load_stream(scored_on_config(stream, stream["a"]), stream["tok"])
+    task, dev = loaded.tasks[0], loaded.dev[0]
+    full = load_task(stream["a"])
+    assert len(full.test) == 10  # the test prompt that repeats a training prompt (up to spaces) is left out
+    assert [ex.prompt for ex in dev.test] == [ex.prompt for ex in full.train[-5:-1]]  # the repeated prompt too
+    assert not norm(dev.test) & norm(task.train) and not norm(dev.test) & norm(task.test)
+    assert not norm(task.train) & norm(task.test) and len(task.train) == len(full.train) - 5
+    graded = scored_on(loaded, "validation")  # an lr grid's arms score these rows in place of the test rows
+    assert graded.tasks[0].test == dev.test and graded.tasks[0].train == task.train and not graded.held_out
+    assert graded.general.windows is loaded.general.dev_windows
+    made = InstructionTask("made", [Example(f"q{i}", "y") for i in range(6)], [Example("q5", "y")], ["y", "n"])
+    assert [ex.prompt for ex in split_dev(made, 2)[1].test] == ["q4"]  # q5 is a test prompt: never a validation row
+    with pytest.raises(ForgetlessError, match="needs them: give --data-dev-rows"):
+        scored_on(load_stream(build_config("real", {"data": {**data_of(stream), "dev_rows": 0}}), stream["tok"]),
+                  "validation")
+
+
+def scored_on_config(stream, *tasks):
+    return build_config("real", {"model": {"block_size": 32}, "data": {**data_of(stream), "tasks": list(tasks)}})
+
+
+def data_of(stream):
+    d = stream["cfg"].data
+    return {"general": d.general, "eval_windows": 4, "dev_rows": d.dev_rows, "held_out_tasks": [], "tasks": [stream["a"]]}
+
+
+def test_the_lr_grid_and_its_rule_ties_going_to_the_lower_lr(stream):
+    assert choose([(1e-3, 50.0), (3e-4, 50.0), (3e-3, 40.0)]) == 3e-4                 # a tie: the lower lr
+    assert choose([(1e-3, 50.0), (3e-4, 50.0 - 1e-12), (3e-3, 40.0)]) == 3e-4         # within 1e-9 is a tie
+    assert choose([(1e-3, 50.0), (3e-4, 49.0), (3e-3, 40.0)]) == 1e-3                 # else the best
+    cfg = stream["cfg"]
+    lora, mtl, replay, moram = parse_method_specs("lora,mtl,seq-lora[mix=0.2],moram[lr=5e-3]")
+    assert grid_lrs(parse_grid(None), lora, cfg) == [0.000333, 0.001, 0.003]          # lora's own 1e-3 x 1/3, 1, 3
+    assert grid_lrs(parse_grid(None), mtl, cfg) == [1.67e-05, 5e-05, 0.00015]          # the preset's 5e-5 for full weights
+    grid = parse_grid(["seq-lora[mix=0.2]=1e-4,3e-4", "moram=x1,x2"])
+    assert grid_lrs(grid, replay, cfg) == [1e-4, 3e-4] and grid_lrs(grid, moram, cfg) == [0.005, 0.01]
+    assert grid_lrs(grid, lora, cfg) == [0.000333, 0.001, 0.003]                      # the default for the others
+    assert grid_lrs(parse_grid(["2e-4,1e-4"]), mtl, cfg) == [1e-4, 2e-4]
+    assert parse_grid(["none"]) is None
+    for bad in (["x"], ["fast"], ["1e-3,-1"], ["lora="]):
+        with pytest.raises(ForgetlessError, match="--lr-grid"):
+            parse_grid(bad)
+
+
+def synthetic(rng, p, seed_sd, seeds, rows=100, tasks=2):
+    """Runs of a method whose seed s answers test item j right iff u_j < p + delta_s: items drawn once (shared by
+    the seeds), seeds' offsets delta_s ~ N(0, seed_sd); the true OP is 100 p."""
+    delta = rng.normal(0, seed_sd, seeds)
+    hits = []
+    for _ in range(tasks):
+        right = rng.random(rows)[None, :] < p + delta[:, None]                      # (S, n)
+        hits.append(np.repeat(right[:, None, :], tasks + 1, 1))                     # (S, T+1, n): rows alike, BWT 0
+    return bootstrap.Runs([str(i) for i in range(tasks)], hits, np.full(8, 2.0), np.full((seeds, 8), 2.0))
+
+
+def coverage(rng, seed_sd, seeds, rows_only=False, reps=150):
+    inside = 0
+    for rep in range(reps):
+        runs = synthetic(rng, 0.6, seed_sd, seeds)
+        if rows_only:  # the seeds averaged first: an interval blind to their variance
+            runs = bootstrap.Runs(runs.tasks, [h.mean(0, keepdims=True) for h in runs.hits], runs.before_loss,
+                                  runs.after_loss[:1])
+        op = bootstrap.intervals({"1": runs}, bootstrap.Draws(250, seed=rep))["op_tasks"]
+        inside += op["lo"] <= 60.0 <= op["hi"]
+    return inside / reps
+
+
+def test_bootstrap_intervals_cover_the_truth_with_rows_and_seeds():
+    """95 % intervals on synthetic runs of known variance: near 95 % coverage from the rows alone and from rows and
+    seeds together; an interval blind to the seeds covers far less often (so the check can fail)."""
+    rng = np.random.default_rng(0)
+    assert 0.88 <= coverage(rng, 0.0, 1) <= 0.99
+    assert 0.86 <= coverage(rng, 0.15, 10) <= 0.99
+    assert coverage(rng, 0.15, 10, rows_only=True) <= 0.84
+    runs = synthetic(rng, 0.6, 0.0, 1)
+    same = bootstrap.paired({"1": runs}, {"1": runs}, bootstrap.Draws(100))["op_tasks"]
+    assert same == {"mean": 0.0, "lo": 0.0, "hi": 0.0}  # paired: the same draws for both
+
+
+def test_the_study_chooses_on_validation_then_runs_every_order(study, stream):
+    results, out = study["results"], study["out"]
+    grid = json.loads((out / "grid" / "results.json").read_text())
+    assert grid["scored"] == "validation" and grid["held_out_tasks"] == []
+    arm = json.loads((out / "grid" / "arms" / "lora[lr=0.001]" / "seed0.json").read_text())
+    assert [len(h) for h in arm["r_hits"][0]] == [4, 4]                              # validation rows, not the 10 test rows
+    for label, m in results["methods"].items():
+        points = m["lr_grid"]
+        assert len(points) == 2 and sum(p["chosen"] for p in points) == 1
+        assert m["lr"] == choose([(p["lr"], p["op_tasks_dev"]) for p in points])
+        assert m["arm"] == next(p["arm"] for p in points if p["chosen"])
+        assert m["orders"]["1"]["seeds"] == [0, 1] and m["orders"]["2"]["seeds"] == [0]
+        assert m["orders"]["2"]["tasks"] == [stream["b"], stream["a"]]
+        saved = [json.loads((out / f"order{k}" / "arms" / m["arm"] / f"seed{s}.json").read_text())
+                 for k, s in (("1", 0), ("1", 1), ("2", 0))]
+        assert all(len(h) == 10 for a in saved for row in a["r_hits"] for h in row)  # every test row, scored
+        for key in ("op_tasks", "bwt_tasks", "general_ppl_change"):  # point estimates = R's metrics (PPL: to float32)
+            assert m["intervals"][key]["mean"] == pytest.approx(m[key]["mean"], abs=1e-5)
+            assert m["intervals"][key]["lo"] <= m["intervals"][key]["mean"] <= m["intervals"][key]["hi"]
+        over = m["over_orders"]["op_tasks"]["mean"]
+        assert over == pytest.approx((m["orders"]["1"]["op_tasks"] + m["orders"]["2"]["op_tasks"]) / 2)
+    assert results["methods"]["mtl"]["intervals"]["bwt_tasks"] == {"mean": 0.0, "lo": 0.0, "hi": 0.0}  # joint arm
+    assert results["methods"]["lora"]["paired"]["vs"] == "mtl" and "paired" not in results["methods"]["mtl"]
+    assert results["study"]["lr_rule"].startswith("the grid point with the highest validation OP")
+    assert results["study"]["references"] == []
+
+
+def test_the_table_prints_published_rows_as_references(study):
+    results = {**study["results"], "study": {**study["results"]["study"], "stream": "standard",
+                                             "references": references("standard")}}
+    text = study_markdown(results)
+    assert "| MTL | T5-large | 80.0 |" in text and "| InfLoRA | LLaMA-2-7B-chat | 79.6 |" in text
+    assert "not a like-for-like comparison" in text and f"| lora | {results['methods']['lora']['lr']:.3g} |" in text
+    ours, published = terminal_tables(results, "study", "caption")
+    assert [c.header for c in ours.columns][:2] == ["method", "lr (chosen on validation)"] and ours.row_count == 2
+    assert published.row_count == 8 and list(published.columns[2].cells)[-1] == "80.9"
+    assert len(terminal_tables(study["results"], "study", "caption")) == 1  # no published rows: ours alone
+    trace = {r["method"] + " " + r["model"]: r for r in references("trace")}
+    assert trace["MoRAM LLaMA-2-7B-Chat"]["op"] == 44.54 and trace["MoRAM LLaMA-2-7B-Chat"]["bwt"] == -1.37
+    assert trace["OSF Llama-3.1-8B"]["op"] == 53.4 and trace["OSF Llama-3.1-8B"]["bwt"] is None
+    assert "No published rows" in (study["out"] / "results.md").read_text()
+
+
+def test_the_figures_and_files_are_written(study):
+    names = {f.name for f in study["files"]}
+    assert {"results.json", "results.md", "results.csv", "r_matrix.png", "op_vs_bwt.png"} <= names
+    assert all(f.stat().st_size > 1000 for f in study["files"] if f.suffix == ".png")
+    assert json.loads((study["out"] / "results.json").read_text())["study"]["main_order"] == "1"
+
+
+def test_the_plan_counts_arms_and_minutes_and_what_is_saved(study, stream, tmp_path):
+    orders, tok = stream_orders(stream["spec"]), stream["tok"]
+    specs = parse_method_specs("lora,mtl")
+    fresh = plan_study(study["lm"], tok, stream["cfg"], specs, orders, orders["1"], [0], [0, 1, 2], parse_grid(None),
+                       tmp_path, "tiny")
+    for row in fresh["rows"]:
+        assert row["grid"] == [3, 3] and row["orders"] == [2, 2] and row["extra seeds"] == [2, 2]
+        assert row["step_s"] > 0 and row["minutes"] == pytest.approx(
+            (3 * 60 * row["arm_min"]["validation"] + 4 * 60 * row["arm_min"]["test"]) / 60)
+    assert fresh["total_min"] == pytest.approx(sum(r["minutes"] for r in fresh["rows"]) + fresh["before_min"])
+    text = plan_markdown(fresh)
+    assert "| lora | 0.000333, 0.001, 0.003 |" in text and "**total: 14 arms (14 left)**" in text
+    done = plan_study(study["lm"], tok, stream["cfg"], specs, orders, orders["1"], [0], [0, 1], parse_grid(["x1,x3"]),
+                      study["out"], "tiny")
+    assert [r["minutes"] for r in done["rows"]] == [0, 0] and "**total: 10 arms (0 left)**" in plan_markdown(done)
+
+
+def test_study_errors_are_one_line(tmp_path, stream):
+    runner = CliRunner()
+    cases = [(["nope"], "unknown stream 'nope'"), (["standard", "--orders", "4"], "has orders 1, 2, 3"),
+             (["standard", "--model", "byte-gpt"], "on a pretrained model"),
+             (["standard", "--seeds", "2", "--order1-seeds", "1"], "--order1-seeds >= --seeds"),
+             (["standard", "--data-dev-rows", "0"], "chooses on validation rows"),
+             (["standard", "--lr-grid", "fast"], "--lr-grid 'fast'"),
+             (["standard", "--methods", "lora", "--paired-with", "mtl"], "--paired-with mtl: not among")]
+    for args, message in cases:
+        result = runner.invoke(app, ["study", *args, "--out", str(tmp_path / "x")])
+        assert result.exit_code == 2, (args, result.output)
+        assert len(result.output.strip().splitlines()) <= 2 and re.search(message, result.output), result.output
+    assert not (tmp_path / "x").exists()
