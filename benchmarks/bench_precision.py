@@ -14,7 +14,7 @@ Four measurements, bf16 autocast (over fp32 weights, as `--precision bf16` runs)
 Step and forward alternate fp32, bf16, fp32, bf16 ... (ABAB, `--repeats` pairs of `--iters` calls after one
 warm-up call each); each reports the median ms per call, its min and max over the repeats, and the peak RSS above
 the process's resident size at its start (CUDA: the allocator's peak). Where bf16 is not native (a CPU without
-AVX-512 BF16 or AMX: emulated, about 100x slower), the script times 2 repeats of 1 call (bf16 without warm-up),
+AVX-512 BF16 or AMX: emulated, many times slower), the script times 2 repeats of 1 call (bf16 without warm-up),
 says that `--precision auto` picks fp32 there, and skips the arm and the metric check (hours) unless `--force`.
 
     python benchmarks/bench_precision.py [--threads 1] [--device cpu|cuda] [--model smollm2-135m|hf:PATH|random]

@@ -31,7 +31,7 @@ at start_task on `--fisher-windows` windows (setup, not step time).
 `--quick`: llama-tiny, batch 2 x 32 tokens, 3 steps (options given explicitly win).
 `--precision bf16` runs forward and loss under bf16 autocast over float32 weights, as the protocols do.
 On a CPU without native bf16 (AVX-512 BF16 or AMX) it is skipped with a one-line reason, except on
-llama-tiny (a check of the script): there bf16 is emulated, ~100x slower than fp32, and says nothing
+llama-tiny (a check of the script): there bf16 is emulated, many times slower than fp32, and says nothing
 about machines that have it.
 """
 from __future__ import annotations
@@ -114,7 +114,7 @@ def no_native_bf16(device: torch.device) -> str | None:
     if flags & {"avx512_bf16", "amx_bf16"}:
         return None
     return (f"this CPU ({torch.backends.cpu.get_cpu_capability()}) has no native bf16 (AVX-512 BF16 or AMX): "
-            "bf16 would be emulated, ~100x slower than fp32, and say nothing of machines that have it")
+            "bf16 would be emulated, many times slower than fp32, and say nothing of machines that have it")
 
 
 def answer_batch(vocab: int, rows: int, tokens: int, answer: int, seed: int = 0) -> Batch:

@@ -79,7 +79,7 @@ def autocast(device: torch.device, precision: str):
 
 def resolve_precision(precision: str, device: torch.device) -> tuple[str, str]:
     """(the precision `precision` means on `device`, why). auto: bf16 where the hardware runs it natively (a CUDA
-    device with bf16, a CPU with AMX or AVX-512 BF16), else fp32 (elsewhere bf16 is emulated: ~100x slower)."""
+    device with bf16, a CPU with AMX or AVX-512 BF16), else fp32 (elsewhere bf16 is emulated: many times slower)."""
     if precision != "auto":
         return precision, "asked for"
     if device.type == "cuda":
@@ -89,7 +89,7 @@ def resolve_precision(precision: str, device: torch.device) -> tuple[str, str]:
     if device.type == "cpu":
         native = cpu_bf16()
         return ("bf16", f"auto: the CPU has {native}") if native else \
-            ("fp32", "auto: the CPU has no native bf16 (AVX-512 BF16 or AMX), where bf16 is emulated and ~100x slower")
+            ("fp32", "auto: the CPU has no native bf16 (AVX-512 BF16 or AMX), where bf16 is emulated and many times slower")
     return "fp32", f"auto: fp32 on {device.type}"
 
 
@@ -116,7 +116,7 @@ def cpu_flags() -> set[str]:
 
 
 def emulated_bf16(precision: str, device: torch.device) -> bool:
-    """True when bf16 would run on a CPU without native bf16 (emulated: about 100x slower than fp32 there)."""
+    """True when bf16 would run on a CPU without native bf16 (emulated: many times slower than fp32 there)."""
     return precision == "bf16" and device.type == "cpu" and cpu_bf16() is None
 
 
