@@ -60,7 +60,7 @@ def run_experiment(name: str, overrides: dict, seeds: list[int], out: Path,
     """Run (or reuse) every seed, then summarise; returns (results, files written). CPU times are
     measured with torch's current number of threads (the CLI sets one by default)."""
     from forgetless.continual.plan import run_or_reuse_arm
-    from forgetless.continual.two_domain import provenance
+    from forgetless.continual.protocol import provenance
 
     if not seeds:
         raise ForgetlessError("give at least one seed")
