@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from forgetless.cli import app
 from forgetless.continual import instruct
 from forgetless.continual.metrics import sequence_metrics
-from forgetless.continual.two_domain import build_arms
+from forgetless.continual.protocol import build_arms
 from forgetless.errors import ForgetlessError
 from forgetless.presets import build_config
 from test_instruct import SMALL

@@ -3,7 +3,10 @@ below, never above, and no modules import each other in a circle. The one arrow 
 its layers: models/gpt.py imports nn/ when an FFN kind is first looked up (the kinds register themselves there).
 Imports under `if TYPE_CHECKING:` are annotations, not run: they do not count."""
 import ast
+import importlib
 from pathlib import Path
+
+import pytest
 
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "forgetless"
@@ -118,3 +121,24 @@ def test_the_checks_find_an_arrow_up_and_a_circle():
     assert arrows_up(EDGES | wrong) == sorted(wrong)
     pair = {("forgetless.report.tables", "forgetless.report.figures"), ("forgetless.report.figures", "forgetless.report.tables")}
     assert set(circle(EDGES | pair)) == {"forgetless.report.tables", "forgetless.report.figures"}
+
+
+def test_every_name_imported_from_forgetless_exists():
+    """A name moved to another module (provenance to continual/protocol.py, ...) is imported from there everywhere,
+    in functions too: every `from forgetless.X import name` in src/ and tests/ finds it (modules that need an
+    optional package that is missing are skipped)."""
+    missing = []
+    for path in [*SRC.rglob("*.py"), *(SRC.parents[1] / "tests").glob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("forgetless")):
+                continue
+            try:
+                module = importlib.import_module(node.module)
+            except ModuleNotFoundError as e:
+                if (e.name or "").startswith("forgetless"):
+                    raise
+                continue
+            missing += [f"{path.name}:{node.lineno} {node.module}.{a.name}" for a in node.names
+                        if not hasattr(module, a.name) and not is_module(f"{node.module}.{a.name}")]
+    if missing:
+        pytest.fail("imported names that do not exist: " + ", ".join(missing))

@@ -4,8 +4,8 @@ import pkgutil
 
 
 def protocols() -> dict:
-    """Name -> Protocol, after importing this package's modules (the protocols register themselves)."""
+    """Name -> Protocol, by name, after importing this package's modules (the protocols register themselves)."""
     for info in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{info.name}")
     from forgetless.continual.protocol import PROTOCOLS
-    return PROTOCOLS
+    return dict(sorted(PROTOCOLS.items()))
