@@ -120,8 +120,8 @@ def plan(dry: bool, work: Path) -> dict[str, Step]:
     real = ["benchmarks/bench_real.py", "--device", device, "--precision", "bf16", "--config", "llama-1b",
             "--methods", "all", "--steps", "3", "--warmup", "1"]
     titans = ["benchmarks/bench_titans.py", "--device", device, "--tokens", "65536", "--iters", "1"]
-    titans_4k = [*titans, "--contexts", "4096,16384", "--repeats", "2"]
-    titans_64k = [*titans, "--contexts", "65536", "--repeats", "1"]
+    titans_4k = [*titans, "--contexts", "4096,16384", "--repeats", "2", "--layers", "hope,memory,sequential,peer"]
+    titans_64k = [*titans, "--contexts", "65536", "--repeats", "1", "--layers", "hope,memory,peer"]  # no slow rows
     apn = ["benchmarks/bench_apn.py", "--device", device, "--sizes", "paper,seed", "--repeats", "5", "--iters", "3"]
     precision = ["benchmarks/bench_precision.py", "--device", device, "--model", "random", "--force"]
     if dry:
