@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from forgetless.cli import app
 from forgetless.cliutil import merge_overrides
 from forgetless.errors import ForgetlessError
+from forgetless.report.results import RunResult
 
 runner = CliRunner()
 CONTRACT_KEYS = {"ppl_a_before", "ppl_b_before", "ppl_a_after", "ppl_b_after", "acc_a_after", "acc_b_after",
@@ -87,7 +88,7 @@ def test_bench_table_fits_100_columns(smoke_run):
     results = json.loads((out / "results.json").read_text())
     results["methods"]["cms[periods=1,1,1,1;accumulate=updates]"] = next(iter(results["methods"].values()))
     console = Console(width=100, file=io.StringIO(), record=True)
-    console.print(terminal_table(results, "two-domain · smoke", "mean ± std over 2 seeds"))
+    console.print(terminal_table(RunResult.from_json(results), "two-domain · smoke", "mean ± std over 2 seeds"))
     text = console.export_text()
     assert "…" not in text and max(len(line) for line in text.splitlines()) <= 100, text
 
@@ -347,7 +348,7 @@ def test_sequence_protocol(tmp_path):
     from forgetless.report.frontier import operating_points
     results["methods"]["full[lr=1e-2]"] = {**full, "la_dev": {"mean": full["la_dev"]["mean"] + 0.5},
                                            "bwt_tasks_dev": {"mean": full["bwt_tasks_dev"]["mean"] + 1}}
-    point = operating_points(results)["full, lr"]["best_bwt_at_matched_la"]
+    point = operating_points(RunResult.from_json(results))["full, lr"]["best_bwt_at_matched_la"]
     assert point["chosen_on"] == "validation" and point["arm"] == "full[lr=1e-2]"
     (tmp_path / "results.md").unlink()
     again = invoke("report", tmp_path)

@@ -3,6 +3,7 @@ import pytest
 from forgetless.continual.instruct import metrics
 from forgetless.continual.metrics import sequence_metrics
 from forgetless.errors import ForgetlessError
+from tiny_results import run_result
 
 
 def test_sequence_metrics_by_hand():
@@ -73,15 +74,15 @@ def test_frontier_curves_and_operating_points():
     def arm(f, g, lr=None):
         return {"forgetting": {"mean": f, "std": 0.0}, "adaptation_gain": {"mean": g, "std": 0.0},
                 "options": {"lr": lr}}
-    results = {"protocol": "two-domain", "config": {"adapt": {"lr": 3e-4, "mix": 0.0}},
-               "methods": {"full": arm(0.20, 1.0), "full[lr=1e-4]": arm(0.04, 0.8), "full[lr=3e-5]": arm(0.01, 0.5),
-                           "lora": arm(0.015, 0.7, lr=1e-3)}}
+    arms = {"full": arm(0.20, 1.0), "full[lr=1e-4]": arm(0.04, 0.8), "full[lr=3e-5]": arm(0.01, 0.5),
+            "lora": arm(0.015, 0.7, lr=1e-3)}
+    config = {"adapt": {"lr": 3e-4, "mix": 0.0}}
+    results = run_result("two-domain", arms, config=config)
     assert [(v, label) for v, label, _ in curves(results)["full, lr"]] == [
         ("3e-5", "full[lr=3e-5]"), ("1e-4", "full[lr=1e-4]"), ("3e-4", "full")]  # one label format
-    grid = {"methods": {**results["methods"], "adapter": arm(0.2, 0.8, lr=1e-3), "adapter[bottleneck=512]": arm(0.3, 1.0),
-                        "adapter[bottleneck=512;lr=3e-4]": arm(0.25, 0.9), "lora[r=4]": arm(0.01, 0.6),
-                        "lora[r=16]": arm(0.02, 0.8)}, "protocol": "two-domain", "config": results["config"]}
-    grid["methods"]["adapter[bottleneck=512]"]["options"]["lr"] = 1e-3
+    grid = run_result("two-domain", {**arms, "adapter": arm(0.2, 0.8, lr=1e-3), "adapter[bottleneck=512]": arm(0.3, 1.0, lr=1e-3),
+                                     "adapter[bottleneck=512;lr=3e-4]": arm(0.25, 0.9), "lora[r=4]": arm(0.01, 0.6),
+                                     "lora[r=16]": arm(0.02, 0.8)}, config=config)
     found = curves(grid)  # arms sharing every other option make one lr curve; an r sweep joins the plain arm
     assert [label for _, label, _ in found["adapter[bottleneck=512], lr"]] == [
         "adapter[bottleneck=512;lr=3e-4]", "adapter[bottleneck=512]"]
@@ -95,14 +96,13 @@ def test_frontier_curves_and_operating_points():
     assert points["lora"]["best_f_at_g_ge_0.9"] is None and points["lora"]["best_g_at_f_le_2"]["value"] == 0.7
     for label, (f_dev, g_dev) in {"full": (0.21, 1.0), "full[lr=1e-4]": (0.06, 0.85), "full[lr=3e-5]": (0.012, 0.55),
                                   "lora": (0.01, 0.7)}.items():
-        results["methods"][label].update(forgetting_dev={"mean": f_dev, "std": 0.0},
+        results.methods[label].stats.update(forgetting_dev={"mean": f_dev, "std": 0.0},
                                          adaptation_gain_dev={"mean": g_dev, "std": 0.0})
     chosen = operating_points(results)["full, lr"]["best_g_at_f_le_5"]  # 1e-4 forgets 6 % on validation: not it
     assert chosen == {"value": 0.5, "arm": "full[lr=3e-5]", "chosen_value": 0.55, "chosen_on": "validation"}
-    sequence = {"protocol": "sequence", "config": {"adapt": {"lr": 1e-3}},
-                "methods": {"a": {"la": {"mean": 50.0}, "bwt": {"mean": -9.0}, "options": {}},
-                            "a[lr=1e-4]": {"la": {"mean": 49.5}, "bwt": {"mean": -4.0}, "options": {}},
-                            "b": {"la": {"mean": 40.0}, "bwt": {"mean": -1.0}, "options": {}}}}
+    sequence = run_result("sequence", {"a": {"la": {"mean": 50.0}, "bwt": {"mean": -9.0}},
+                                       "a[lr=1e-4]": {"la": {"mean": 49.5}, "bwt": {"mean": -4.0}},
+                                       "b": {"la": {"mean": 40.0}, "bwt": {"mean": -1.0}}}, config={"adapt": {"lr": 1e-3}})
     seq_points = operating_points(sequence)
     assert seq_points["a, lr"]["best_bwt_at_matched_la"] == {"value": -4.0, "arm": "a[lr=1e-4]", "chosen_value": -4.0,
                                                              "chosen_on": "held-out"}
@@ -116,11 +116,12 @@ def test_matched_adaptation_reads_each_seeds_curve_and_pairs_them():
 
     def arm(lr, g, f):  # per seed: adaptation gain, forgetting
         return {"options": {"lr": lr}, "per_seed": {str(s): {"adaptation_gain": g[s], "forgetting": f[s]} for s in (0, 1)}}
-    results = {"protocol": "two-domain", "config": {"adapt": {"lr": 3e-4, "mix": 0.0}}, "methods": {
-        "a[lr=1e-4]": arm(1e-4, (0.7, 0.8), (0.10, 0.12)), "a": arm(3e-4, (0.85, 0.95), (0.15, 0.18)),
-        "a[lr=1e-3]": arm(1e-3, (1.0, 1.05), (0.25, 0.30)),
-        "b": arm(3e-4, (0.6, 0.9), (0.05, 0.10)), "b[lr=1e-3]": arm(1e-3, (0.8, 1.0), (0.10, 0.20)),
-        "c": arm(None, (0.5, 0.5), (0.0, 0.0))}}  # one point: no curve to read
+    arms = {"a[lr=1e-4]": arm(1e-4, (0.7, 0.8), (0.10, 0.12)), "a": arm(3e-4, (0.85, 0.95), (0.15, 0.18)),
+            "a[lr=1e-3]": arm(1e-3, (1.0, 1.05), (0.25, 0.30)),
+            "b": arm(3e-4, (0.6, 0.9), (0.05, 0.10)), "b[lr=1e-3]": arm(1e-3, (0.8, 1.0), (0.10, 0.20)),
+            "c": arm(None, (0.5, 0.5), (0.0, 0.0))}  # one point: no curve to read
+    config = {"adapt": {"lr": 3e-4, "mix": 0.0}}
+    results = run_result("two-domain", arms, config=config)
     held = matched(results)["held_out"]
     assert held["at"] == 0.9 and set(held["curves"]) == {"a, lr", "b, lr"} and "validation" not in matched(results)
     a, b = held["curves"]["a, lr"], held["curves"]["b, lr"]
@@ -128,20 +129,22 @@ def test_matched_adaptation_reads_each_seeds_curve_and_pairs_them():
     assert b["values"] == pytest.approx({"0": 12.5, "1": 10.0}) and b["extrapolated"] == 1  # seed 0 ends at G 0.8
     assert a["value"]["mean"] == pytest.approx((15 + 10 / 3 + 16) / 2)
     assert held["paired"]["a, lr − b, lr"]["mean"] == pytest.approx(((15 + 10 / 3 - 12.5) + 6) / 2)
-    text = "\n".join(matched_markdown({**results, "matched": matched(results)}))
+    text = "\n".join(matched_markdown(results.with_keys(matched=matched(results))))
     assert b["beyond"] == pytest.approx({"0": 0.1})  # seed 0's curve ends 0.1 below G 0.9
     assert "F % read at G = 0.9 (held-out)" in text and "| b, lr | 11.25 (" in text and ") +1 |" in text
     assert "| a, lr − b, lr | +5.92 (" in text
     assert a["not_monotone"] == b["not_monotone"] == 0 and "!" not in text.split("\n\n")[-1]
-    results["methods"]["b[lr=3e-3]"] = arm(3e-3, (0.7, 1.1), (0.5, 0.6))  # seed 0's G falls again at 3e-3
+    results = run_result("two-domain", {**arms, "b[lr=3e-3]": arm(3e-3, (0.7, 1.1), (0.5, 0.6))},  # seed 0's G falls
+                         config=config)                                                             # again at 3e-3
     bent = matched(results)["held_out"]["curves"]["b, lr"]
-    assert bent["not_monotone"] == 1 and ") +1 !1 |" in "\n".join(matched_markdown({**results, "matched": matched(results)}))
-    sequence = {"protocol": "sequence", "config": {"adapt": {"lr": 1e-3}}, "methods": {
-        label: {"options": {}, "la": {"mean": sum(la) / 2}, "bwt": {"mean": sum(bwt) / 2},
+    assert bent["not_monotone"] == 1 and ") +1 !1 |" in "\n".join(matched_markdown(results.with_keys(matched=matched(results))))
+    sequence = run_result("sequence", {
+        label: {"la": {"mean": sum(la) / 2}, "bwt": {"mean": sum(bwt) / 2},
                 "per_seed": {str(s): {"la": la[s], "bwt": bwt[s]} for s in (0, 1)}}
-        for label, la, bwt in [("m[lr=1e-4]", (40.0, 42.0), (-2.0, -3.0)), ("m", (50.0, 52.0), (-8.0, -10.0))]}}
+        for label, la, bwt in [("m[lr=1e-4]", (40.0, 42.0), (-2.0, -3.0)), ("m", (50.0, 52.0), (-8.0, -10.0))]},
+        config={"adapt": {"lr": 1e-3}})
     seq = matched(sequence)["held_out"]
-    assert "LA = 50.00 (held-out)" in "\n".join(matched_markdown({**sequence, "matched": matched(sequence)}))
+    assert "LA = 50.00 (held-out)" in "\n".join(matched_markdown(sequence.with_keys(matched=matched(sequence))))
     assert seq["at"] == 50.0 and seq["curves"]["m, lr"]["values"] == pytest.approx({"0": -8.0, "1": -8.6})
     assert seq["curves"]["m, lr"]["extrapolated"] == 0 and seq["paired"] == {}
 

@@ -12,6 +12,7 @@ from forgetless.models.gpt import logits_of
 from forgetless.presets import AdaptConfig
 from forgetless.report.diagnostics import method_figures
 from tiny_models import hf_gpt2, ours
+from tiny_results import run_result
 
 
 
@@ -133,10 +134,10 @@ def test_atom_map_report_and_figure(tmp_path):
     assert report["atom_task"] == [1] * 8 + [2] * 8
     weights = torch.tensor(report["atom_weights"])             # (inputs, atoms)
     assert weights.shape == (3, 16) and (weights >= 0).all() and (weights.sum(-1) <= 1 + 1e-5).all()
-    results = {"methods": {"moram": {"task_reports": [report, report]}, "full": {}}}
+    results = run_result("sequence", {"moram": {"task_reports": [report, report]}, "full": {}})
     assert method_figures(results, tmp_path) == [tmp_path / "atom_map.png"]
     assert (tmp_path / "atom_map.png").stat().st_size > 1000
-    assert method_figures({"methods": {"full": {}}}, tmp_path / "none") == []
+    assert method_figures(run_result("sequence", {"full": {}}), tmp_path / "none") == []
 
 
 def test_olora_keeps_each_task_in_an_orthogonal_subspace_and_merges_exactly():

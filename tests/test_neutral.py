@@ -13,6 +13,7 @@ from forgetless.methods.ewc import empirical_fisher, fisher_rows, random_windows
 from forgetless.models.gpt import logits_of
 from forgetless.nn.neutral import GatedAdapter, NeutralConfig
 from tiny_models import ours
+from tiny_results import run_result
 
 
 def batch(from_other: list[bool], seed: int = 0) -> Batch:
@@ -157,7 +158,7 @@ def test_gate_report_and_figure(tmp_path):
     assert all(sum(h) == pytest.approx(1.0) for h in report["gate_hist_a"] + report["gate_hist_b"])
     assert all(0 <= c <= 1 for c in report["gate_closed_a"])
     assert build_method("neutral", {"gate": "none"}).report(model, wa, wb) == {}
-    results = {"methods": {"neutral": {"report": {"before": report, "after": report}}, "full": {}}}
+    results = run_result("two-domain", {"neutral": {"report": {"before": report, "after": report}}, "full": {}})
     assert method_figures(results, tmp_path) == [tmp_path / "gates.png"]
     assert (tmp_path / "gates.png").stat().st_size > 1000
     assert shown_layers(4) == [0, 1, 2, 3] and shown_layers(30) == [0, 6, 12, 17, 23, 29]
@@ -170,11 +171,12 @@ def test_mix_sweep_figure_needs_three_ratios(tmp_path):
     def arm(mix, f):
         return {"options": {"mix": mix}, "forgetting": {"mean": f, "std": 0.01},
                 "adaptation_gain": {"mean": 1 - f, "std": 0.01}}
-    results = {"config": {"adapt": {"replay": 0.0}},
-               "methods": {"full": arm(None, 0.2), "full[mix=0.1]": arm(0.1, 0.1), "lora[r=4;mix=0.5]": arm(0.5, 0.0)}}
-    assert not mix_sweep(results, tmp_path / "a.png")  # the lora arm changes another option: not a sweep point
-    results["methods"]["full[mix=0.5]"] = arm(0.5, 0.05)
-    assert mix_sweep(results, tmp_path / "b.png") and (tmp_path / "b.png").stat().st_size > 0
+    arms = {"full": arm(None, 0.2), "full[mix=0.1]": arm(0.1, 0.1), "lora[r=4;mix=0.5]": arm(0.5, 0.0)}
+    config = {"adapt": {"replay": 0.0}}  # a file from before the knob's rename
+    assert not mix_sweep(run_result("two-domain", arms, config=config), tmp_path / "a.png")  # the lora arm changes
+    arms["full[mix=0.5]"] = arm(0.5, 0.05)                                                  # another option: no point
+    assert mix_sweep(run_result("two-domain", arms, config=config), tmp_path / "b.png")
+    assert (tmp_path / "b.png").stat().st_size > 0
 
 
 def test_adapter_reads_its_input_at_unit_scale():

@@ -254,9 +254,11 @@ class Adapted(nn.Module):
         """The figures of the method's diagnostics on held-out windows of A and B (report/diagnostics.py;
         methods whose diagnostics need no data draw without them); returns the files written."""
         from forgetless.report.diagnostics import method_figures
-        arm = {"method": self.method.name, "options": self.method.options(),
-               "report": {"after": self.report(windows_a, windows_b)}}
-        return method_figures({"protocol": "attach", "methods": {self.method.name: arm}}, writable_dir(out_dir))
+        from forgetless.report.results import MethodEntry, RunResult
+        arm = MethodEntry(self.method.name, self.method.options(), sum(p.numel() for _, p in self.trainable_parameters()),
+                          sum(p.numel() for p in self.model.parameters()),
+                          stats={"report": {"after": self.report(windows_a, windows_b)}})
+        return method_figures(RunResult("attach", {self.method.name: arm}), writable_dir(out_dir))
 
     # ---- saving ---------------------------------------------------------------------------
     def method_state(self) -> dict[str, torch.Tensor]:

@@ -163,9 +163,10 @@ def bench(preset: Optional[str] = in_panel(BENCH_PRESET, RUN),
             ctx = run_context(cfg, seed_list, out, preset, device, model, base_seeds, workers, run.pretrains)
             results = run.run(ctx, specs)
     files = write_report(results, out)
-    where = " → ".join(results["tasks"]) if protocol == "sequence" else f"A={cfg.data.domain_a} → B={cfg.data.domain_b}"
+    where = " → ".join(results.extra["tasks"]) if protocol == "sequence" else \
+        f"A={cfg.data.domain_a} → B={cfg.data.domain_b}"
     title = " · ".join([protocol, preset, *([model] if model != "byte-gpt" else []), where])
-    table = terminal_table(results, title, f"{seeds_text(results['seeds'], results.get('base_seeds'))}; "
+    table = terminal_table(results, title, f"{seeds_text(results.seeds, results.base_seeds)}; "
                                            f"all columns in {out / 'results.md'}")
     out_console.print(table)
     out_console.print("wrote " + ", ".join(str(f) for f in files))
@@ -189,7 +190,8 @@ def pretrain(out: Path = typer.Option(..., help="base checkpoint to write (.safe
     if domain_a:
         flags.setdefault("data", {})["domain_a"] = domain_a
     set_precision(flags, precision)
-    cfg, _ = settle_precision(run_config(preset, config_file, flags, None), resolve_device(device))
+    device = resolve_device(device)
+    cfg, _ = settle_precision(run_config(preset, config_file, flags, None), device)
     if out.exists():
         raise ForgetlessError(f"{out} exists; choose another --out or delete it")
     ckpt = out.with_name(out.name + ".training.safetensors")
@@ -199,7 +201,7 @@ def pretrain(out: Path = typer.Option(..., help="base checkpoint to write (.safe
                              cfg.data.val_fraction, cfg.data.eval_windows,
                                      cfg.data.dev_fraction)
     cfg.model.vocab_size = tok.vocab_size
-    meta = run_pretrain(cfg.model, cfg.pretrain, a, tok, out, ckpt_path=ckpt, device=resolve_device(device))
+    meta = run_pretrain(cfg.model, cfg.pretrain, a, tok, out, ckpt_path=ckpt, device=device)
     ckpt.unlink(missing_ok=True)
     last = meta["history"]["evals"][-1]
     out_console.print(f"wrote {out} · val PPL on {a.spec}: {last['ppl_a']:.3f} · {meta['wall_s']:.1f} s")
@@ -242,6 +244,7 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     from forgetless.presets import settle_precision
 
     set_precision(flags, precision)
+    device = resolve_device(device)
     if data is not None:
         return adapt_data(model, base, data, retain, method, out, max_length, seed, preset or "real", device,
                           run_config(preset or "real", config_file, flags, set_), domain_b)
@@ -254,7 +257,7 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     if is_task_spec(domain_b) and Path(domain_b).is_file():
         raise ForgetlessError(f"--domain-b takes a text corpus, and {domain_b} holds records; give it as --data "
                               f"{domain_b} (with --model)")
-    cfg, _ = settle_precision(run_config(preset or "quick", config_file, flags, set_), resolve_device(device))
+    cfg, _ = settle_precision(run_config(preset or "quick", config_file, flags, set_), device)
     if (base is None) == (model is None) or model and not domain_a:
         raise ForgetlessError("give --base (a pretrained forgetless GPT) or --model with --domain-a (the text whose "
                               "retention is measured), not both")
@@ -275,7 +278,7 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
         check_fsdp(lm, m)
     (a, b), _ = load_domains([domain_a, domain_b], tokenizer, block_size, cfg.data.val_fraction, cfg.data.eval_windows,
                                      cfg.data.dev_fraction)
-    result = run_arm(lm.to(resolve_device(device)), m, a, b, cfg.adapt, seed, out_dir=out,
+    result = run_arm(lm.to(device), m, a, b, cfg.adapt, seed, out_dir=out,
                      run_config={"base": str(base or model), "adapt": cfg.adapt.__dict__, "options": m.options()},
                      fsdp=fsdp)
     write_json(out / "metrics.json", result)
@@ -286,13 +289,12 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
 
 
 def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, preset, device, cfg, domain_b):
-    """`adapt --data`: a pretrained model on the user's own data (continual/user_adapt.py)."""
+    """`adapt --data`: a pretrained model on the user's own data (continual/user_adapt.py), on the resolved `device`."""
     from forgetless.continual.protocol import refuse_joint
     from forgetless.continual.user_adapt import adapt_on_data
     from forgetless.guide import advice_for
     from forgetless.methods.base import METHODS, as_specs
     from forgetless.models.hf import load_model
-    from forgetless.device import resolve_device
     from forgetless.presets import settle_precision
 
     if model is None or base is not None or domain_b is not None:
@@ -313,7 +315,7 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
     if retain is None and needs:
         raise ForgetlessError(f"{spec.label} needs rows of old data ({needs}): give --retain OLD (text or records "
                               "the model should keep), or choose a method for data without them (`forgetless methods`)")
-    cfg, _ = settle_precision(cfg, resolve_device(device))
+    cfg, _ = settle_precision(cfg, device)
     adapt_cfg = cfg.adapt if retain is None or cfg.adapt.mix > 0 else dataclasses.replace(cfg.adapt, mix=0.2)  # replay
     lm, tokenizer = load_model(model, device)
     m.check_base(lm)
@@ -349,13 +351,14 @@ def evaluate_cmd(checkpoint: Optional[Path] = typer.Option(None, help="base chec
 
     if (checkpoint is None) == (model_spec is None):
         raise ForgetlessError("give --checkpoint (a forgetless GPT) or --model (a pretrained model), one of them")
+    device = resolve_device(device)
     if model_spec:
         from forgetless.models.hf import load_model
         model, tokenizer = load_model(model_spec, device)
     else:
         model, tok, _ = load_base(checkpoint)
         tokenizer, block_size = tok.to_dict(), model.config.block_size
-    model = model.to(resolve_device(device))
+    model = model.to(device)
     if method_state is not None and method_state.is_dir():
         model = from_pretrained(model, method_state).model
     elif (method is None) != (method_state is None):
@@ -399,15 +402,9 @@ def export(run: Path = typer.Argument(..., help="a bench output folder (results.
 def report(run: Path = typer.Argument(..., help="a bench output folder (holds results.json)")):
     """Rewrite results.csv/md and the figures of a bench run from its results.json."""
     from forgetless.report import write_report
+    from forgetless.report.results import RunResult
 
-    path = run / "results.json"
-    if not path.is_file():
-        raise ForgetlessError(f"{path} does not exist; give the --out folder of a `forgetless bench` run")
-    try:
-        results = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ForgetlessError(f"{path} is not valid JSON ({e}); re-run the bench") from None
-    files = write_report(results, run)
+    files = write_report(RunResult.load(run / "results.json"), run)
     typer.echo((run / "results.md").read_text())
     out_console.print("wrote " + ", ".join(str(f) for f in files))
 
@@ -482,8 +479,8 @@ def study(stream: str = typer.Argument("standard", help="standard (O-LoRA's orde
     with claim(out, force, study=stream, orders=list(chosen_orders), preset=preset, model=model,
                methods=[s.label for s in specs], lr_grid=lr_grid, config=cfg.to_dict()) as out:
         lm, tokenizer, cfg, made_by = loaded(model, device, cfg)
-        results = {**run_study(lm, tokenizer, cfg, specs, stream, chosen_orders, grid_order, seed_list, order1_list,
-                               grid, out, preset, model, resamples, paired_with), **made_by}
+        results = run_study(lm, tokenizer, cfg, specs, stream, chosen_orders, grid_order, seed_list, order1_list,
+                            grid, out, preset, model, resamples, paired_with).with_keys(**made_by)
     files = write_report(results, out)
     for table in terminal_tables(results, f"study · {stream} · {preset} · {model}",
                                  f"intervals: 95 % over test rows and seeds; all of it in {out / 'results.md'}"):
@@ -593,7 +590,7 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     except ImportError:
         raise ForgetlessError("forgetless serve needs FastAPI and uvicorn: pip install 'forgetless[serve]' "
                               "(or bash scripts/setup.sh serve)") from None
-    cfg = from_dict(ServeConfig, flags.get("serve", {}), "serve")
+    cfg, device = from_dict(ServeConfig, flags.get("serve", {}), "serve"), resolve_device(device)
     if (base is None) == (model is None) or model and not canary:
         raise ForgetlessError("give --base (a forgetless GPT) or --model with --canary (the text whose retention is "
                               "checked), not both")
@@ -608,7 +605,7 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
         lm, tok, meta = load_base(base)
         tokenizer, block_size, canary = tok.to_dict(), lm.config.block_size, canary or meta["domain"]
     (original,), corpus_tokenizer = load_domains([canary], tokenizer, block_size, 0.1, canary_windows)
-    engine = Engine(lm.to(resolve_device(device)), corpus_tokenizer, original.windows, block_size, cfg, state_dir,
+    engine = Engine(lm.to(device), corpus_tokenizer, original.windows, block_size, cfg, state_dir,
                     original.train)
     out_console.print(f"serving {escape(cfg.method)} on http://{host}:{port} (state in {escape(str(state_dir))}: "
                       f"document {engine.seq}, {engine.counters['replayed']} replayed from the log; "

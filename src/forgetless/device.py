@@ -1,4 +1,4 @@
-"""Which device a run uses: `--device` resolved once, where a command or protocol starts."""
+"""Which device a run uses: `--device` resolved once, where a command starts; the torch.device is passed down."""
 from __future__ import annotations
 
 import torch
@@ -7,9 +7,12 @@ from forgetless import distributed
 from forgetless.errors import ForgetlessError
 
 
-def resolve_device(name: str = "auto") -> torch.device:
+def resolve_device(name: str | torch.device = "auto") -> torch.device:
     """auto (CUDA when available, else CPU), cpu, cuda[:N] or mps; an unavailable device is an error.
-    Under torchrun, auto and cuda mean this process's GPU (cuda:LOCAL_RANK)."""
+    Under torchrun, auto and cuda mean this process's GPU (cuda:LOCAL_RANK). A torch.device is resolved already:
+    it is returned as it is (the API functions that take either resolve nothing twice)."""
+    if isinstance(name, torch.device):
+        return name
     if name in ("auto", "cuda") and distributed.world_size() > 1 and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     if name == "auto":

@@ -14,6 +14,7 @@ from forgetless.errors import ForgetlessError
 from forgetless.export import check_empty, export_adapted
 from forgetless.methods import build_method
 from forgetless.models.gpt import GPTConfig
+from forgetless.report.results import RunResult
 
 
 def export(run: Path, label: str | None, out: Path, seed: int = 0, model: str | None = None) -> tuple[str, Path]:
@@ -26,8 +27,8 @@ def export(run: Path, label: str | None, out: Path, seed: int = 0, model: str | 
     if label is None:
         raise ForgetlessError(f"{run} is a bench run: name the arm to export with --method (its results table's label)")
     results = read_results(run)
-    if label not in results["methods"]:
-        raise ForgetlessError(f"{run} has no arm {label!r}; its arms: {', '.join(results['methods'])}")
+    if label not in results.methods:
+        raise ForgetlessError(f"{run} has no arm {label!r}; its arms: {', '.join(results.methods)}")
     saved = run / "arms" / label / f"seed{seed}"
     if not (saved / CONFIG).is_file():
         raise ForgetlessError(f"{saved} holds no saved method (seed {seed} of {label}); run the bench again "
@@ -59,27 +60,27 @@ def export_adapt(run: Path, out: Path) -> tuple[str, Path]:
     return form, out
 
 
-def read_results(run: Path) -> dict:
+def read_results(run: Path) -> RunResult:
     path = run / "results.json"
     if not path.is_file():
         raise ForgetlessError(f"{path} does not exist; give the --out folder of a `forgetless bench` or `forgetless adapt "
                               "--data` run, or a folder written by save_pretrained")
-    results = json.loads(path.read_text())
-    if results.get("protocol") not in ("two-domain", "sequence"):
+    results = RunResult.load(path)
+    if results.protocol not in ("two-domain", "sequence"):
         raise ForgetlessError(f"{path} is not a bench run of a protocol (an optimizer or AUNN run?)")
     return results
 
 
-def base_of(results: dict, saved: Path) -> tuple[nn.Module, object, str]:
+def base_of(results: RunResult, saved: Path) -> tuple[nn.Module, object, str]:
     """(a fresh copy of the base the arm adapted, its tokenizer, the model spec)."""
-    spec = results.get("model", "byte-gpt")
+    spec = results.model
     if spec != "byte-gpt":
         from forgetless.models.hf import load_model
         model, tokenizer = load_model(spec)
         return model, tokenizer, spec
     method = json.loads((saved / CONFIG).read_text())
-    model_cfg = build_method(method["method"], method["options"]).base_config(GPTConfig(**results["config"]["model"]))
-    base = results["bases"].get(base_label(model_cfg))
+    model_cfg = build_method(method["method"], method["options"]).base_config(GPTConfig(**results.extra["config"]["model"]))
+    base = results.extra["bases"].get(base_label(model_cfg))
     if base is None or not Path(base["path"]).is_file():
         raise ForgetlessError(f"the base of this arm ({base_label(model_cfg)}) is not in the cache any more; "
                               "run the bench again to pretrain it")

@@ -40,6 +40,7 @@ from forgetless.methods import Method, MethodSpec
 from forgetless.monitor import PeakRSS
 from forgetless.presets import RunConfig, settle_precision
 from forgetless.progress import progress_task
+from forgetless.report.results import RunResult
 from forgetless.stats import mean_nested, mean_std, per_seed
 from forgetless.train import HookChain, StepHooks, train
 
@@ -81,22 +82,22 @@ class Instructions(Protocol):
     name = "instructions"
     pretrains = False
 
-    def run(self, ctx: RunContext, methods: list[MethodSpec | str]) -> dict:
+    def run(self, ctx: RunContext, methods: list[MethodSpec | str]) -> RunResult:
         """Every (method, seed) arm over the instruction tasks `cfg.data.tasks` on the pretrained `ctx.model`."""
         from forgetless.models.hf import describe, load_model
         lm, tokenizer = load_model(ctx.model, ctx.device)
         results = run_on(lm, tokenizer, ctx.cfg, methods, ctx.seeds, ctx.out, ctx.preset, ctx.model)
-        return {**results, **provenance(ctx.device), "model": ctx.model, "bases": {ctx.model: describe(lm)},
-                "precision": ctx.precision}  # as requested (ctx.cfg holds it resolved)
+        return results.with_keys(**provenance(ctx.device), model=ctx.model, bases={ctx.model: describe(lm)},
+                                 precision=ctx.precision)  # as requested (ctx.cfg holds it resolved)
 
 
 def run_on(lm: nn.Module, tokenizer, cfg: RunConfig, methods, seeds: list[int], out: Path, preset: str,
-           model: str, scored: str = "both") -> dict:
+           model: str, scored: str = "both") -> RunResult:
     """The protocol on a loaded model (each arm adapts its own copy) and its tokenizer; `scored`: which rows
     every arm scores (`scored_on`)."""
     cfg, precision = settle_precision(cfg, next(lm.parameters()).device)
     built, arms = run_arms_on(lm, tokenizer, cfg, methods, seeds, out, model, scored)
-    return {**sequence_results(cfg, built, arms, seeds, preset, scored), "precision": precision}
+    return sequence_results(cfg, built, arms, seeds, preset, scored).with_keys(precision=precision)
 
 
 def run_arms_on(lm: nn.Module, tokenizer, cfg: RunConfig, methods, seeds: list[int], out: Path, model: str,
@@ -131,20 +132,20 @@ def arm_jobs(lm: nn.Module, cfg: RunConfig, built: dict, stream: Stream, seeds: 
 
 
 def sequence_results(cfg: RunConfig, built: dict, arms: dict[str, list[dict]], seeds: list[int], preset: str,
-                     scored: str = "both") -> dict:
+                     scored: str = "both") -> RunResult:
     """The run's results (docs/DESIGN.md §6.3) from its arms."""
     tasks = "label accuracy or exact match (%) on {} (ScienceQA-like tasks: of the answer's first line)"
     score = ("validation rows in place of test rows: column 0: next-token accuracy (%) on the general text's "
              "validation windows; tasks: " + tasks.format("each task's validation rows")) if scored == "validation" \
         else "column 0: next-token accuracy (%) on held-out general text; tasks: " + tasks.format("test rows")
-    return {
+    return RunResult.from_json({
         "protocol": "sequence", "kind": "instructions", "preset": preset, "seeds": list(seeds),
         "tasks": [cfg.data.general, *cfg.data.tasks],
         "held_out_tasks": [] if scored == "validation" else list(cfg.data.held_out_tasks),
         **({"scored": scored} if scored != "both" else {}),
         "score": score, "date": datetime.date.today().isoformat(), "config": cfg.to_dict(),
         "methods": {label: summarize(runs, built[label]) for label, runs in arms.items()},
-    }
+    })
 
 
 def load_stream(cfg: RunConfig, tokenizer) -> Stream:

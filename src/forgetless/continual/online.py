@@ -30,6 +30,7 @@ from forgetless.methods import Method, MethodSpec
 from forgetless.methods.base import as_specs
 from forgetless.monitor import PeakRSS
 from forgetless.presets import AdaptConfig, OnlineConfig
+from forgetless.report.results import RunResult
 from forgetless.stats import band, mean_std
 
 FROZEN, DYNAMIC = "frozen", "dynamic-eval"
@@ -92,9 +93,9 @@ class Online(Protocol):
     """One stream from A to B, each chunk scored, then learned; a canary of A's held-out windows."""
     name = "online"
 
-    def run(self, ctx: RunContext, methods: list[MethodSpec | str]) -> dict:
+    def run(self, ctx: RunContext, methods: list[MethodSpec | str]) -> RunResult:
         """The `frozen` and `dynamic-eval` arms plus every (method, seed) arm over one stream (bases as in the
-        two-domain protocol); the results dict of docs/DESIGN.md §6.3."""
+        two-domain protocol); its results (docs/DESIGN.md §6.3)."""
         cfg, device = ctx.cfg, ctx.device
         specs = [s for s in as_specs(methods) if s.name not in (FROZEN, DYNAMIC) or s.options]
         built = {FROZEN: Frozen(Method.Config()), **build_arms(cfg, [DYNAMIC]), **build_arms(cfg, specs)}
@@ -133,7 +134,7 @@ class Online(Protocol):
 
         arms, summary = run_arms(ctx, built, a, tokenizer, pretrained, arm_config, run, arm_seconds)
         positions = [k * cfg.online.chunk_tokens for k in range(1, len(chunks) + 1)]
-        return {
+        return RunResult.from_json({
             **opening(ctx, self.name, a, b),
             "config": {**cfg.to_dict(), "online": dataclasses.asdict(cfg.online)},
             "stream": {"chunks": len(chunks), "chunk_tokens": cfg.online.chunk_tokens,
@@ -144,7 +145,7 @@ class Online(Protocol):
             "bases": summary,
             "methods": {label: summarize(runs, arms[FROZEN], arms[DYNAMIC], built[label], switch, cfg.online)
                         for label, runs in arms.items()},
-        }
+        })
 
 
 run_online = PROTOCOLS["online"]  # run_online(cfg, methods, seeds, out, preset, device, model, ...)

@@ -24,6 +24,7 @@ from forgetless.methods import MethodSpec, build_method
 from forgetless.optim import OPTIMIZERS
 from forgetless.presets import RunConfig
 from forgetless.progress import progress_task
+from forgetless.report.results import RunResult
 from forgetless.stats import band, mean_std
 
 
@@ -37,7 +38,7 @@ class Optimizers(Protocol):
     lrs: list[str] | None = None
     name = "optimizers"
 
-    def run(self, ctx: RunContext, methods: list[str]) -> dict:
+    def run(self, ctx: RunContext, methods: list[str]) -> RunResult:
         unknown = [o for o in self.optimizers if o not in OPTIMIZERS]
         if unknown or not self.optimizers:
             raise ForgetlessError(f"unknown optimizer {unknown[0] if unknown else '(none)'!r} in --optimizers; "
@@ -47,8 +48,8 @@ class Optimizers(Protocol):
                                   "e.g. full,ffn")
         specs = [arm_spec(ctx.cfg, m, o, lr) for m in methods for o in self.optimizers for lr in self.lrs or [None]]
         results = TwoDomain().run(ctx, specs)
-        results["optimizers"] = list(self.optimizers)
-        results["pretraining"] = pretraining_runs(ctx.cfg, self.optimizers, list(range(self.pretrain_seeds)),
+        results.extra["optimizers"] = list(self.optimizers)
+        results.extra["pretraining"] = pretraining_runs(ctx.cfg, self.optimizers, list(range(self.pretrain_seeds)),
                                                   ctx.device, ctx.workers)
         return results
 

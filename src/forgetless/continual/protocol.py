@@ -1,9 +1,9 @@
-"""What every protocol shares (docs/DESIGN.md §3): one shape, `Protocol.run(ctx, methods) -> results`, over a
+"""What every protocol shares (docs/DESIGN.md §3): one shape, `Protocol.run(ctx, methods) -> RunResult`, over a
 run context resolved once where the run starts (the device, with the precision and workers it can take), the
 registry `bench --protocol` reads, the arms built from method specs, and the provenance of a results file.
 
     ctx = run_context(cfg, seeds=[0, 1], out=Path("runs/x"), preset="smoke")   # device "auto" resolved here
-    results = PROTOCOLS["two-domain"].run(ctx, ["full", "lora"])               # the results.json dict (§6)
+    results = PROTOCOLS["two-domain"].run(ctx, ["full", "lora"])               # results.json (§6), a RunResult
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from forgetless.errors import ForgetlessError
 from forgetless.methods import MethodSpec, build_method
 from forgetless.methods.base import as_specs
 from forgetless.presets import RunConfig, settle_precision
+from forgetless.report.results import RunResult
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ def run_context(cfg: RunConfig, seeds: list[int], out: Path, preset: str, device
                 model: str = "byte-gpt", base_seeds: int = 1, workers: int = 1, pretrains: bool = True) -> RunContext:
     """The context of a run, checked before any work: `device` resolved (auto: CUDA when there is one), a
     precision it lacks refused (the pretraining's too where the protocol `pretrains` bases), and `workers`."""
-    device = resolve_device(str(device))
+    device = resolve_device(device)
     if pretrains:
         check_workers(workers, device)
     cfg, precision = settle_precision(cfg, device)  # auto resolved; a precision the device lacks refused
@@ -51,15 +52,15 @@ def run_context(cfg: RunConfig, seeds: list[int], out: Path, preset: str, device
 
 class Protocol:
     """A protocol: `run(ctx, methods)` runs every (method spec, seed) arm (saved under ctx.out/arms/ as it
-    finishes, reused when its config matches) and returns the results dict of docs/DESIGN.md §6."""
+    finishes, reused when its config matches) and returns its results (docs/DESIGN.md §6.3, report/results.py)."""
     name = ""
     pretrains = True  # pretrains forgetless bases on byte-gpt (else it runs on a pretrained model only)
 
-    def run(self, ctx: RunContext, methods: list[MethodSpec | str]) -> dict:
+    def run(self, ctx: RunContext, methods: list[MethodSpec | str]) -> RunResult:
         raise NotImplementedError
 
     def __call__(self, cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[int], out: Path, preset: str,
-                 device: str = "auto", model: str = "byte-gpt", base_seeds: int = 1, workers: int = 1) -> dict:
+                 device: str = "auto", model: str = "byte-gpt", base_seeds: int = 1, workers: int = 1) -> RunResult:
         """The protocol over a context made from these settings (the Python API: run_two_domain(cfg, ...))."""
         ctx = run_context(cfg, seeds, out, preset, device, model, base_seeds, workers, self.pretrains)
         return self.run(ctx, methods)

@@ -28,6 +28,7 @@ from forgetless.errors import ForgetlessError
 from forgetless.methods import Method, MethodSpec
 from forgetless.monitor import PeakRSS
 from forgetless.presets import AdaptConfig, RunConfig
+from forgetless.report.results import RunResult
 from forgetless.stats import mean_nested, mean_std, per_seed
 
 METRICS = ["op", "op_tasks", "bwt", "bwt_drop", "bwt_tasks", "bwt_drop_clipped", "forgetting", "forgetting_tasks",
@@ -120,9 +121,9 @@ class Sequence(Protocol):
     """A base on the first corpus, then the tasks in order, every task scored after each."""
     name = "sequence"
 
-    def run(self, ctx: RunContext, methods: list[MethodSpec | str]) -> dict:
-        """Every (method, seed) arm over the corpus sequence (bases as in the two-domain protocol); the results
-        dict of docs/DESIGN.md §6."""
+    def run(self, ctx: RunContext, methods: list[MethodSpec | str]) -> RunResult:
+        """Every (method, seed) arm over the corpus sequence (bases as in the two-domain protocol); its results
+        (docs/DESIGN.md §6.3)."""
         cfg, device = ctx.cfg, ctx.device
         specs = [cfg.data.domain_a, *cfg.data.tasks]
         if len(specs) < 2:
@@ -155,13 +156,13 @@ class Sequence(Protocol):
                                     befores.get(base_name))
 
         arms, summary = run_arms(ctx, built, tasks[0], tokenizer, pretrained, arm_config, run, arm_seconds)
-        return {
+        return RunResult.from_json({
             "protocol": "sequence", "preset": ctx.preset, "seeds": list(ctx.seeds), "base_seeds": ctx.base_seeds,
             "tasks": specs, **provenance(device), "precision": ctx.precision,
             "score": "next-token accuracy on held-out windows, %", "date": datetime.date.today().isoformat(),
             "config": cfg.to_dict(), "bases": summary, "model": ctx.model,
             "methods": {label: summarize(runs, built[label]) for label, runs in arms.items()},
-        }
+        })
 
 
 run_sequence = PROTOCOLS["sequence"]  # run_sequence(cfg, methods, seeds, out, preset, device, model, ...)

@@ -37,6 +37,7 @@ from forgetless.errors import ForgetlessError
 from forgetless.methods import MethodSpec
 from forgetless.device import resolve_device
 from forgetless.presets import RunConfig, settle_precision
+from forgetless.report.results import RunResult
 from forgetless.stats import mean_nested
 from forgetless.train import StepHooks
 
@@ -134,7 +135,7 @@ def check_study(cfg: RunConfig, specs: list[MethodSpec], grid, seeds: list[int],
 
 def run_study(lm, tokenizer, cfg: RunConfig, specs: list[MethodSpec], stream: str, orders: dict[str, list[str]],
               grid_order: list[str], seeds: list[int], order1_seeds: list[int], grid, out: Path, preset: str,
-              model: str, resamples: int = bootstrap.RESAMPLES, paired_with: str | None = None) -> dict:
+              model: str, resamples: int = bootstrap.RESAMPLES, paired_with: str | None = None) -> RunResult:
     """The whole study on a loaded model: the grid on `grid_order` (the stream's order 1), then `orders`.
     Returns the study's results (the sequence schema for the main order, plus `study` and per-method
     `lr`, `arm`, `lr_grid`, `orders`, `intervals`, `over_orders`, `paired`)."""
@@ -166,16 +167,16 @@ def run_study(lm, tokenizer, cfg: RunConfig, specs: list[MethodSpec], stream: st
 
 
 def study_results(cfg, specs, chosen, grids, per_order, stream, orders, grid, seeds, order1_seeds, preset, model,
-                  resamples, paired_with) -> dict:
+                  resamples, paired_with) -> RunResult:
     main = "1" if "1" in per_order else next(iter(per_order))
     cfg_main, built_main, arms_main = per_order[main]
-    results = {**sequence_results(cfg_main, {s.label: built_main[chosen[s.label].label] for s in specs}, arms_main,
-                                  order_seeds(orders, seeds, order1_seeds)[main], preset, "test"), "model": model}
+    results = sequence_results(cfg_main, {s.label: built_main[chosen[s.label].label] for s in specs}, arms_main,
+                               order_seeds(orders, seeds, order1_seeds)[main], preset, "test").with_keys(model=model)
     draws = bootstrap.Draws(resamples)
     runs = {label: {k: bootstrap.Runs.of(arms[label], cfg_k.data.tasks) for k, (cfg_k, _, arms) in per_order.items()}
-            for label in results["methods"]}
+            for label in results.methods}
     for spec in specs:
-        label, m = spec.label, results["methods"][spec.label]
+        label, m = spec.label, results.methods[spec.label].stats
         method = chosen[label].build(cfg.methods.get(spec.name))
         m.update(lr=method.own("lr", cfg.adapt.lr), arm=chosen[label].label,
                  orders={k: order_entry(arms[label], cfg_k.data.tasks) for k, (cfg_k, _, arms) in per_order.items()},
@@ -188,7 +189,7 @@ def study_results(cfg, specs, chosen, grids, per_order, stream, orders, grid, se
             m["paired"] = {"vs": paired_with, "order": main,
                            **bootstrap.paired({main: runs[label][main]}, {main: runs[paired_with][main]}, draws)}
     from forgetless.report.references import references
-    results["study"] = {
+    results.extra["study"] = {
         "stream": stream, "orders": {k: list(v) for k, v in orders.items()}, "main_order": main,
         "seeds_per_order": len(seeds), "order1_seeds": list(order1_seeds),
         "lr_grid": grid and {label or "*": [[kind, v] for kind, v in points] for label, points in grid.items()},

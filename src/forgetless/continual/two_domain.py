@@ -16,6 +16,7 @@ from forgetless.continual.protocol import (PROTOCOLS, Protocol, RunContext, buil
 from forgetless.data.domains import load_domains
 from forgetless.methods import MethodSpec, build_method
 from forgetless.progress import console
+from forgetless.report.results import RunResult
 from forgetless.stats import band, mean_nested, mean_std, per_seed
 
 METRICS = ["ppl_a_before", "ppl_b_before", "ppl_a_after", "ppl_b_after", "acc_a_before", "acc_b_before",
@@ -29,10 +30,10 @@ class TwoDomain(Protocol):
     """Pretrain on A (or load a pretrained model), adapt on B, measure both."""
     name = "two-domain"
 
-    def run(self, ctx: RunContext, methods: list[MethodSpec | str]) -> dict:
+    def run(self, ctx: RunContext, methods: list[MethodSpec | str]) -> RunResult:
         """Every (method, seed) arm; with ctx.model = byte-gpt the bases are GPTs pretrained on A (cached),
         otherwise every arm adapts a copy of that pretrained model (models.hf.load_model), in its tokens;
-        the results dict of docs/DESIGN.md §6."""
+        its results (docs/DESIGN.md §6.3)."""
         cfg, device = ctx.cfg, ctx.device
         built = build_arms(cfg, methods)
         if "full" not in built:
@@ -63,12 +64,12 @@ class TwoDomain(Protocol):
                     + n_evaluations(cfg.adapt) * (a.windows.shape[0] + b.windows.shape[0]) * calibration.window(base_cfg))
 
         arms, summary = run_arms(ctx, built, a, tokenizer, pretrained, arm_config, run, arm_seconds)
-        return {
+        return RunResult.from_json({
             **opening(ctx, self.name, a, b),
             "config": cfg.to_dict(),
             "bases": summary,
             "methods": {name: summarize(runs, arms["full"], built[name]) for name, runs in arms.items()},
-        }
+        })
 
 
 run_two_domain = PROTOCOLS["two-domain"]  # run_two_domain(cfg, methods, seeds, out, preset, device, model, ...)

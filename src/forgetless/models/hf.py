@@ -69,7 +69,7 @@ def load_model(spec: str, device="auto") -> tuple[nn.Module, TextTokenizer]:
     a TextTokenizer whose `.hf` is the transformers tokenizer (forgetless.data, Collator and Adapted.export
     take either)."""
     from forgetless.device import resolve_device
-    device = resolve_device(str(device))
+    device = resolve_device(device)
     if spec.startswith("hf:"):
         path = Path(spec[3:]).expanduser()
         model, tokenizer = load_gguf(path) if path.suffix == ".gguf" else load_folder(path)

@@ -1,11 +1,11 @@
-"""Write a run's results: JSON (the contract), CSV, Markdown and figures (figures need the `plots` extra,
-matplotlib: without it the tables are written and the figures skipped, with one line saying so)."""
+"""Write a run's results (a `RunResult`, report/results.py): JSON (the contract), CSV, Markdown and figures (figures
+need the `plots` extra, matplotlib: without it the tables are written and the figures skipped, with one line saying
+so)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from forgetless import distributed
-from forgetless.checkpoint import write_json
 from forgetless.report import figures as drawing
 from forgetless.report.diagnostics import method_figures
 from forgetless.report.figures import r_heatmaps, write_figures
@@ -13,12 +13,13 @@ from forgetless.report.online import (online_figure, online_markdown, online_ter
                                       write_online_csv)
 from forgetless.report.frontier import (curves, frontier_figure, frontier_markdown, matched, matched_markdown,
                                         operating_points)
+from forgetless.report.results import RunResult
 from forgetless.report.study import op_vs_bwt, study_markdown
 from forgetless.report.tables import (markdown, sequence_markdown, sequence_terminal_rows, terminal_rows, write_csv,
                                       write_sequence_csv)
 
 
-def write_report(results: dict, out: Path, figures: bool = True) -> list[Path]:
+def write_report(results: RunResult, out: Path, figures: bool = True) -> list[Path]:
     """results.json/csv/md and figures in `out` (none with `figures` False: `forgetless report` draws them later);
     a run with sweeps also gets `frontier` (JSON, Markdown) and frontier.png. Under torchrun rank 0 writes them;
     the others wait in the barrier that pairs with the one ending write_json (results.json), and return no files."""
@@ -26,14 +27,14 @@ def write_report(results: dict, out: Path, figures: bool = True) -> list[Path]:
         distributed.barrier()
         return []
     out.mkdir(parents=True, exist_ok=True)
-    if "study" in results:
+    if "study" in results.extra:
         return write_study(results, out)
-    if results["protocol"] != "online" and curves(results):  # the online protocol has no frontier
-        results["frontier"] = operating_points(results)
+    if results.protocol != "online" and curves(results):  # the online protocol has no frontier
+        results.extra["frontier"] = operating_points(results)
         if found := matched(results):
-            results["matched"] = found
-    write_json(out / "results.json", results)
-    if results["protocol"] == "online":
+            results.extra["matched"] = found
+    results.save(out)
+    if results.protocol == "online":
         write_online_csv(results, out / "results.csv")
         (out / "results.md").write_text(online_markdown(results))
         tables = [out / "results.json", out / "results.csv", out / "results.md"]
@@ -42,12 +43,12 @@ def write_report(results: dict, out: Path, figures: bool = True) -> list[Path]:
         online_figure(results, out / "online.png")
         online_tradeoff(results, out / "online_tradeoff.png")
         return [*tables, out / "online.png", out / "online_tradeoff.png"]
-    sequence = results["protocol"] == "sequence"
+    sequence = results.protocol == "sequence"
     (write_sequence_csv if sequence else write_csv)(results, out / "results.csv")
     text = sequence_markdown(results) if sequence else markdown(results)
-    if results.get("frontier"):
-        text += "\n".join(frontier_markdown(results["frontier"])) + "\n"
-    if results.get("matched"):
+    if results.extra.get("frontier"):
+        text += "\n".join(frontier_markdown(results.extra["frontier"])) + "\n"
+    if results.extra.get("matched"):
         text += "\n".join(matched_markdown(results)) + "\n"
     (out / "results.md").write_text(text)
     tables = [out / "results.json", out / "results.csv", out / "results.md"]
@@ -65,19 +66,19 @@ def write_report(results: dict, out: Path, figures: bool = True) -> list[Path]:
     return [*tables, *figures]
 
 
-def write_study(results: dict, out: Path) -> list[Path]:
+def write_study(results: RunResult, out: Path) -> list[Path]:
     """A study's files (continual/study.py): results.json, .csv (the main order's sequence columns), .md (the field's
     table, published rows, lr grid, the main order in full) and figures (R matrices, OP against BWT)."""
-    write_json(out / "results.json", results)
+    results.save(out)
     write_sequence_csv(results, out / "results.csv")
     (out / "results.md").write_text(study_markdown(results))
     tables = [out / "results.json", out / "results.csv", out / "results.md"]
     if not drawing.available():
         return skipped(tables)
-    study = results["study"]
+    study = results.extra["study"]
     r_heatmaps(results, out / "r_matrix.png", title=f"R of each method: order {study['main_order']} of the "
                f"{study['stream'] if ',' not in study['stream'] else 'task'} stream, mean over seeds "
-               f"{results['seeds']}; column 0: general text")
+               f"{results.seeds}; column 0: general text")
     op_vs_bwt(results, out / "op_vs_bwt.png")
     return [*tables, out / "r_matrix.png", out / "op_vs_bwt.png"]
 
@@ -89,13 +90,13 @@ def skipped(files: list[Path]) -> list[Path]:
     return files
 
 
-def terminal_table(results: dict, title: str, caption: str):
+def terminal_table(results: RunResult, title: str, caption: str):
     """The rich table `forgetless bench` prints: the terminal columns of either protocol."""
     from rich.markup import escape
     from rich.table import Table
 
     rows_of = {"two-domain": terminal_rows, "sequence": sequence_terminal_rows, "online": online_terminal_rows}
-    heads, body = rows_of[results["protocol"]](results)
+    heads, body = rows_of[results.protocol](results)
     table = Table(title=title, caption=caption)
     for h in heads:  # a long method label folds onto a second line; numbers never do
         table.add_column(h, justify="left" if h == "method" else "right", no_wrap=h != "method",

@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Callable
 
 from forgetless.report.figures import colors, plt, reported, save
+from forgetless.report.results import RunResult
 
-Drawer = Callable[[dict, list[str], Path], list[Path]]  # (results, the arms' labels, folder) -> files written
+Drawer = Callable[[RunResult, list[str], Path], list[Path]]  # (results, the arms' labels, folder) -> files written
 DRAWERS: dict[str, list[Drawer]] = {}  # method name -> the figures of its arms
 
 
@@ -21,11 +22,11 @@ def draws(*names: str):
     return wrap
 
 
-def method_figures(results: dict, folder: Path) -> list[Path]:
+def method_figures(results: RunResult, folder: Path) -> list[Path]:
     """Every figure once, for all the arms (by label) of the methods it draws."""
     arms: dict[Drawer, list[str]] = {}
-    for label, m in results["methods"].items():
-        for draw in DRAWERS.get(m.get("method") or label.split("[")[0], []):
+    for label, m in results.methods.items():
+        for draw in DRAWERS.get(m.method, []):
             arms.setdefault(draw, []).append(label)
     return [path for draw, labels in arms.items() for path in draw(results, labels, folder)]
 
@@ -36,14 +37,14 @@ MONITORS = [("usage_entropy", "patch-usage entropy / log K"), ("confidence", "ro
 
 
 @draws(*APN)
-def monitor_curves(results: dict, labels: list[str], folder: Path) -> list[Path]:
+def monitor_curves(results: RunResult, labels: list[str], folder: Path) -> list[Path]:
     """Routing monitors on B during adaptation (dashed: the base's pretraining, on A)."""
     path = folder / "routing_monitors.png"
-    methods = {n: results["methods"][n] for n in labels if "usage_entropy_b" in results["methods"][n].get("curves", {})}
-    bases = {n: b for n, b in results.get("bases", {}).items() if b.get("evals") and "usage_entropy" in b["evals"][-1]}
+    methods = {n: results.methods[n].stats for n in labels if "usage_entropy_b" in results.methods[n].stats.get("curves", {})}
+    bases = {n: b for n, b in results.extra.get("bases", {}).items() if b.get("evals") and "usage_entropy" in b["evals"][-1]}
     if not methods and not bases:
         return []
-    color = colors(list(results["methods"]))
+    color = colors(list(results.methods))
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
     for col, (key, label) in enumerate(MONITORS):
         for name, m in methods.items():
@@ -63,18 +64,17 @@ def monitor_curves(results: dict, labels: list[str], folder: Path) -> list[Path]
 
 
 @draws(*APN)
-def routing_histograms(results: dict, labels: list[str], folder: Path) -> list[Path]:
+def routing_histograms(results: RunResult, labels: list[str], folder: Path) -> list[Path]:
     """Per APN arm: active-set overlap of token pairs (A-A reference, A-B before/after adaptation)
     and the router-confidence distribution on A and B ("before" only where the arm reported it)."""
     path = folder / "routing_overlap.png"
-    methods = {n: results["methods"][n] for n in labels
-               if results["methods"][n].get("report", {}).get("after", {}).get("overlap_ab")}
-    if not methods:
+    arms = {n: results.methods[n].stats["report"] for n in labels if reported(results, [n], "overlap_ab")}
+    if not arms:
         return []
-    fig, axes = plt.subplots(2, len(methods), figsize=(4 * len(methods), 7), squeeze=False)
-    for col, (name, m) in enumerate(methods.items()):
-        after = m["report"]["after"]
-        before = m["report"].get("before") or after
+    fig, axes = plt.subplots(2, len(arms), figsize=(4 * len(arms), 7), squeeze=False)
+    for col, (name, report) in enumerate(arms.items()):
+        after = report["after"]
+        before = report.get("before") or after
         k = len(after["overlap_ab"]) - 1
         x = list(range(k + 1))
         width = 0.27
@@ -107,7 +107,7 @@ def shown_layers(n_layers: int, most: int = 6) -> list[int]:
 
 
 @draws("neutral")
-def gate_histograms(results: dict, labels: list[str], folder: Path) -> list[Path]:
+def gate_histograms(results: RunResult, labels: list[str], folder: Path) -> list[Path]:
     """Neutral-residue gates after adaptation: distribution of g(x) on held-out A vs B, per layer (at most six
     layers of a deep model: results.json keeps them all)."""
     path = folder / "gates.png"
@@ -134,7 +134,7 @@ def gate_histograms(results: dict, labels: list[str], folder: Path) -> list[Path
 
 
 @draws("cms", "cms-fast")
-def level_changes(results: dict, labels: list[str], folder: Path) -> list[Path]:
+def level_changes(results: RunResult, labels: list[str], folder: Path) -> list[Path]:
     """CMS arms: how far each level (by update period) moved during adaptation, relative to its size."""
     path = folder / "level_change.png"
     arms = reported(results, labels, "level_change")
@@ -155,12 +155,12 @@ def level_changes(results: dict, labels: list[str], folder: Path) -> list[Path]:
 
 
 @draws("moram")
-def atom_maps(results: dict, labels: list[str], folder: Path) -> list[Path]:
+def atom_maps(results: RunResult, labels: list[str], folder: Path) -> list[Path]:
     """MoRAM-style activation maps: for each arm with atoms (rows) and each stage t (columns), the
     mean mixture weight of every atom (grouped by the task that added it) on each task's inputs."""
     path = folder / "atom_map.png"
-    arms = {name: results["methods"][name]["task_reports"] for name in labels
-            if results["methods"][name].get("task_reports") and "atom_weights" in results["methods"][name]["task_reports"][-1]}
+    reports = {name: results.methods[name].stats.get("task_reports") for name in labels}
+    arms = {name: r for name, r in reports.items() if r and "atom_weights" in r[-1]}
     if not arms:
         return []
     stages = max(len(reports) for reports in arms.values())

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 from forgetless.errors import need
+from forgetless.report.results import RunResult
 
 PLOTS_MISSING = "figures skipped: matplotlib is not installed (pip install 'forgetless[plots]', then `forgetless report DIR`)"
 
@@ -48,32 +49,32 @@ def colors(names: list[str]) -> dict:
     return {n: cmap(i % cmap.N) for i, n in enumerate(names)}
 
 
-def scatter(results: dict, path: Path):
+def scatter(results: RunResult, path: Path):
     """One point per method: forgetting on A (x, lower is better) vs PPL on B after (y)."""
-    methods = results["methods"]
+    methods = results.methods
     color = colors(list(methods))
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for name, m in methods.items():
-        x, y = m["forgetting"], m["ppl_b_after"]
+        x, y = m.stats["forgetting"], m.stats["ppl_b_after"]
         ax.errorbar(100 * x["mean"], y["mean"], xerr=100 * x["std"], yerr=y["std"], fmt="o", color=color[name],
-                    capsize=3, label=f"{name} ({m['trainable_params']:,} trainable)")
+                    capsize=3, label=f"{name} ({m.trainable_params:,} trainable)")
         ax.annotate(name, (100 * x["mean"], y["mean"]), textcoords="offset points", xytext=(5, 5), fontsize=8)
-    bases = {(m["ppl_a_before"]["mean"], m["ppl_b_before"]["mean"]) for m in methods.values()}
+    bases = {(m.stats["ppl_a_before"]["mean"], m.stats["ppl_b_before"]["mean"]) for m in methods.values()}
     base_note = "base: PPL_A {:.3f}, PPL_B {:.3f}".format(*bases.pop()) if len(bases) == 1 else \
         f"{len(bases)} different bases (see PPL before in the table)"
     ax.set_xlabel("forgetting F on A (% rise of PPL_A)  ← better")
     ax.set_ylabel("PPL on B after adaptation  ↓ better")
-    ax.set_title(f"Retention vs adaptation ({results['preset']}, {len(results['seeds'])} seed(s))\n{base_note}",
+    ax.set_title(f"Retention vs adaptation ({results.preset}, {len(results.seeds)} seed(s))\n{base_note}",
                  fontsize=10)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     save(fig, path, dpi=110)
 
 
-def curves(results: dict, key: str, ylabel: str, title: str, path: Path):
-    color = colors(list(results["methods"]))
+def curves(results: RunResult, key: str, ylabel: str, title: str, path: Path):
+    color = colors(list(results.methods))
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    for name, m in results["methods"].items():
-        c = m["curves"]
+    for name, m in results.methods.items():
+        c = m.stats["curves"]
         band(ax, c["step"], c[key], color[name], name)
     ax.set_xlabel("adaptation step on B")
     ax.set_ylabel(ylabel)
@@ -89,11 +90,11 @@ def band(ax, steps: list, stat: dict, color, label: str):
     ax.fill_between(steps, [u - s for u, s in zip(mean, std)], [u + s for u, s in zip(mean, std)], color=color, alpha=0.15)
 
 
-def loss_curves(results: dict, path: Path):
-    color = colors(list(results["methods"]))
+def loss_curves(results: RunResult, path: Path):
+    color = colors(list(results.methods))
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    for name, m in results["methods"].items():
-        loss = m["curves"]["loss"]
+    for name, m in results.methods.items():
+        loss = m.stats["curves"]["loss"]
         ax.plot(loss["step"], smooth(loss["mean"]), color=color[name], label=name)
     ax.set_xlabel("adaptation step on B")
     ax.set_ylabel("training loss on B (nats/token, smoothed)")
@@ -112,23 +113,22 @@ def smooth(values: list[float], width: int = 10) -> list[float]:
     return out
 
 
-def reported(results: dict, labels: list[str], key: str) -> dict:
+def reported(results: RunResult, labels: list[str], key: str) -> dict:
     """Arm -> its method report after adaptation, for the arms `labels` whose report has `key`."""
-    return {name: results["methods"][name]["report"]["after"] for name in labels
-            if results["methods"][name].get("report", {}).get("after", {}).get(key)}
+    after = {name: results.methods[name].stats.get("report", {}).get("after", {}) for name in labels}
+    return {name: report for name, report in after.items() if report.get(key)}
 
 
-def mix_sweep(results: dict, path: Path) -> bool:
+def mix_sweep(results: RunResult, path: Path) -> bool:
     """Forgetting F and gain G against the mixing ratio p for every method run plain and as
     `NAME[mix=p]` with at least three values of p in all (a plain arm's p: its option, else --mix)."""
-    adapt = results["config"]["adapt"]
-    replay = adapt.get("mix", adapt.get("replay", 0.0))  # results written before the knob's rename say replay
+    run_mix = results.adapt.get("mix", 0.0)
     lines: dict[str, list] = {}
-    for label, m in results["methods"].items():
+    for label, m in results.methods.items():
         name = re.fullmatch(r"([\w-]+)(\[mix=[^;\]]+\])?", label)
         if name:
-            mix = m.get("options", {}).get("mix")
-            lines.setdefault(name.group(1), []).append((replay if mix is None else mix, m))
+            mix = m.options.get("mix")
+            lines.setdefault(name.group(1), []).append((run_mix if mix is None else mix, m.stats))
     lines = {name: sorted(pts, key=lambda t: t[0]) for name, pts in lines.items() if len(pts) >= 3}
     if not lines:
         return False
@@ -147,9 +147,9 @@ def mix_sweep(results: dict, path: Path) -> bool:
     return True
 
 
-def pretraining_curves(results: dict, path: Path) -> bool:
+def pretraining_curves(results: RunResult, path: Path) -> bool:
     """Optimizer comparison: pretraining loss (smoothed) and held-out PPL_A per optimizer, mean ± std."""
-    runs = results.get("pretraining")
+    runs = results.extra.get("pretraining")
     if not runs:
         return False
     color = colors(list(runs))
@@ -167,17 +167,17 @@ def pretraining_curves(results: dict, path: Path) -> bool:
     return True
 
 
-def optimizer_frontier(results: dict, path: Path) -> bool:
+def optimizer_frontier(results: RunResult, path: Path) -> bool:
     """Optimizer comparison with `--lrs`: forgetting vs PPL_B of every arm, one line per optimizer
     through its learning rates (each point labelled with its lr)."""
-    if not results.get("optimizers"):
+    if not results.extra.get("optimizers"):
         return False
-    adapt = results["config"]["adapt"]
+    adapt = results.adapt
     lines: dict[str, list] = {}
-    for name, m in results["methods"].items():
-        opts = m["options"]
+    for name, m in results.methods.items():
+        opts = m.options
         key = f"{name.split('[')[0]}, {opts.get('optimizer') or adapt['optimizer']}"
-        lines.setdefault(key, []).append((opts.get("lr") or adapt["lr"], m["forgetting"], m["ppl_b_after"]))
+        lines.setdefault(key, []).append((opts.get("lr") or adapt["lr"], m.stats["forgetting"], m.stats["ppl_b_after"]))
     if all(len(points) < 2 for points in lines.values()):
         return False
     color = colors(list(lines))
@@ -189,7 +189,7 @@ def optimizer_frontier(results: dict, path: Path) -> bool:
                     marker="o", color=color[key], capsize=2, label=key)
         for lr, x, y in zip([p[0] for p in points], xs, ys):
             ax.annotate(f"{lr:.0e}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color[key])
-    before = next(iter(results["methods"].values()))["ppl_b_before"]["mean"]
+    before = next(iter(results.methods.values())).stats["ppl_b_before"]["mean"]
     worse = [f"{key} at {lr:.0e}: {b['mean']:.2f}" for key, points in lines.items() for lr, _, b in points
              if b["mean"] > before]
     if worse:  # an arm that ends worse on B than the base would squash the rest: leave it off the axes
@@ -200,13 +200,13 @@ def optimizer_frontier(results: dict, path: Path) -> bool:
     positive = all(f["mean"] > 0 for points in lines.values() for _, f, _ in points)
     ax.set(xscale="log" if positive else "linear", xlabel="forgetting F on A (% rise of PPL_A)  ← better",
            ylabel="PPL on B after adaptation  ↓ better",
-           title=f"Retention vs adaptation by optimizer, across learning rates ({len(results['seeds'])} seed(s))")
+           title=f"Retention vs adaptation by optimizer, across learning rates ({len(results.seeds)} seed(s))")
     ax.legend(fontsize=8)
     save(fig, path)
     return True
 
 
-def write_figures(results: dict, folder: Path) -> list[Path]:
+def write_figures(results: RunResult, folder: Path) -> list[Path]:
     paths = [folder / "retention_vs_adaptation.png", folder / "forgetting_curves.png",
              folder / "adaptation_curves.png", folder / "loss_curves.png"]
     scatter(results, paths[0])
@@ -220,20 +220,20 @@ def write_figures(results: dict, folder: Path) -> list[Path]:
     return paths
 
 
-def r_heatmaps(results: dict, path: Path, per_row: int = 4, title: str | None = None):
+def r_heatmaps(results: RunResult, path: Path, per_row: int = 4, title: str | None = None):
     """One heatmap of R per method (rows: after task t; columns: task i), `per_row` to a row, under `title`."""
-    methods = results["methods"]
+    methods = {name: m.stats["r_matrix"] for name, m in results.methods.items()}
     rows, cols = -(-len(methods) // per_row), min(per_row, len(methods))
     fig, axes = plt.subplots(rows, cols, figsize=(2.9 * cols + 1.2, 2.8 * rows), squeeze=False,
                              constrained_layout=True)
-    values = [v for m in methods.values() for row in m["r_matrix"] for v in row]
+    values = [v for r in methods.values() for row in r for v in row]
     for k, ax in enumerate(axes.ravel()):
         if k >= len(methods):
             ax.axis("off")
             continue
-        name, m = list(methods.items())[k]
-        image = ax.imshow(m["r_matrix"], cmap="viridis", vmin=min(values), vmax=max(values))
-        for t, row in enumerate(m["r_matrix"]):
+        name, r = list(methods.items())[k]
+        image = ax.imshow(r, cmap="viridis", vmin=min(values), vmax=max(values))
+        for t, row in enumerate(r):
             for i, v in enumerate(row):
                 ax.text(i, t, f"{v:.1f}", ha="center", va="center", fontsize=6, color="white")
         ax.set_title(name, fontsize=9)

@@ -13,30 +13,31 @@ from pathlib import Path
 
 from forgetless.stats import mean_std
 from forgetless.report.figures import colors, plt, save
+from forgetless.report.results import MethodEntry, RunResult
 
 F_LIMITS, G_TARGET, LA_MARGIN = (5.0, 2.0), 0.9, 1.0
 MAX_PAIRED = 6  # paired differences between every two lr curves up to this many curves (15 pairs)
 
 
-def axes_of(results: dict) -> tuple[tuple[str, str, float], tuple[str, str, float]]:
+def axes_of(results: RunResult) -> tuple[tuple[str, str, float], tuple[str, str, float]]:
     """((x key, x label, scale), (y key, y label, scale)) of the protocol's frontier."""
-    if results["protocol"] == "two-domain":
+    if results.protocol == "two-domain":
         return ("forgetting", "forgetting F on A (%)  ← better", 100.0), ("adaptation_gain", "adaptation gain G  ↑ better", 1.0)
-    bwt = "bwt_tasks" if "bwt_tasks" in next(iter(results["methods"].values())) else "bwt"
+    bwt = "bwt_tasks" if "bwt_tasks" in next(iter(results.methods.values())).stats else "bwt"
     return ("la", "LA: accuracy on each task after learning it (%)  → better", 1.0), (bwt, f"{bwt} (< 0 = forgetting)  ↑ better", 1.0)
 
 
-def curves(results: dict) -> dict[str, list[tuple[str, str, dict]]]:
+def curves(results: RunResult) -> dict[str, list[tuple[str, str, MethodEntry]]]:
     """'lora, lr' -> [(value, arm label, arm)] sorted by value, for every method run at >= 2 values of one
     option (its arm without that option counts, at its own value or the protocol's for lr and mix). The
     arms of one method that share every other option make one lr curve ('adapter[bottleneck=512], lr');
     an arm in no lr curve joins the curve of its one option ('lora, r')."""
-    adapt = results["config"]["adapt"]
-    explicit = {label: options_of(label) for label in results["methods"]}
+    adapt = results.adapt
+    explicit = {label: options_of(label) for label in results.methods}
 
     def point(label: str, option: str):
-        m = results["methods"][label]
-        value = explicit[label][1].get(option, m.get("options", {}).get(option))
+        m = results.methods[label]
+        value = explicit[label][1].get(option, m.options.get(option))
         value = adapt.get(option) if value is None else value
         return None if value is None else (compact(value), label, m)
 
@@ -57,7 +58,7 @@ def curves(results: dict) -> dict[str, list[tuple[str, str, dict]]]:
         if label not in in_lr and len(options) == 1:
             single.setdefault((name, next(iter(options))), []).append(label)
     for (name, option), labels in single.items():
-        plain = [name] if name in results["methods"] and option != "lr" else []
+        plain = [name] if name in results.methods and option != "lr" else []
         collect(out, f"{name}, {option}", plain + labels, option)
     return out
 
@@ -69,26 +70,27 @@ def options_of(label: str) -> tuple[str, dict]:
     return name, options
 
 
-def every_arm(results: dict) -> dict[str, list[tuple[str, str, dict]]]:
+def every_arm(results: RunResult) -> dict[str, list[tuple[str, str, MethodEntry]]]:
     """The curves, then every arm in none of them as a one-point group under its own label."""
     groups = curves(results)
     in_curves = {label for points in groups.values() for _, label, _ in points}
-    return {**groups, **{label: [("", label, m)] for label, m in results["methods"].items() if label not in in_curves}}
+    return {**groups, **{label: [("", label, m)] for label, m in results.methods.items() if label not in in_curves}}
 
 
-def operating_points(results: dict) -> dict[str, dict]:
+def operating_points(results: RunResult) -> dict[str, dict]:
     """Per curve (and per method run at one setting): its best arms at matched forgetting or adaptation."""
     (xk, _, xs), (yk, _, ys) = axes_of(results)
     groups = every_arm(results)
-    dev = all(f"{xk}_dev" in m and f"{yk}_dev" in m for m in results["methods"].values())
+    stats = {label: m.stats for label, m in results.methods.items()}
+    dev = all(f"{xk}_dev" in m and f"{yk}_dev" in m for m in stats.values())
     chosen_on = "validation" if dev else "held-out"
     xc, yc = (f"{xk}_dev", f"{yk}_dev") if dev else (xk, yk)  # choices are made on validation windows
-    top = max(m[xc]["mean"] for m in results["methods"].values())
+    top = max(m[xc]["mean"] for m in stats.values())
     out = {}
     for key, points in groups.items():
-        arms = [(label, xs * m[xc]["mean"], ys * m[yc]["mean"], xs * m[xk]["mean"], ys * m[yk]["mean"])
-                for _, label, m in points]
-        if results["protocol"] == "two-domain":
+        arms = [(label, xs * stats[label][xc]["mean"], ys * stats[label][yc]["mean"], xs * stats[label][xk]["mean"],
+                 ys * stats[label][yk]["mean"]) for _, label, _ in points]
+        if results.protocol == "two-domain":
             row = {f"best_g_at_f_le_{limit:g}": best([(g, g_test, label) for label, f, g, _, g_test in arms
                                                       if f <= limit], max, chosen_on) for limit in F_LIMITS}
             row[f"best_f_at_g_ge_{G_TARGET:g}"] = best([(f, f_test, label) for label, f, g, f_test, _ in arms
@@ -100,24 +102,25 @@ def operating_points(results: dict) -> dict[str, dict]:
     return out
 
 
-def matched(results: dict) -> dict:
+def matched(results: RunResult) -> dict:
     """Every lr curve's retention read at one adaptation, per seed along that seed's own curve (linear between the
     two arms around it, extrapolated past an end and counted): F at G = 0.9 (two-domain), BWT at the best arm's
     LA - 1 (sequence), on held-out and on validation values; with paired differences between curves (up to
     MAX_PAIRED curves). {} when no curve has per-seed values (runs before they were saved). The best LA
     is over every arm of the run, on a curve or not, as for the operating points."""
     (xk, _, xs), (yk, _, ys) = axes_of(results)
-    two_domain = results["protocol"] == "two-domain"
+    two_domain = results.protocol == "two-domain"
     (ak, a_scale), (rk, r_scale) = ((yk, ys), (xk, xs)) if two_domain else ((xk, xs), (yk, ys))  # adaptation, retention
-    lr_curves = {key: [m for _, _, m in points] for key, points in curves(results).items()
-                 if key.endswith(", lr") and all("per_seed" in m for _, _, m in points)}
+    lr_curves = {key: [m.per_seed for _, _, m in points] for key, points in curves(results).items()
+                 if key.endswith(", lr") and all(m.per_seed is not None for _, _, m in points)}
     out = {}
     for split in ("", "_dev"):
         a, r = ak + split, rk + split
-        arms = [m for ms in lr_curves.values() for m in ms]
-        if not arms or not all(a in v and r in v for m in arms for v in m["per_seed"].values()):
+        arms = [seeds for curve in lr_curves.values() for seeds in curve]
+        if not arms or not all(a in v and r in v for seeds in arms for v in seeds.values()):
             continue
-        at = G_TARGET if two_domain else max(a_scale * m[a]["mean"] for m in results["methods"].values() if a in m) - LA_MARGIN
+        at = G_TARGET if two_domain else \
+            max(a_scale * m.stats[a]["mean"] for m in results.methods.values() if a in m.stats) - LA_MARGIN
         readings = {key: read_along(ms, a, r, a_scale, r_scale, at) for key, ms in lr_curves.items()}
         keys = list(readings)
         pairs = [(one, other) for i, one in enumerate(keys) for other in keys[i + 1:]] if len(keys) <= MAX_PAIRED else []
@@ -132,16 +135,16 @@ def matched(results: dict) -> dict:
 def read_along(arms: list[dict], x: str, y: str, xs: float, ys: float, at: float) -> dict:
     """{'values': {seed: metric y (times ys) where metric x (times xs) = at}, 'extrapolated': how many seeds'
     curves do not reach `at`, 'beyond': {seed: how far `at` lies past that seed's curve}, 'not_monotone': how
-    many seeds' x does not grow (or fall) steadily along `arms` (in lr order)}. A seed's curve is its arms
-    ordered by x (for a curve whose x does not grow with the lr, neighbours in x, not in lr: such a reading
-    may join two lrs that are not neighbours, hence the count)."""
-    seeds = set.intersection(*(set(m["per_seed"]) for m in arms))
+    many seeds' x does not grow (or fall) steadily along `arms` (their per-seed values, in lr order)}. A seed's
+    curve is its arms ordered by x (for a curve whose x does not grow with the lr, neighbours in x, not in lr:
+    such a reading may join two lrs that are not neighbours, hence the count)."""
+    seeds = set.intersection(*(set(m) for m in arms))
     values, beyond, not_monotone = {}, {}, 0
     for seed in sorted(seeds):
-        along = [m["per_seed"][seed][x] for m in arms]
+        along = [m[seed][x] for m in arms]
         steps = [b - a for a, b in zip(along, along[1:])]
         not_monotone += not (all(d >= 0 for d in steps) or all(d <= 0 for d in steps))
-        points = sorted((xs * m["per_seed"][seed][x], ys * m["per_seed"][seed][y]) for m in arms)
+        points = sorted((xs * m[seed][x], ys * m[seed][y]) for m in arms)
         (x0, y0), (x1, y1) = next((pair for pair in zip(points, points[1:]) if at <= pair[1][0]), points[-2:])
         values[seed] = y0 if x1 == x0 else y0 + (y1 - y0) * (at - x0) / (x1 - x0)
         if not points[0][0] <= at <= points[-1][0]:
@@ -158,7 +161,7 @@ def best(candidates: list[tuple[float, float, str]], pick, chosen_on: str) -> di
     return {"value": value, "arm": arm, "chosen_value": chosen, "chosen_on": chosen_on}
 
 
-def frontier_figure(results: dict, path: Path) -> bool:
+def frontier_figure(results: RunResult, path: Path) -> bool:
     """Every arm as a point (± std over seeds both ways); the arms of one sweep joined in order of value."""
     if not curves(results):
         return False
@@ -167,7 +170,7 @@ def frontier_figure(results: dict, path: Path) -> bool:
     color = colors(list(groups))
     fig, ax = plt.subplots(figsize=(8.5, 5))
     for key, points in groups.items():
-        ms, curve = [m for _, _, m in points], len(points) > 1
+        ms, curve = [m.stats for _, _, m in points], len(points) > 1
         x, y = [xs * m[xk]["mean"] for m in ms], [ys * m[yk]["mean"] for m in ms]
         ax.errorbar(x, y, xerr=[xs * m[xk]["std"] for m in ms], yerr=[ys * m[yk]["std"] for m in ms],
                     marker="o" if curve else "s", linestyle="-" if curve else "none", capsize=2, color=color[key],
@@ -175,12 +178,12 @@ def frontier_figure(results: dict, path: Path) -> bool:
         for (value, _, _), px, py in zip(points, x, y):
             if curve:
                 ax.annotate(value, (px, py), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color[key])
-    if results["protocol"] == "two-domain":
+    if results.protocol == "two-domain":
         for limit in F_LIMITS:
             ax.axvline(limit, color="grey", lw=0.6, ls=":")
         ax.axhline(G_TARGET, color="grey", lw=0.6, ls=":")
-    ax.set(xlabel=xlabel, ylabel=ylabel, title=f"Trade-off frontier ({results['preset']}, "
-                                               f"{len(results['seeds'])} seed(s); bars: ± std over seeds)")
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=f"Trade-off frontier ({results.preset}, "
+                                               f"{len(results.seeds)} seed(s); bars: ± std over seeds)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     save(fig, path)
     return True
@@ -202,12 +205,12 @@ def frontier_markdown(points: dict[str, dict]) -> list[str]:
     return lines
 
 
-def matched_markdown(results: dict) -> list[str]:
+def matched_markdown(results: RunResult) -> list[str]:
     """The readings of `matched` as Markdown: per curve mean ± 95 % interval, then the paired differences."""
-    splits = results["matched"]
+    splits = results.extra["matched"]
     ylabel = axes_of(results)[1][1]
-    what = "F %" if results["protocol"] == "two-domain" else ylabel.split(" ")[0]
-    x_name = "G" if results["protocol"] == "two-domain" else "LA"
+    what = "F %" if results.protocol == "two-domain" else ylabel.split(" ")[0]
+    x_name = "G" if results.protocol == "two-domain" else "LA"
     at_format = "g" if x_name == "G" else ".2f"
     ats = ", ".join(f"{x_name} = {v['at']:{at_format}} ({k.replace('_', '-')})" for k, v in splits.items())
     heads = list(splits)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from forgetless.report.figures import colors, plt, save
+from forgetless.report.results import RunResult
 from forgetless.report.tables import sequence_markdown
 
 
@@ -17,17 +18,17 @@ def interval(stat: dict | None, fmt: str = "{:.1f}", scale: float = 1.0) -> str:
     return f"{fmt.format(scale * stat['mean'])} [{fmt.format(scale * stat['lo'])}, {fmt.format(scale * stat['hi'])}]"
 
 
-def study_rows(results: dict) -> tuple[list[str], list[list[str]]]:
+def study_rows(results: RunResult) -> tuple[list[str], list[list[str]]]:
     """Our rows: chosen lr, OP mean over orders, order-1 OP / BWT / general PPL change with intervals, OP per order."""
-    study, main = results["study"], results["study"]["main_order"]
-    orders = list(study["orders"])
-    seeds = len(results["seeds"])
+    study = results.extra["study"]
+    main, orders, seeds = study["main_order"], list(study["orders"]), len(results.seeds)
     heads = ["method", "lr (chosen on validation)" if study["lr_grid"] else "lr",
              *(["OP, mean over orders"] if len(orders) > 1 else []),
              f"OP, order {main} ({seeds} seed{'s' if seeds > 1 else ''})", f"BWT, order {main}",
              f"general PPL change, order {main}", *(["OP per order (" + " / ".join(orders) + ")"] if len(orders) > 1 else [])]
     body = []
-    for label, m in results["methods"].items():
+    for label, entry in results.methods.items():
+        m = entry.stats  # the study's keys: lr, intervals, over_orders, orders (continual/study.py)
         intervals = m["intervals"]
         body.append([label, f"{m['lr']:.3g}", *([interval(m["over_orders"]["op_tasks"])] if len(orders) > 1 else []),
                      interval(intervals["op_tasks"]), interval(intervals.get("bwt_tasks"), "{:+.1f}"),
@@ -36,29 +37,29 @@ def study_rows(results: dict) -> tuple[list[str], list[list[str]]]:
     return heads, body
 
 
-def reference_rows(results: dict) -> tuple[list[str], list[list[str]]]:
+def reference_rows(results: RunResult) -> tuple[list[str], list[list[str]]]:
     heads = ["published (reference, not like-for-like)", "model", "OP", "BWT", "measured on", "source"]
     return heads, [[r["method"], r["model"], f"{r['op']:.1f}", "—" if r["bwt"] is None else f"{r['bwt']:+.1f}", r["tasks"],
-                    r["source"]] for r in results["study"]["references"]]
+                    r["source"]] for r in results.extra["study"]["references"]]
 
 
 def table(heads: list[str], body: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads), *("| " + " | ".join(r) + " |" for r in body)]
 
 
-def study_markdown(results: dict) -> str:
-    study = results["study"]
-    cfg = results["config"]
+def study_markdown(results: RunResult) -> str:
+    study = results.extra["study"]
+    cfg = results.extra["config"]
     orders = "; ".join(f"order {k}: {' → '.join(t)}" for k, t in study["orders"].items())
     others = f"other orders: {study['seeds_per_order']} seed(s) each, their means averaged with it in 'mean over " \
              "orders'. " if len(study["orders"]) > 1 else ""
-    lines = [f"Study of the `{study['stream']}` stream ({orders}) on `{results.get('model', '?')}`, preset "
-             f"{results['preset']}, precision {cfg['adapt']['precision']}, {cfg['adapt']['steps']} steps of batch "
-             f"{cfg['adapt']['batch_size']} per task, {results['date']}.", "",
+    lines = [f"Study of the `{study['stream']}` stream ({orders}) on `{results.model}`, preset "
+             f"{results.preset}, precision {cfg['adapt']['precision']}, {cfg['adapt']['steps']} steps of batch "
+             f"{cfg['adapt']['batch_size']} per task, {results.date}.", "",
              f"OP = mean accuracy over the tasks after the last one, BWT = mean change of each earlier task from right "
              f"after learning it to the end (< 0 = forgetting), both over the tasks alone (general ability is its own "
              f"column); general PPL change on held-out general text. Order {study['main_order']}: mean over seeds "
-             f"{results['seeds']}; {others}Intervals: 95 % "
+             f"{results.seeds}; {others}Intervals: 95 % "
              f"({study['bootstrap']['how']}; {study['bootstrap']['resamples']} replicates). lr rule: {study['lr_rule']}.",
              "", *table(*study_rows(results))]
     if study["references"]:
@@ -66,14 +67,14 @@ def study_markdown(results: dict) -> str:
                       "'measured on'); not a like-for-like comparison.", "", *table(*reference_rows(results))]
     else:
         lines += ["", f"No published rows for the `{study['stream']}` stream in the project's sources."]
-    paired = [(label, m["paired"]) for label, m in results["methods"].items() if "paired" in m]
+    paired = [(label, m.stats["paired"]) for label, m in results.methods.items() if "paired" in m.stats]
     if paired:
         lines += ["", f"Paired differences against `{study['paired_with']}` on order {study['main_order']} (same test "
                       "rows and seeds drawn for both):", "",
                   *table(["method", "OP difference", "BWT difference", "general PPL change difference"],
                          [[label, interval(p["op_tasks"], "{:+.1f}"), interval(p.get("bwt_tasks"), "{:+.1f}"),
                            interval(p["general_ppl_change"], "{:+.1f}", 100.0) + " points"] for label, p in paired])]
-    grid = [(label, m["lr_grid"]) for label, m in results["methods"].items() if "lr_grid" in m]
+    grid = [(label, m.stats["lr_grid"]) for label, m in results.methods.items() if "lr_grid" in m.stats]
     if grid:
         lines += ["", f"lr grid on order 1 (seed {study['grid_seed']}), validation rows only: validation OP / BWT per "
                       "lr, the chosen lr in bold:", "",
@@ -87,7 +88,7 @@ def study_markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def terminal_tables(results: dict, title: str, caption: str) -> list:
+def terminal_tables(results: RunResult, title: str, caption: str) -> list:
     """The rich tables `forgetless study` prints: ours, then the published rows (when the stream has some)."""
     from rich.markup import escape
     from rich.table import Table
@@ -107,9 +108,9 @@ def terminal_tables(results: dict, title: str, caption: str) -> list:
     return tables
 
 
-def op_vs_bwt(results: dict, path: Path):
+def op_vs_bwt(results: RunResult, path: Path):
     """Accuracy (OP) against forgetting (BWT) on the main order, one point per method with its intervals."""
-    methods = results["methods"]
+    methods = {label: m.stats for label, m in results.methods.items()}
     color = colors(list(methods))
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
     for label, m in methods.items():
@@ -120,10 +121,10 @@ def op_vs_bwt(results: dict, path: Path):
                     yerr=[[op["mean"] - op["lo"]], [op["hi"] - op["mean"]]], fmt="o", capsize=3, color=color[label],
                     label=f"{label} (lr {m['lr']:.3g})")
     ax.axvline(0, color="grey", lw=0.8, ls=":")
-    study = results["study"]
+    study = results.extra["study"]
     name = study["stream"] if "," not in study["stream"] else "task"
     ax.set(xlabel="BWT over the tasks (points; < 0 = forgetting)  → better", ylabel="OP: accuracy after the last task (%)  ↑")
-    ax.set_title(f"{name} stream, order {study['main_order']}, {len(results['seeds'])} seed(s)\n"
+    ax.set_title(f"{name} stream, order {study['main_order']}, {len(results.seeds)} seed(s)\n"
                  "95 % intervals over test rows and seeds", fontsize=10)
     ax.legend(fontsize=7)
     save(fig, path)
