@@ -16,6 +16,7 @@ from forgetless.cli import app
 from forgetless.cliutil import merge_overrides
 from forgetless.errors import ForgetlessError
 from forgetless.report.results import RunResult
+from tiny_results import round_trips
 
 runner = CliRunner()
 CONTRACT_KEYS = {"ppl_a_before", "ppl_b_before", "ppl_a_after", "ppl_b_after", "acc_a_after", "acc_b_after",
@@ -48,6 +49,7 @@ def test_bench_smoke_writes_the_contract(smoke_run):
         assert CONTRACT_KEYS <= set(m), name
         assert m["ppl_a_after"]["mean"] > 1 and m["ppl_a_after"]["std"] >= 0
         assert 0 < m["trainable_params"] <= m["total_params"]
+    assert round_trips(out / "results.json")  # loaded as a RunResult and written back: the same text
     full = results["methods"]["full"]
     assert full["trainable_params"] == full["total_params"]
     assert full["adaptation_gain_dev"]["mean"] == pytest.approx(1.0)  # on validation windows too
@@ -333,6 +335,7 @@ def test_sequence_protocol(tmp_path):
                     "--adapt-steps", 20, "--adapt-lr", 3e-3, "--out", tmp_path)
     assert result.exit_code == 0, result.output
     results = json.loads((tmp_path / "results.json").read_text())
+    assert round_trips(tmp_path / "results.json")
     assert results["protocol"] == "sequence" and results["tasks"][1:] == ["renamed:tinyshakespeare", "shakespeare-poems"]
     full = results["methods"]["full"]
     assert {"r_matrix", "op", "bwt", "forgetting", "fwt", "trainable_params", "total_params"} <= set(full)
@@ -409,6 +412,7 @@ def test_bench_optimizers_compares_pretraining_and_adaptation(tmp_path):
     assert results["pretraining"]["adamw"]["bases"] == [results["bases"]["dense"]["path"]]  # the arms' base
     assert (tmp_path / "pretraining_curves.png").stat().st_size > 1000
     assert "Pretraining on A with each optimizer" in (tmp_path / "results.md").read_text()
+    assert round_trips(tmp_path / "results.json")
 
 
 def test_bench_optimizers_across_learning_rates(tmp_path):

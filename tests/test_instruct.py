@@ -13,6 +13,7 @@ from forgetless.presets import build_config
 from forgetless.report import write_report
 from forgetless.report.frontier import operating_points
 from tiny_lm import tiny_llama, tiny_tokenizer
+from tiny_results import round_trips
 
 SMALL = {"data": {"tasks": ["dbpedia", "agnews"], "held_out_tasks": ["FOMC"], "train_examples": 16, "test_rows": 6,
                   "eval_windows": 4},
@@ -47,6 +48,7 @@ def test_instruction_sequence_scores_every_task_after_every_task(tmp_path, capsy
     assert json.loads((saved / "forgetless_config.json").read_text())["task"] == 2
     files = write_report(results, tmp_path)
     assert (tmp_path / "r_matrix.png") in files and "OP tasks 1..T" in (tmp_path / "results.md").read_text()
+    assert round_trips(tmp_path / "results.json")
     arm = (tmp_path / "arms" / "full" / "seed0.json").stat().st_mtime
     run(tmp_path, ["full"])
     assert (tmp_path / "arms" / "full" / "seed0.json").stat().st_mtime == arm  # reused, not run again

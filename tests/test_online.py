@@ -17,6 +17,7 @@ from forgetless.methods import build_method
 from forgetless.presets import AdaptConfig, OnlineConfig, build_config
 from forgetless.report import write_report
 from tiny_models import ours
+from tiny_results import round_trips
 
 STREAM = {"data": {"domain_a": "tinyshakespeare", "domain_b": "renamed:tinyshakespeare"}}
 
@@ -111,7 +112,7 @@ def test_online_bench_writes_results_report_and_table(tmp_path):
     files = write_report(results, tmp_path)
     assert {f.name for f in files} == {"results.json", "results.csv", "results.md", "online.png",
                                        "online_tradeoff.png"}
-    assert "gain vs dynamic-eval" in (tmp_path / "results.md").read_text()
+    assert "gain vs dynamic-eval" in (tmp_path / "results.md").read_text() and round_trips(tmp_path / "results.json")
     again = run_online(cfg, ["full", "lora", "apn"], [0], tmp_path, "smoke")  # saved arms are reused
     assert again["methods"]["full"]["prequential_loss"] == full["prequential_loss"]
     assert json.loads((tmp_path / "results.json").read_text())["methods"]["lora"]["method"] == "lora"

@@ -21,6 +21,7 @@ from forgetless.report import write_report
 from forgetless.report.references import references
 from forgetless.report.study import plan_markdown, study_markdown, terminal_tables
 from tiny_lm import tiny_llama, tiny_tokenizer
+from tiny_results import round_trips
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -183,11 +184,12 @@ def test_the_study_chooses_on_validation_then_runs_every_order(study, stream):
     assert results["methods"]["lora"]["paired"]["vs"] == "mtl" and "paired" not in results["methods"]["mtl"]
     assert results["study"]["lr_rule"].startswith("the grid point with the highest validation OP")
     assert results["study"]["references"] == []
+    assert all(round_trips(folder / "results.json") for folder in (out, out / "grid", out / "order1", out / "order2"))
 
 
 def test_the_table_prints_published_rows_as_references(study):
-    results = {**study["results"], "study": {**study["results"]["study"], "stream": "standard",
-                                             "references": references("standard")}}
+    results = study["results"].with_keys(study={**study["results"]["study"], "stream": "standard",
+                                                "references": references("standard")})
     text = study_markdown(results)
     assert "| MTL | T5-large | 80.0 |" in text and "| InfLoRA | LLaMA-2-7B-chat | 79.6 |" in text
     assert "not a like-for-like comparison" in text and f"| lora | {results['methods']['lora']['lr']:.3g} |" in text
