@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 mkdir -p runs
 
 SECTIONS=(frontier-two-domain frontier-sequence frontier-two-domain-mix frontier-two-domain-capacity frontier-two-domain-ewc frontier-two-domain-goal frontier-two-domain-goal-mix30 frontier-two-domain-goal-confirm frontier-two-domain-goal-more frontier-two-domain-goal-confirm-ewc frontier-two-domain-stdlib frontier-sequence-replay two-domain-quick tiny-renamed apn-ablation two-domain-neutral sequence-quick sequence-ablation
-          two-domain-cms sequence-cms optimizers-quick real-standard real-standard-seeds real-standard-replay real-standard-retrofits real-standard-neutral real-trace real-two-domain real-two-domain-folio real-neutral-pace
+          two-domain-cms sequence-cms optimizers-quick real-standard real-standard-seeds real-standard-replay real-standard-retrofits real-standard-neutral real-trace real-two-domain real-two-domain-folio real-neutral-pace study-standard study-trace
           online-quick hope-two-domain hope-lm hope-needle hope-speed serve first-run benchmarks aunn)
 
 publish() {  # publish RUN_DIR SECTION: its table and the figures RESULTS.md or README.md show, next to RESULTS.md
@@ -149,6 +149,10 @@ run_section() {
                             --domain-b python-stdlib --method 'neutral[lr=3e-4]' --out runs/neutral-python-lr3e-4
                         OMP_NUM_THREADS=1 PIN_NEUTRAL=0 forgetless bench --preset first --seeds 3 \
                             --methods 'neutral,neutral[normalize_input=false]' --out runs/neutral-norm-first ;;  # ~50 min
+    study-standard)     forgetless study standard --model smollm2-135m --out runs/study-standard  # 56 arms: a GPU job (docs/RESULTS.md)
+                        publish runs/study-standard study-standard ;;
+    study-trace)        forgetless study trace --model smollm2-135m --order1-seeds 1 --out runs/study-trace
+                        publish runs/study-trace study-trace ;;
     online-quick)       OMP_NUM_THREADS=1 bench online-quick --preset quick --protocol online --methods all --seeds 3 \
                             --base-seeds 3                                                                        # ~1.5 h
                         OMP_NUM_THREADS=1 forgetless bench --preset quick --protocol online --methods moram --seeds 3 \

@@ -533,7 +533,7 @@ def test_bench_defaults_to_the_first_run(args, preset, methods, tmp_path, monkey
     assert result.exit_code == 2 and "captured" in result.output
     protocol = "sequence" if "sequence" in args else "two-domain"
     assert seen["preset"] == preset and seen["methods"] == (methods or method_names(protocol))
-    assert seen["steps"] == (600 if preset == "first" else 1200)
+    assert seen["steps"] == (400 if preset == "first" else 1200)
 
 
 def test_pretrained_models_default_to_the_real_preset():
