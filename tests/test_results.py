@@ -46,6 +46,7 @@ def test_a_file_read_and_written_back_is_the_same_text(tmp_path):
     assert results.provenance["git_commit"] is None and results.extra["domains"]["a"] == "tinyshakespeare"
     assert results["methods"]["lora"]["forgetting"]["mean"] == 0.1  # read as the dict the Python API returned
     assert results["methods"]["lora"]["wall_s"] == {"mean": 1.5, "std": 0.0} and "git_commit" in results
+    assert set(results["methods"]["lora"]) == set(two_domain()["methods"]["lora"]) and len(results) == len(two_domain())
     results.extra["frontier"] = {"lora, r": {}}   # a key added (write_report's) goes after the others
     assert list(results.to_json())[-2:] == ["methods", "frontier"]
     assert list(results.with_keys(model="hf:x").to_json()) == list(results.to_json())  # set in place

@@ -12,6 +12,7 @@ older files load (no `method`: the label up to `[`; `config.adapt.replay` for `m
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,9 +25,9 @@ REQUIRED_ENTRY = ("options", "trainable_params", "total_params", "peak_rss_mb", 
 REQUIRED = ("protocol", "preset", "seeds", "date", "methods")
 
 
-class Keyed:
-    """Read like the file's dict: `x[key]`, `x.get(key)`, `key in x` (live values: `x["methods"]` are the entries);
-    so code that took the results dict reads them unchanged. Writes go to the fields and mappings."""
+class Keyed(Mapping):
+    """Read like the file's dict, a read-only mapping of live values (`x["methods"]` are the entries): code that took
+    the results dict reads them unchanged. Writes go to the fields and mappings; `to_json()` is the dict itself."""
 
     def keyed(self) -> dict:
         raise NotImplementedError
@@ -34,11 +35,11 @@ class Keyed:
     def __getitem__(self, key: str):
         return self.keyed()[key]
 
-    def get(self, key: str, default=None):
-        return self.keyed().get(key, default)
+    def __iter__(self):
+        return iter(self.keyed())
 
-    def __contains__(self, key: str) -> bool:
-        return key in self.keyed()
+    def __len__(self) -> int:
+        return len(self.keyed())
 
 
 @dataclass(frozen=True)
