@@ -77,7 +77,8 @@ CASES = {  # id: the worker's arguments; each runs in 1 and in 2 processes
     "moe-lora-growing-routed": ["--method", "moe-lora"],
     "cms-chunked": ["--method", "cms[periods=1,2,4]"],
     "eight-steps": ["--steps", "8"],  # the uninterrupted runs the killed ones resume towards
-    "apn-whole-batch-knob": ["--method", "apn[allocate=true]"],  # refused in 2 processes
+    "apn-whole-batch-knob": ["--method", "apn[allocate=true]"],  # refused in 2 processes, after pretraining:
+    # last, so no run follows one stopped midway
 }
 
 
