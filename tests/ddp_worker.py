@@ -1,14 +1,20 @@
-"""A tiny pretraining (and adaptation) run for tests/test_ddp.py and benchmarks/bench_ddp.py, launched in
-one process (`python tests/ddp_worker.py ...`) or in N (`torchrun --nproc_per_node N tests/ddp_worker.py ...`).
+"""A tiny pretraining (and adaptation) run for tests/test_ddp.py, launched in one process
+(`python tests/ddp_worker.py ...`) or in N (`torchrun --nproc_per_node N tests/ddp_worker.py ...`).
 
 Rank 0 writes OUT: the trained parameters ("param.<name>") and meta {"loss": [[step, loss]], "evals": [...],
-"world_size": N}; --ckpt/--kill-at checkpoint the pretraining and kill it after a step; with --method (a spec, e.g. "cms[periods=1,2,4]"), the pretrained base goes to OUT.base and the adapted
-method to OUT.method/ (save_pretrained).
+"world_size": N}; --ckpt/--kill-at checkpoint the pretraining and kill it after a step; with --method (a spec,
+e.g. "cms[periods=1,2,4]"), the pretrained base goes to OUT.base and the adapted method to OUT.method/
+(save_pretrained).
+
+`--batch FILE` runs the runs FILE lists (one `OUT ARGS...` a line) one after another in the same processes and
+process group (one launch instead of one each: a launch costs ~10 s of imports per process); a run that
+raises a ForgetlessError writes its message to OUT.error and the next one starts.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -19,6 +25,7 @@ from forgetless.checkpoint import save_checkpoint
 from forgetless.continual.evaluate import evaluate
 from forgetless.loss import training_loss
 from forgetless.data.splits import Batch, Sampler, eval_windows
+from forgetless.errors import ForgetlessError
 from forgetless.methods.base import parse_method_specs
 from forgetless.models.gpt import GPT, GPTConfig
 from forgetless.train import StepHooks, TrainConfig, train
@@ -56,6 +63,20 @@ class AnswersOnly(Sampler):
 
 
 def main():
+    distributed.init_from_env()
+    torch.set_num_threads(1)
+    if sys.argv[1] != "--batch":
+        return run(parse(sys.argv[1:]))
+    for line in Path(sys.argv[2]).read_text().splitlines():
+        args = parse(shlex.split(line))
+        try:
+            run(args)
+        except ForgetlessError as e:  # raised on every rank alike (a refused option): the group stays in step
+            if distributed.is_main():
+                Path(f"{args.out}.error").write_text(str(e))
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--method", default="")
@@ -65,9 +86,10 @@ def main():
     ap.add_argument("--answers-only", action="store_true")
     ap.add_argument("--ckpt", default="")
     ap.add_argument("--kill-at", type=int, default=0)
-    args = ap.parse_args()
-    distributed.init_from_env()
-    torch.set_num_threads(1)
+    return ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace):
     a, b = tokens()
     method = parse_method_specs(args.method)[0].build() if args.method else None
     torch.manual_seed(0)

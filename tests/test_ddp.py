@@ -8,6 +8,8 @@ directions of small singular values: up to ~8e-4 per element and 2e-4 relative a
 and 5e-4 there.
 """
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,10 +38,11 @@ def torchrun(procs: int = 2) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)]
 
 
-def run(out: Path, *args: str, procs: int = 1, check: bool = True, worker: str = WORKER) -> subprocess.CompletedProcess:
+def run(*args: str | Path, procs: int = 1, check: bool = True, worker: str = WORKER) -> subprocess.CompletedProcess:
+    """The worker with `args` (OUT and options, or --batch FILE) in `procs` processes."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launch = [sys.executable, worker] if procs == 1 else [*torchrun(procs), worker]
-    done = subprocess.run([*launch, str(out), *args], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([*launch, *map(str, args)], env=env, capture_output=True, text=True, timeout=600)
     if check:
         assert done.returncode == 0, done.stderr[-3000:]
     return done
@@ -64,61 +67,89 @@ def assert_same_run(one: Path, two: Path, atol: float = 5e-4, rel: float = 1e-5)
     return b, meta_b
 
 
-@pytest.mark.parametrize("args", [
-    pytest.param([], id="pretrain"),
-    pytest.param(["--answers-only", "--batch-size", "7"], id="answers-only-uneven-shards"),
-    pytest.param(["--optimizer", "muon"], id="muon"),
-    pytest.param(["--method", "lora"], id="lora"),
-    pytest.param(["--method", "apn"], id="apn-routed"),
-    pytest.param(["--method", "moram"], id="moram-growing"),
-    pytest.param(["--method", "moe-lora"], id="moe-lora-growing-routed"),
-    pytest.param(["--method", "cms[periods=1,2,4]"], id="cms-chunked"),
-])
-def test_two_processes_match_one(tmp_path, args):
-    run(tmp_path / "one.st", *args)
-    run(tmp_path / "two.st", *args, procs=2)
-    muon = "muon" in args
-    assert_same_run(tmp_path / "one.st", tmp_path / "two.st", atol=2e-3 if muon else 5e-4, rel=5e-4 if muon else 1e-5)
+CASES = {  # id: the worker's arguments; each runs in 1 and in 2 processes
+    "pretrain": [],
+    "answers-only-uneven-shards": ["--answers-only", "--batch-size", "7"],
+    "muon": ["--optimizer", "muon"],
+    "lora": ["--method", "lora"],
+    "apn-routed": ["--method", "apn"],
+    "moram-growing": ["--method", "moram"],
+    "moe-lora-growing-routed": ["--method", "moe-lora"],
+    "cms-chunked": ["--method", "cms[periods=1,2,4]"],
+    "eight-steps": ["--steps", "8"],  # the uninterrupted runs the killed ones resume towards
+    "apn-whole-batch-knob": ["--method", "apn[allocate=true]"],  # refused in 2 processes, after pretraining:
+    # last, so no run follows one stopped midway
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """Every case of CASES in one launch of 1 process and one of 2 (runs/one/ID.st, runs/two/ID.st)."""
+    folder = tmp_path_factory.mktemp("runs")
+    for procs, name in ((1, "one"), (2, "two")):
+        (folder / name).mkdir()
+        lines = [shlex.join([str(folder / name / f"{case}.st"), *args]) for case, args in CASES.items()]
+        (folder / f"{name}.txt").write_text("\n".join(lines))
+        run("--batch", folder / f"{name}.txt", procs=procs)
+    return folder
+
+
+def result(runs: Path, procs: str, case: str) -> Path:
+    """The checkpoint the case wrote, after checking it did not fail."""
+    error = runs / procs / f"{case}.st.error"
+    assert not error.exists(), error.read_text()
+    return runs / procs / f"{case}.st"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c not in ("eight-steps", "apn-whole-batch-knob")])
+def test_two_processes_match_one(runs, case):
+    muon = "muon" in CASES[case]
+    assert_same_run(result(runs, "one", case), result(runs, "two", case), atol=2e-3 if muon else 5e-4,
+                    rel=5e-4 if muon else 1e-5)
 
 
 @pytest.mark.parametrize("method", ["moram", "apn"])
-def test_method_saved_by_two_processes_loads_into_one(tmp_path, method):
+def test_method_saved_by_two_processes_loads_into_one(runs, method):
     """What rank 0 saved is the full model (no empty shard): loaded in this process it gives the same
     tensors and the same held-out loss the 2-process run measured with sharded evaluation."""
-    run(tmp_path / "two.st", "--method", method, procs=2)
-    saved, meta = load_checkpoint(tmp_path / "two.st")
+    two = result(runs, "two", {"moram": "moram-growing", "apn": "apn-routed"}[method])
+    saved, meta = load_checkpoint(two)
     base = GPT(parse_method_specs(method)[0].build().base_config(SMOKE))
-    base.load_state_dict(load_checkpoint(f"{tmp_path / 'two.st'}.base")[0])
-    adapted = from_pretrained(base, f"{tmp_path / 'two.st'}.method")
+    base.load_state_dict(load_checkpoint(f"{two}.base")[0])
+    adapted = from_pretrained(base, f"{two}.method")
     for name, p in adapted.named_parameters():
         assert torch.equal(p.detach(), saved[f"param.{name}"]), name
     windows = eval_windows(tokens()[1], SMOKE.block_size, 9)
     assert evaluate(adapted, windows)["loss"] == pytest.approx(meta["evals"][-1]["loss"], rel=1e-6)
 
 
-def test_killed_two_process_run_resumes_exactly(tmp_path):
-    run(tmp_path / "full.st", "--steps", "8", procs=2)
-    ckpt = tmp_path / "ckpt.st"
-    killed = run(tmp_path / "resumed.st", "--steps", "8", "--ckpt", str(ckpt), "--kill-at", "5", procs=2, check=False)
-    assert killed.returncode != 0 and not (tmp_path / "resumed.st").exists()
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory) -> Path:
+    """The training checkpoint of a 2-process run of 8 steps whose last rank died after step 5."""
+    folder = tmp_path_factory.mktemp("killed")
+    ckpt = folder / "ckpt.st"
+    done = run(folder / "never.st", "--steps", "8", "--ckpt", str(ckpt), "--kill-at", "5", procs=2, check=False)
+    assert done.returncode != 0 and not (folder / "never.st").exists()
     assert load_checkpoint(ckpt)[1]["step"] == 4
+    return ckpt
+
+
+def test_killed_two_process_run_resumes_exactly(tmp_path, runs, killed):
+    ckpt = Path(shutil.copy(killed, tmp_path / "ckpt.st"))
     run(tmp_path / "resumed.st", "--steps", "8", "--ckpt", str(ckpt), procs=2)
-    a, meta_a = load_checkpoint(tmp_path / "full.st")
+    a, meta_a = load_checkpoint(result(runs, "two", "eight-steps"))
     b, meta_b = load_checkpoint(tmp_path / "resumed.st")
     assert meta_a["loss"] == meta_b["loss"] and meta_a["evals"] == meta_b["evals"]
     for k in a:
         assert torch.equal(a[k], b[k]), k
 
 
-def test_two_process_checkpoint_resumes_in_one_process(tmp_path):
+def test_two_process_checkpoint_resumes_in_one_process(tmp_path, runs, killed):
     """A training checkpoint of a killed 2-process run holds the whole state: one process finishes it."""
-    run(tmp_path / "one.st", "--steps", "8")
-    ckpt = tmp_path / "ckpt.st"
-    run(tmp_path / "mixed.st", "--steps", "8", "--ckpt", str(ckpt), "--kill-at", "5", procs=2, check=False)
-    assert load_checkpoint(ckpt)[1]["step"] == 4
+    ckpt = Path(shutil.copy(killed, tmp_path / "ckpt.st"))
     run(tmp_path / "mixed.st", "--steps", "8", "--ckpt", str(ckpt))
     assert load_checkpoint(tmp_path / "mixed.st")[1]["world_size"] == 1
-    a, meta_a = load_checkpoint(tmp_path / "one.st")
+    a, meta_a = load_checkpoint(result(runs, "one", "eight-steps"))
     b, meta_b = load_checkpoint(tmp_path / "mixed.st")
     assert [l for _, l in meta_b["loss"]] == pytest.approx([l for _, l in meta_a["loss"]], rel=1e-5)
     for k in a:
@@ -133,9 +164,11 @@ def test_shard_is_the_identity_in_one_process():
     assert same is batch and share == 1.0
 
 
-def test_apn_knobs_that_read_the_whole_batch_refuse_several_processes(tmp_path):
-    done = run(tmp_path / "two.st", "--method", "apn[allocate=true]", procs=2, check=False)
-    assert done.returncode != 0 and "run this method in one process" in done.stderr
+def test_apn_knobs_that_read_the_whole_batch_refuse_several_processes(runs):
+    assert not (runs / "one" / "apn-whole-batch-knob.st.error").exists()  # one process trains it
+    error = runs / "two" / "apn-whole-batch-knob.st.error"
+    assert error.is_file() and "run this method in one process" in error.read_text()
+    assert not (runs / "two" / "apn-whole-batch-knob.st").exists()
 
 
 def test_torchrun_cli_pretrain_matches_one_process(tmp_path):

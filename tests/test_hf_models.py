@@ -11,6 +11,7 @@ from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
 
 import forgetless
 from forgetless.errors import ForgetlessError
+from forgetless.export import local_base
 from forgetless.models import hf
 from forgetless.models.hf import MODELS, TextTokenizer, describe, load_model
 from tiny_models import SENTENCES, bpe_tokenizer, gguf_llama, ours, write_llama_gguf
@@ -115,6 +116,66 @@ def test_quantized_gguf_is_dequantized_to_float32(tmp_path, llama, tokenizer):
     ids = tok.encode(TEXT)
     out, exact = logits(model, ids), logits(llama, ids)
     assert not torch.equal(out, exact) and torch.allclose(out, exact, atol=0.02)  # 8-bit blocks: close, not equal
+
+
+def test_gguf_conversion_is_cached_and_loads_to_the_same_model(gguf_file, tmp_path, monkeypatch):
+    """The first load writes the float32 folder; the next reads it (no conversion) to identical logits, with the
+    names of a converted load (so export still sees a GGUF base, not a folder a PEFT adapter could name)."""
+    monkeypatch.setenv("FORGETLESS_CACHE", str(tmp_path))
+    model, tok = load_model(str(gguf_file))
+    [folder] = (tmp_path / "models").iterdir()
+    assert folder.name.startswith("tiny-llama-") and (folder / hf.GGUF_SOURCE).is_file()
+    monkeypatch.setattr(hf, "convert_gguf", lambda path: pytest.fail("converted again"))
+    again, tok_again = load_model(str(gguf_file))
+    ids = tok.encode(TEXT)
+    assert tok_again.encode(TEXT) == ids and tok_again.to_dict() == tok.to_dict()
+    assert torch.equal(logits(again, ids), logits(model, ids))
+    assert again.config.to_dict() == model.config.to_dict() and again.config._name_or_path == str(gguf_file.parent)
+    assert local_base(again, None) is None
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbled", "no-record", "empty"])
+def test_a_damaged_cached_conversion_is_converted_again(gguf_file, tmp_path, monkeypatch, capsys, damage):
+    monkeypatch.setenv("FORGETLESS_CACHE", str(tmp_path))
+    model, tok = load_model(str(gguf_file))
+    [folder] = (tmp_path / "models").iterdir()
+    weights = folder / "model.safetensors"
+    if damage == "truncated":  # a copy cut short
+        weights.write_bytes(weights.read_bytes()[:1000])
+    elif damage == "garbled":  # same size, unreadable
+        weights.write_bytes(b"\xff" * weights.stat().st_size)
+    elif damage == "no-record":  # a folder no conversion finished
+        (folder / hf.GGUF_SOURCE).unlink()
+    else:
+        for f in folder.iterdir():
+            f.unlink()
+    again, _ = load_model(str(gguf_file))
+    ids = tok.encode(TEXT)
+    assert torch.equal(logits(again, ids), logits(model, ids))
+    assert "damaged cached conversion" in capsys.readouterr().err
+    again, _ = load_model(str(gguf_file))  # written anew, whole
+    assert torch.equal(logits(again, ids), logits(model, ids)) and "damaged" not in capsys.readouterr().err
+
+
+def test_a_changed_gguf_file_is_converted_again(tmp_path, monkeypatch, llama, tokenizer):
+    gguf = pytest.importorskip("gguf", reason="GGUF files need the gguf package (bash scripts/setup.sh dev or real)")
+    monkeypatch.setenv("FORGETLESS_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    write_llama_gguf(llama, tokenizer, path)
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    assert torch.allclose(logits(load_model(str(path))[0], ids), logits(llama, ids), atol=1e-5)
+    write_llama_gguf(llama, tokenizer, path, qtype=gguf.GGMLQuantizationType.Q8_0)  # same path, new contents
+    quantized = logits(load_model(str(path))[0], ids)
+    assert not torch.allclose(quantized, logits(llama, ids), atol=1e-5)
+    assert len(list((tmp_path / "cache" / "models").iterdir())) == 2
+
+
+def test_an_unwritable_cache_only_costs_the_conversion(gguf_file, tmp_path, monkeypatch, llama):
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv("FORGETLESS_CACHE", str(tmp_path / "file"))
+    model, tok = load_model(str(gguf_file))
+    ids = tok.encode(TEXT)
+    assert torch.allclose(logits(model, ids), logits(llama, ids), atol=1e-5)
 
 
 def test_describe_our_gpt():

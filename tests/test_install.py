@@ -54,6 +54,19 @@ def test_library_use_imports_neither_matplotlib_nor_datasets():
     assert run.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_the_cli_starts_without_what_only_some_commands_use():
+    """Every `forgetless` process imports the CLI: peft and transformers (LoRA, --model), torch's DTensor module
+    (FSDP) and the extras each add seconds to it, so they are imported by the commands that use them."""
+    run = python("""
+        import sys
+        import forgetless.cli
+        heavy = ("peft", "transformers", "torch.distributed.tensor", "matplotlib", "datasets", "fastapi")
+        print(sorted(m for m in heavy if m in sys.modules))
+    """)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_a_missing_extra_is_a_one_line_error_naming_it(tmp_path):
     run = python("""
         import forgetless

@@ -5,6 +5,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import os
 import subprocess
 import types
 import typing
@@ -128,6 +129,11 @@ def git_commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def cache_dir() -> Path:
+    """Where corpora, pretrained bases and GGUF conversions are cached: $FORGETLESS_CACHE or ~/.cache/forgetless."""
+    return Path(os.environ.get("FORGETLESS_CACHE") or Path.home() / ".cache" / "forgetless")
 
 
 def stable_hash(obj, n: int = 12) -> str:

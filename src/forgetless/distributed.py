@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import atexit
 import os
+import sys
 import time
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from forgetless.errors import ForgetlessError
 
@@ -123,7 +123,7 @@ def average_gradients(params: list[tuple[str, nn.Parameter]]):
     none (as in one process, where e.g. AdamW then skips it). FSDP shards (DTensors) are left alone:
     FSDP averaged their gradients in backward."""
     n = world_size()
-    params = [p for _, p in params if not isinstance(p, DTensor)]
+    params = [p for _, p in params if not is_shard(p)]
     if n == 1 or not params:
         return
     device = params[0].device
@@ -149,7 +149,7 @@ def broadcast_parameters(params: list[tuple[str, nn.Parameter]]):
         return
     with torch.no_grad():
         for _, p in params:
-            if not isinstance(p, DTensor):
+            if not is_shard(p):
                 dist.broadcast(p.data, 0)
 
 
@@ -179,16 +179,24 @@ def check_shardable(model: nn.Module):
 
 def sharded(params: list[tuple[str, nn.Parameter]]) -> bool:
     """Whether FSDP shards any of `params`."""
-    return any(isinstance(p, DTensor) for _, p in params)
+    return any(is_shard(p) for _, p in params)
+
+
+def is_shard(t) -> bool:
+    """Whether `t` is an FSDP shard (a DTensor), without importing torch.distributed.tensor (about a second): a
+    DTensor exists only once FSDP has imported it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def full(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`tensors` with every FSDP shard gathered whole (on the CPU); every rank must call it, with the same keys."""
-    return {k: v.full_tensor().cpu() if isinstance(v, DTensor) else v for k, v in tensors.items()}
+    return {k: v.full_tensor().cpu() if is_shard(v) else v for k, v in tensors.items()}
 
 
 def shard_as(t: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:
     """Whole tensor `t` sharded as `like` when that is an FSDP shard of t's shape; else `t`."""
-    if isinstance(like, DTensor) and t.shape == like.shape:
+    if is_shard(like) and t.shape == like.shape:
+        from torch.distributed.tensor import distribute_tensor
         return distribute_tensor(t.to(like.device), like.device_mesh, like.placements)
     return t

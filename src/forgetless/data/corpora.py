@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 from urllib.parse import parse_qsl
 
+from forgetless.config import cache_dir
 from forgetless.errors import ForgetlessError, need
 
 
@@ -54,10 +55,6 @@ def register_corpus(name: str, help: str):
         CORPORA[name] = (fn, help)
         return fn
     return wrap
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("FORGETLESS_CACHE") or Path.home() / ".cache" / "forgetless")
 
 
 def load_corpus(spec: str) -> Corpus:

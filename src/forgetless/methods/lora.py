@@ -11,9 +11,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model, set_peft_model_state_dict
-from peft.tuners.lora import LoraLayer
-
 from forgetless.errors import ForgetlessError
 from forgetless.methods.base import (ALL_LINEAR, PEFT, Method, MethodConfig, default_linear_targets, find_modules,
                                      is_regex, register_method, replace_module)
@@ -42,6 +39,7 @@ class LoRA(Method):
     order, merges, export_form, shardable = 30, True, PEFT, True
 
     def attach(self, model):
+        from peft import LoraConfig, inject_adapter_in_model  # here: importing peft (and transformers) takes seconds
         rules = self.cfg.target_modules or default_linear_targets(model)
         found = find_modules(model, rules, self.cfg.exclude_modules)  # clear error if none match
         # peft reads a string as one regex and a list as name suffixes, as `matches` does
@@ -60,11 +58,14 @@ class LoRA(Method):
 
     def state_dict(self, model, injected):
         """peft's adapter tensors; after a task was merged, the base weights it was merged into too."""
+        from peft import get_peft_model_state_dict
+        from peft.tuners.lora import LoraLayer
         merged = {f"{name}.base_layer.weight": m.get_base_layer().weight.detach() for name, m in model.named_modules()
                   if isinstance(m, LoraLayer) and getattr(m, "forgetless_merged", False)}
         return {**get_peft_model_state_dict(model), **merged}
 
     def load_state_dict(self, model, tensors):
+        from peft import set_peft_model_state_dict
         merged = {k: v for k, v in tensors.items() if ".base_layer." in k}
         super().load_state_dict(model, merged)
         for name in merged:
@@ -75,6 +76,7 @@ class LoRA(Method):
 
     def merge(self, model):
         """peft's merge of every LoRA layer into its base layer, which then replaces it."""
+        from peft.tuners.lora import LoraLayer
         for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLayer)]:
             module.merge()
             replace_module(model, name, module.get_base_layer())

