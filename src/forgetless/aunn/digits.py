@@ -249,5 +249,5 @@ def figures(results: dict, out: Path) -> list[Path]:
     axes[-1].set(ylim=(0, 100), xlabel="task index (permutations seen before it)",
                  ylabel=f"accuracy after {cfg['early']} examples (%)", title="does learning a new task get faster?")
     heat = out / "digits_r_matrix.png"
-    r_heatmaps(results, heat)
+    r_heatmaps({name: m["r_matrix"] for name, m in methods.items()}, heat)
     return [*save_figure(fig, out / "digits_curves.png"), heat]

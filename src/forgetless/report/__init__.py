@@ -57,7 +57,7 @@ def write_report(results: RunResult, out: Path, figures: bool = True) -> list[Pa
     if not drawing.available():
         return skipped(tables)
     if sequence:
-        r_heatmaps(results, out / "r_matrix.png")
+        r_heatmaps(r_matrices(results), out / "r_matrix.png")
         figures = [out / "r_matrix.png", *method_figures(results, out)]
     else:
         figures = [*write_figures(results, out), *method_figures(results, out)]
@@ -76,7 +76,7 @@ def write_study(results: RunResult, out: Path) -> list[Path]:
     if not drawing.available():
         return skipped(tables)
     study = results.extra["study"]
-    r_heatmaps(results, out / "r_matrix.png", title=f"R of each method: order {study['main_order']} of the "
+    r_heatmaps(r_matrices(results), out / "r_matrix.png", title=f"R of each method: order {study['main_order']} of the "
                f"{study['stream'] if ',' not in study['stream'] else 'task'} stream, mean over seeds "
                f"{results.seeds}; column 0: general text")
     op_vs_bwt(results, out / "op_vs_bwt.png")
@@ -104,3 +104,8 @@ def terminal_table(results: RunResult, title: str, caption: str):
     for r in body:
         table.add_row(*map(escape, r))  # method specs such as ewc[lam=1e4] look like markup
     return table
+
+
+def r_matrices(results: RunResult) -> dict:
+    """Label -> the method's R matrix (seed means), for r_heatmaps."""
+    return {label: m.stats["r_matrix"] for label, m in results.methods.items()}

@@ -220,9 +220,9 @@ def write_figures(results: RunResult, folder: Path) -> list[Path]:
     return paths
 
 
-def r_heatmaps(results: RunResult, path: Path, per_row: int = 4, title: str | None = None):
-    """One heatmap of R per method (rows: after task t; columns: task i), `per_row` to a row, under `title`."""
-    methods = {name: m.stats["r_matrix"] for name, m in results.methods.items()}
+def r_heatmaps(methods: dict[str, list[list[float]]], path: Path, per_row: int = 4, title: str | None = None):
+    """One heatmap per method of its R matrix (`methods`: label -> R; rows: after task t; columns: task i),
+    `per_row` to a row, under `title`."""
     rows, cols = -(-len(methods) // per_row), min(per_row, len(methods))
     fig, axes = plt.subplots(rows, cols, figsize=(2.9 * cols + 1.2, 2.8 * rows), squeeze=False,
                              constrained_layout=True)
