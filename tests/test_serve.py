@@ -505,7 +505,9 @@ def test_a_kill_mid_snapshot_or_before_its_kept_link_recovers_the_uninterrupted_
     [e.learn(doc, key=f"k{i}") for i, doc in enumerate(DOCS[:3])]
     e.wal.append(4, DOCS[3], "k3")
     e.close()
-    (mid / f".{SNAPSHOT}.tmp-4242").write_bytes(b"half a snapshot")
+    (mid / f".{SNAPSHOT}.tmp-4242").mkdir()  # save_checkpoint's private folder, with safetensors' own temp file
+    (mid / f".{SNAPSHOT}.tmp-4242" / ".tmpAb12Cd").write_bytes(b"half a snapshot")
+    (mid / f".{SNAPSHOT}.tmp-4243").write_bytes(b"half a snapshot")  # as versions before the folder left it
     (mid / "kept" / ".000000004.safetensors.tmp").write_bytes(b"")
 
     linked = tmp_path / "linked"  # killed after the snapshot's rename, before its kept link

@@ -102,6 +102,24 @@ def test_corrupt_and_truncated_checkpoints(tmp_path):
         load_checkpoint(tmp_path / "missing.safetensors")
 
 
+def test_a_save_killed_inside_safetensors_leaves_only_its_own_folder(tmp_path, monkeypatch):
+    """safetensors >= 0.7 writes through a `.tmpXXXXXX` file beside its target; a kill there must leave nothing
+    but save_checkpoint's private folder (which the next save, or serve's restart, clears)."""
+    import forgetless.checkpoint as checkpoint
+
+    def killed(tensors, filename, metadata=None):
+        (Path(filename).parent / ".tmpAb12Cd").write_bytes(b"half")
+        raise KeyboardInterrupt  # stands in for the kill
+    real = checkpoint.save_file
+    monkeypatch.setattr(checkpoint, "save_file", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(tmp_path / "c.safetensors", {"w": torch.ones(3)}, {})
+    assert [p.name for p in tmp_path.iterdir()] == [f".c.safetensors.tmp-{os.getpid()}"]
+    monkeypatch.setattr(checkpoint, "save_file", real)
+    save_checkpoint(tmp_path / "c.safetensors", {"w": torch.ones(3)}, {})
+    assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]
+
+
 def test_no_trainable_parameters():
     model, sampler, cfg = setup()
     with pytest.raises(ForgetlessError, match="nothing to train"):

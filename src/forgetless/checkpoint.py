@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -40,12 +41,26 @@ def save_checkpoint(path: str | Path, tensors: dict[str, torch.Tensor], meta: di
     aliases = shared(tensors)
     unique = {name: t.detach().contiguous().cpu() for name, t in tensors.items() if name not in aliases}
     meta = {**meta, "format": FORMAT, "aliases": aliases}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    # a private folder: safetensors >= 0.7 writes through its own `.tmpXXXXXX` file beside the target, so a kill
+    # leaves only this folder, which `remove_unfinished` clears
+    work = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    remove_unfinished(work)
+    work.mkdir()
+    tmp = work / path.name
     save_file(unique, str(tmp), metadata={"forgetless": json.dumps(meta)})
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    work.rmdir()
     distributed.barrier()
+
+
+def remove_unfinished(stale: Path):
+    """Delete what a killed `save_checkpoint` left at `stale` (its folder, or a file of older versions)."""
+    if stale.is_dir():
+        shutil.rmtree(stale)
+    else:
+        stale.unlink(missing_ok=True)
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:

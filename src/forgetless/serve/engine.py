@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from forgetless.checkpoint import load_checkpoint, load_optimizer, optimizer_tensors, save_checkpoint
+from forgetless.checkpoint import load_checkpoint, load_optimizer, optimizer_tensors, remove_unfinished, save_checkpoint
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.learner import Learner, chunk_windows
 from forgetless.data.splits import Sampler
@@ -154,7 +154,7 @@ class Engine:
         self.usage: list[list[float]] | None = None  # routed methods: share of each patch per layer, last document
         self.started = time.time()
         for stale in [*self.state_dir.glob(f".{SNAPSHOT}.tmp-*"), *(self.state_dir / KEPT).glob(".*.tmp")]:
-            stale.unlink()  # a snapshot or kept link a kill left unfinished (never renamed: never read)
+            remove_unfinished(stale)  # a snapshot or kept link a kill left unfinished (never renamed: never read)
         path = self.state_dir / SNAPSHOT
         if path.exists():
             snapshot = self.read_snapshot(path)
