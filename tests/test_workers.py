@@ -1,6 +1,7 @@
 """`--workers N`: bases and arms in forked CPU processes give the numbers one process gives, and bad
 worker counts are one-line errors."""
 import json
+import time
 
 import pytest
 import torch
@@ -50,6 +51,16 @@ def test_jobs_report_to_the_parent_as_they_finish():
     assert order == [(0, 0), (1, 1), (2, 2)]
 
 
+def test_workers_take_the_longest_jobs_first():
+    def job():
+        started = time.monotonic()  # one clock for every process on Linux
+        time.sleep(0.3)
+        return started
+    starts = {}
+    run_jobs([job, job, job], 2, starts.__setitem__, seconds=[1.0, 5.0, 3.0])
+    assert starts[0] >= max(starts[1], starts[2]) + 0.25  # the shortest waited for a free worker
+
+
 def test_worker_errors_reach_the_parent():
     def broken():
         raise ForgetlessError("arm failed: reason")
@@ -69,3 +80,21 @@ def test_bad_worker_counts_are_one_line_errors(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE")
     result = invoke("bench", "--model", "hf:/nowhere", "--protocol", "sequence", "--tasks", "dbpedia", "--workers", 2)
     assert result.exit_code == 2 and "an instruction stream on a pretrained model runs in one process" in result.output
+    assert invoke("bench", "--workers", "two").output.strip().endswith(
+        "--workers takes a number of processes or auto, got 'two'")
+
+
+@pytest.mark.parametrize("arm_s, forked", [(5.0, False), (0.0, True)])
+def test_auto_workers_fork_only_for_arms_long_enough_to_gain(arm_s, forked, tmp_path, text_file, monkeypatch):
+    """--workers auto (the default): smoke arms take well under a second, so one process; arms the plan times
+    at AUTO_ARM_S or more run one process per thread (2 here)."""
+    monkeypatch.setenv("FORGETLESS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr("forgetless.continual.plan.AUTO_ARM_S", arm_s)
+    torch.set_num_threads(2)
+    result = invoke("bench", "--preset", "smoke", "--methods", "lora", "--seeds", 2, "--domain-a", text_file,
+                    "--domain-b", f"renamed:{text_file}", "--out", tmp_path / "run")
+    assert result.exit_code == 0, result.output
+    plan = next(x for x in result.output.splitlines() if x.startswith("plan:"))
+    assert ("on 2 workers (auto)" in plan) == forked and ("worker" in plan) == forked, plan
+    assert result.output.count("lora seed") == (0 if forked else 2)  # workers' bars stay quiet; the parent counts
+    assert "arms 4/4" in result.output or not forked

@@ -89,8 +89,9 @@ def bench(preset: Optional[str] = in_panel(BENCH_PRESET, RUN),
                                             "too, e.g. 1e-4,3e-4,1e-3 (frontier curves; with --optimizers: per optimizer)", rich_help_panel=ARMS),
           sweep: Optional[list[str]] = typer.Option(None, "--sweep", help="METHOD.OPTION=V1,V2,... (repeatable): an "
                                                     "arm per value, e.g. lora.lr=1e-4,1e-3; frontier figure and table", rich_help_panel=ARMS),
-          workers: int = typer.Option(1, "--workers", help="processes that pretrain the bases and run the arms side by "
-                                      "side on a CPU, one thread share each (Linux)", rich_help_panel=COMPUTE),
+          workers: str = typer.Option("auto", "--workers", help="processes that pretrain the bases and run the arms side "
+                                      "by side on a CPU, one thread share each (Linux); auto: one per CPU thread (at "
+                                      "most 8) when the plan times the arms at 5 s or more each, else 1", rich_help_panel=COMPUTE),
           force: bool = typer.Option(False, "--force", help="run in an --out folder that holds a run of another "
                                      "configuration (its results.json is replaced; arms of matching configs reused)", rich_help_panel=RUN),
           model: str = in_panel(MODEL, COMPUTE), device: str = in_panel(DEVICE, COMPUTE),
@@ -127,6 +128,7 @@ def bench(preset: Optional[str] = in_panel(BENCH_PRESET, RUN),
             flags.setdefault("data", {})[key] = value
     set_precision(flags, precision)
     cfg = run_config(preset, config_file, flags, set_)
+    workers = parse_workers(workers)
     with contextlib.ExitStack() as stack:  # a folder this run made is removed if it fails before writing in it
         if optimizers:
             if sweep:
@@ -156,7 +158,7 @@ def bench(preset: Optional[str] = in_panel(BENCH_PRESET, RUN),
             if base_seeds < 1 or base_seeds > 1 and model != "byte-gpt":
                 raise ForgetlessError(f"--base-seeds {base_seeds}: give N >= 1 bases to pretrain; a pretrained --model "
                                       "has one base (its variance is not sampled)")
-            if instructions and workers > 1:
+            if instructions and workers is not None and workers > 1:
                 raise ForgetlessError("--workers runs forgetless's own bases and arms side by side; an instruction stream "
                                       "on a pretrained model runs in one process (use --workers 1)")
             run = Instructions() if instructions else registry[protocol]
@@ -625,6 +627,16 @@ def listening(host: str, port: int):
     except OSError as e:
         raise ForgetlessError(f"cannot listen on {host}:{port} ({e.strerror or e}); give another --host or --port") \
             from None
+
+
+def parse_workers(text: str) -> int | None:
+    """--workers: a count, or auto (None: the plan chooses)."""
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ForgetlessError(f"--workers takes a number of processes or auto, got {text!r}") from None
 
 
 def set_precision(flags: dict, precision: Optional[str]):

@@ -50,7 +50,7 @@ class Optimizers(Protocol):
         results = TwoDomain().run(ctx, specs)
         results.extra["optimizers"] = list(self.optimizers)
         results.extra["pretraining"] = pretraining_runs(ctx.cfg, self.optimizers, list(range(self.pretrain_seeds)),
-                                                  ctx.device, ctx.workers)
+                                                  ctx.device, ctx.workers or 1)
         return results
 
 

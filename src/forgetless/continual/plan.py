@@ -23,7 +23,7 @@ from forgetless.continual.base_model import base_label, base_path, cached_base, 
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.protocol import RunContext
 from forgetless.data.splits import Batch
-from forgetless.continual.workers import run_jobs, worker_threads
+from forgetless.continual.workers import can_fork, run_jobs, worker_threads
 from forgetless.errors import ForgetlessError
 from forgetless.methods import Method, build_method
 from forgetless.models.gpt import GPT, GPTConfig
@@ -44,6 +44,7 @@ class Plan:
     calibration_s: float = 0.0
     calibrated: bool = True  # False: no estimate (a pretrained model: each loop shows its own time left)
     workers: int = 1         # processes side by side: the bases, then the arms, split between them
+    auto: bool = False       # several `workers` chosen by the plan (--workers auto), not given
 
     @property
     def seconds(self) -> float:
@@ -65,6 +66,7 @@ class Plan:
             return f"plan: {', '.join(parts)}"
         threads = worker_threads(self.workers)
         on = f" on {self.workers} workers" if self.workers > 1 else ""
+        on += " (auto)" if self.auto else ""
         return (f"plan: {', '.join(parts)} · about {duration(self.seconds)}{on} "
                 f"(from steps timed here, {threads} thread{'s' if threads > 1 else ''}, in {self.calibration_s:.1f} s)")
 
@@ -184,10 +186,10 @@ def run_arms(ctx: RunContext, built: dict, domain, tokenizer, pretrained, run_co
     with progress_task("bench", total=total, percent=plan.calibrated, rate=rate) as advance:
         def arm_done(i, result):
             by_index[i] = result
-            advance(0 if arm_jobs[i].done else units[id(arm_jobs[i])])
+            advance(0 if arm_jobs[i].done else units[id(arm_jobs[i])], arms=f"{len(by_index)}/{len(todo)}")
         run_jobs([lambda c=c, p=p: cached_base(c, p, domain, tokenizer, device) for c, p in bases.values()],
-                 workers, lambda i, _: advance(0 if base_jobs[i].done else units[id(base_jobs[i])]))
-        run_jobs([arm(*job) for job in todo], workers, arm_done)
+                 plan.workers, lambda i, _: advance(0 if base_jobs[i].done else units[id(base_jobs[i])]))
+        run_jobs([arm(*job) for job in todo], plan.workers, arm_done, [j.seconds for j in arm_jobs])
     for i, (seed, label, _, _) in enumerate(todo):  # in seed order, whatever order they finished in
         results[label].append(by_index[i])
     if pretrained:
@@ -196,28 +198,56 @@ def run_arms(ctx: RunContext, built: dict, domain, tokenizer, pretrained, run_co
     return results, bases_summary(list(bases))
 
 
+AUTO_ARM_S = 5.0  # --workers auto: processes side by side when an arm is estimated to take this long or longer
+AUTO_MAX_WORKERS = 8
+
+
 def make_plan(built: dict, model_cfg: GPTConfig, bases: dict, todo: list, device, arm_seconds, calibrated: bool,
-              n_windows: int, workers: int = 1) -> Plan:
+              n_windows: int, workers: int | None = 1) -> Plan:
     """The jobs of `run_arms`, each marked done (cached base, saved arm) or estimated (when `calibrated`, with
-    the threads each of the `workers` gets)."""
+    the threads each job gets: a phase of one job runs in this process with all its threads).
+
+    `workers` None (--workers auto): one process of one thread per CPU thread (at most AUTO_MAX_WORKERS) when
+    the arms left are several and estimated at AUTO_ARM_S seconds or more each (a fork then pays; forgetless's
+    own models on a CPU only), else 1."""
+    if workers is not None:
+        return timed_plan(built, model_cfg, bases, todo, device, arm_seconds, calibrated, n_windows, workers)
+    side_by_side = min(torch.get_num_threads(), AUTO_MAX_WORKERS)
+    if calibrated and device.type == "cpu" and side_by_side > 1 and len(todo) > 1 and can_fork():
+        plan = timed_plan(built, model_cfg, bases, todo, device, arm_seconds, calibrated, n_windows, side_by_side)
+        arms = [j.seconds for j in plan.jobs if j.kind == "arm" and not j.done]
+        if len(arms) > 1 and sum(arms) / len(arms) >= AUTO_ARM_S:
+            return dataclasses.replace(plan, auto=True)
+    return timed_plan(built, model_cfg, bases, todo, device, arm_seconds, calibrated, n_windows, 1)
+
+
+def timed_plan(built: dict, model_cfg: GPTConfig, bases: dict, todo: list, device, arm_seconds, calibrated: bool,
+               n_windows: int, workers: int) -> Plan:
     calibration = Calibration(device) if calibrated else None
     threads = torch.get_num_threads()
-    torch.set_num_threads(worker_threads(workers))
     try:
-        jobs = plan_jobs(built, model_cfg, bases, todo, calibration, arm_seconds, n_windows)
+        torch.set_num_threads(threads if len(bases) < 2 else worker_threads(workers))  # run_jobs: one job, here
+        jobs = plan_bases(bases, calibration, n_windows)
+        torch.set_num_threads(threads if len(todo) < 2 else worker_threads(workers))
+        jobs += plan_arms(built, model_cfg, todo, calibration, arm_seconds)
     finally:
         torch.set_num_threads(threads)
     return Plan(jobs, calibration.spent if calibration else 0.0, calibrated, workers)
 
 
-def plan_jobs(built: dict, model_cfg: GPTConfig, bases: dict, todo: list, calibration, arm_seconds,
-              n_windows: int) -> list[Job]:
-    """Every base, then every arm, as a Job: done, or its seconds from `calibration` (None: no estimate)."""
+def plan_bases(bases: dict, calibration, n_windows: int) -> list[Job]:
+    """Every base as a Job: done (cached), or its seconds from `calibration` (None: no estimate)."""
     jobs = []
     for path, (base_cfg, pretrain) in bases.items():
         done = path.exists()
         seconds = 0.0 if done or not calibration else pretrain_seconds(calibration, base_cfg, pretrain, n_windows)
         jobs.append(Job("base", f"{base_label(base_cfg)} seed {pretrain.seed}", seconds, done))
+    return jobs
+
+
+def plan_arms(built: dict, model_cfg: GPTConfig, todo: list, calibration, arm_seconds) -> list[Job]:
+    """Every arm as a Job: done (saved), or its seconds from `calibration` (None: no estimate)."""
+    jobs = []
     for seed, label, arm_path, config in todo:
         done = saved_arm(arm_path, config) is not None
         method = built[label]

@@ -35,12 +35,12 @@ class RunContext:
     model: str = "byte-gpt"                           # forgetless's own GPTs, or a pretrained model's spec
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     base_seeds: int = 1                               # forgetless bases pretrained per run (seed s: base s mod N)
-    workers: int = 1                                  # processes side by side (CPU)
+    workers: int | None = 1                           # processes side by side (CPU); None: auto (plan.make_plan)
     precision: dict = field(default_factory=dict)     # results.json's record: {used, requested, why} (settle_precision)
 
 
 def run_context(cfg: RunConfig, seeds: list[int], out: Path, preset: str, device: str | torch.device = "auto",
-                model: str = "byte-gpt", base_seeds: int = 1, workers: int = 1, pretrains: bool = True) -> RunContext:
+                model: str = "byte-gpt", base_seeds: int = 1, workers: int | None = 1, pretrains: bool = True) -> RunContext:
     """The context of a run, checked before any work: `device` resolved (auto: CUDA when there is one), a
     precision it lacks refused (the pretraining's too where the protocol `pretrains` bases), and `workers`."""
     device = resolve_device(device)
@@ -60,7 +60,7 @@ class Protocol:
         raise NotImplementedError
 
     def __call__(self, cfg: RunConfig, methods: list[MethodSpec | str], seeds: list[int], out: Path, preset: str,
-                 device: str = "auto", model: str = "byte-gpt", base_seeds: int = 1, workers: int = 1) -> RunResult:
+                 device: str = "auto", model: str = "byte-gpt", base_seeds: int = 1, workers: int | None = 1) -> RunResult:
         """The protocol over a context made from these settings (the Python API: run_two_domain(cfg, ...))."""
         ctx = run_context(cfg, seeds, out, preset, device, model, base_seeds, workers, self.pretrains)
         return self.run(ctx, methods)

@@ -21,8 +21,15 @@ from forgetless.progress import console
 _jobs: list[Callable] = []  # the jobs of the running pool: forked workers inherit them
 
 
-def check_workers(workers: int, device: torch.device):
-    """A one-line error for a worker count the run cannot use."""
+def can_fork() -> bool:
+    """Whether jobs can run in forked processes here (Linux, not under torchrun)."""
+    return "fork" in multiprocessing.get_all_start_methods() and int(os.environ.get("WORLD_SIZE", "1")) == 1
+
+
+def check_workers(workers: int | None, device: torch.device):
+    """A one-line error for a worker count the run cannot use (None: auto, chosen by the plan)."""
+    if workers is None:
+        return
     if workers < 1:
         raise ForgetlessError(f"--workers must be at least 1, got {workers}")
     if workers > 1 and device.type != "cpu":
@@ -33,18 +40,21 @@ def check_workers(workers: int, device: torch.device):
         raise ForgetlessError("--workers and torchrun do not mix: torchrun already runs one process per rank")
 
 
-def run_jobs(jobs: list[Callable], workers: int, done: Callable[[int, object], None]):
-    """Run `jobs`; `done(i, result)` in the parent as each finishes (in order when workers == 1)."""
+def run_jobs(jobs: list[Callable], workers: int, done: Callable[[int, object], None],
+             seconds: list[float] | None = None):
+    """Run `jobs`; `done(i, result)` in the parent as each finishes (in order when workers == 1). With their
+    estimated `seconds`, workers take the longest first (the last to finish then waits least for the others)."""
     if workers == 1 or len(jobs) < 2:
         for i, job in enumerate(jobs):
             done(i, job())
         return
     global _jobs
     _jobs = jobs
+    order = sorted(range(len(jobs)), key=lambda i: -seconds[i]) if seconds else range(len(jobs))
     try:
         with multiprocessing.get_context("fork").Pool(min(workers, len(jobs)), _start_worker,
                                                       (worker_threads(workers),)) as pool:
-            for i, result in pool.imap_unordered(_run, range(len(jobs))):
+            for i, result in pool.imap_unordered(_run, order):
                 done(i, result)
     finally:
         _jobs = []
