@@ -24,7 +24,7 @@ at start_task on `--fisher-windows` windows (setup, not step time).
 
     python benchmarks/bench_real.py [--methods all|lora,neutral,...] [--steps 5] [--warmup 1] [--batch 8]
         [--tokens 200] [--answer-tokens 32] [--threads 2] [--model smollm2-135m|hf:PATH]
-        [--config llama-1b] [--device cpu|cuda] [--precision fp32|bf16] [--quick]
+        [--config llama-1b] [--device cpu|cuda] [--precision fp32|bf16] [--profile N] [--quick]
 
 `--config` times a random-initialised transformers model of a named shape instead of a pretrained one
 (`llama-1b`: Llama 3.2 1B's, 1.24B parameters; `llama-tiny`: seconds on a CPU, to check the script).
@@ -91,6 +91,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--config", choices=sorted(CONFIGS), help="a random-initialised Llama of this shape instead of --model")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="autocast of forward and loss")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after the rounds, one more step of each model of a pair under torch.profiler: the N "
+                             "operators whose self CPU time exceeds LoRA's most (where a method's extra time goes)")
     parser.add_argument("--quick", action="store_true", help="check the script: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
     args = parser.parse_args()
     if args.quick:  # options given explicitly win
@@ -233,9 +236,27 @@ def interleaved(base, spec, batch: Batch, cfg, args) -> dict:
         lora_ms.append(lora.step())
         ms.append(arm.step())
     out = {**arm.facts, **memory, "rss_before_mb": rss_before, "loss": arm.loss, "step_ms": ms, "lora_ms": lora_ms}
+    if args.profile:
+        out["profile"] = extra_ops(arm, lora, args.profile)
     del arm, lora
     free()
     return out
+
+
+def op_ms(arm: Arm) -> dict[str, float]:
+    """Self CPU ms per operator over one more step of `arm` (under the profiler, so small operators weigh more)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        arm.step()
+    return {e.key: e.self_cpu_time_total / 1000 for e in prof.key_averages()}
+
+
+def extra_ops(arm: Arm, lora: Arm, n: int) -> list[list]:
+    """[operator, method ms, LoRA ms] of the `n` operators whose self time in one step of `arm` exceeds that in
+    one step of `lora` most; first the total."""
+    mine, theirs = op_ms(arm), op_ms(lora)
+    top = sorted(set(mine) | set(theirs), key=lambda op: theirs.get(op, 0.0) - mine.get(op, 0.0))[:n]
+    total = ["total", round(sum(mine.values()), 1), round(sum(theirs.values()), 1)]
+    return [total] + [[op, round(mine.get(op, 0.0), 1), round(theirs.get(op, 0.0), 1)] for op in top]
 
 
 def row(r: dict, tokens: int) -> dict:
@@ -252,6 +273,8 @@ def row(r: dict, tokens: int) -> dict:
            "step_ms_all": [round(t, 1) for t in r["step_ms"]], "baseline_ms_all": [round(t, 1) for t in r["lora_ms"]]}
     if "peak_cuda_mb" in r:
         out["peak_cuda_mb"] = round(r["peak_cuda_mb"])
+    if "profile" in r:
+        out["profile_ms"] = r["profile"]  # [operator, method ms, LoRA ms], the total first
     return out
 
 
@@ -293,6 +316,8 @@ def main():
         print(f"  {spec.label}: {r['ms']:.0f} ms/step [{r['ms_spread']['q1']:.0f}-{r['ms_spread']['q3']:.0f}], "
               f"LoRA in the same rounds {r['baseline_ms']:.0f} [{r['baseline_ms_spread']['q1']:.0f}-"
               f"{r['baseline_ms_spread']['q3']:.0f}]: {r['ratio']:.2f}x (setup {r['setup_s']:.1f} s)", flush=True)
+        for op, mine, theirs in r.get("profile_ms", []):
+            print(f"    {op:<40} {mine:>9.1f} ms  LoRA {theirs:>9.1f} ms  (+{mine - theirs:.1f})", flush=True)
     lora_all = [t for r in rows.values() for t in r["baseline_ms_all"]]
     baseline_ms = statistics.median(lora_all) if lora_all else float("nan")
     load_end = os.getloadavg()

@@ -34,7 +34,7 @@ def bench_real(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_bench_real_quick_interleaves_each_method_with_its_own_lora():
-    run = bench_real("--quick", "--threads", "1", "--methods", "lora,cms", "--steps", "2")
+    run = bench_real("--quick", "--threads", "1", "--methods", "lora,cms", "--steps", "2", "--profile", "3")
     assert run.returncode == 0, run.stderr[-2000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["config"]["model"] == "llama-tiny" and out["config"]["threads"] == 1 and out["config"]["precision"] == "fp32"
@@ -47,6 +47,9 @@ def test_bench_real_quick_interleaves_each_method_with_its_own_lora():
         assert low <= r["ratio"] + 1e-3 and r["ratio"] <= high + 1e-3  # two rounds: the ratio of sums lies between
         assert r["ms_spread"]["min"] <= r["ms"] <= r["ms_spread"]["max"] and r["peak_rss_mb"] >= r["rss_before_mb"] > 0
     assert out["methods"]["cms"]["trainable_params"] > out["methods"]["lora"]["trainable_params"]
+    profile = out["methods"]["cms"]["profile_ms"]  # the total, then the 3 operators most over LoRA's
+    assert profile[0][0] == "total" and len(profile) == 4 and all(mine >= 0 and lora >= 0 for _, mine, lora in profile)
+    assert [op[2] - op[1] for op in profile[1:]] == sorted(op[2] - op[1] for op in profile[1:])
     pooled = [t for r in out["methods"].values() for t in r["baseline_ms_all"]]
     assert out["baseline_ms"] == pytest.approx(statistics.median(pooled), abs=0.1)
     assert "target <= 1.3x" in run.stdout
