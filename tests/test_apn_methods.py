@@ -176,3 +176,19 @@ def test_apn_arm_on_a_dense_model_is_refused():
     matched = build_method("apn-param-matched")
     with pytest.raises(ForgetlessError, match="method apn-param-matched needs a base with n_patches="):
         attach(GPT(build_method("apn").base_config(DENSE)), matched)  # a K=256 base is not the matched one
+
+
+@pytest.mark.parametrize("options, head_positions", [({}, 3), ({"gate_on": "router"}, 3), ({"gate_on": "entropy"}, 8)])
+def test_answers_only_loss_runs_the_output_head_only_where_rows_are_scored(options, head_positions):
+    """APN on a transformers model: the head runs at the 3 scored positions of 8, as LoRA's does, unless
+    gate_on=entropy needs every position's predictive entropy (the routing regularizer covers all tokens)."""
+    from forgetless.data.splits import Batch
+    from tiny_models import hf_llama
+    adapted = attach(hf_llama(), "apn-retrofit", **options)
+    x = torch.randint(256, (2, 8))
+    y = x.clone()
+    y[:, :5] = -100  # the prompt: not scored
+    widths = []
+    adapted.model.get_output_embeddings().register_forward_hook(lambda m, i, out: widths.append(out.shape[1]))
+    loss = adapted.loss(Batch(x, y, torch.zeros(2, dtype=torch.bool)))
+    assert widths == [head_positions] and torch.isfinite(loss)

@@ -269,11 +269,15 @@ class APNMethod(Method):
         self.allocations = int(tensors.get("allocations", torch.tensor(0)))
 
     # ---- loss and diagnostics -------------------------------------------------------------
-    def token_weights(self, logits, batch):
-        """gate_on=entropy: train only on tokens whose predictive entropy (nats) is in range; the
-        routing regularizer of every APN layer is then taken over those tokens only."""
-        if self.cfg.gate_on != "entropy":
-            return None
+    @property
+    def token_weights(self):
+        """`entropy_weights` under gate_on=entropy, else None: the loss then needs only the scored positions'
+        logits (training_loss skips the output head elsewhere, a fifth of a SmolLM2 step with answers-only loss)."""
+        return self.entropy_weights if self.cfg.gate_on == "entropy" else None
+
+    def entropy_weights(self, logits, batch):
+        """Train only on tokens whose predictive entropy (nats) is in range; the routing regularizer of every
+        APN layer is then taken over those tokens only."""
         with torch.no_grad():
             logp = logits.log_softmax(-1)
             entropy = -(logp.exp() * logp).sum(-1)                                   # (B, T) nats
