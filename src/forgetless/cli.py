@@ -90,8 +90,8 @@ def bench(preset: Optional[str] = in_panel(BENCH_PRESET, RUN),
           sweep: Optional[list[str]] = typer.Option(None, "--sweep", help="METHOD.OPTION=V1,V2,... (repeatable): an "
                                                     "arm per value, e.g. lora.lr=1e-4,1e-3; frontier figure and table", rich_help_panel=ARMS),
           workers: str = typer.Option("auto", "--workers", help="processes that pretrain the bases and run the arms side "
-                                      "by side on a CPU, one thread share each (Linux); auto: one per CPU thread (at "
-                                      "most 8) when the plan times the arms at 5 s or more each, else 1", rich_help_panel=COMPUTE),
+                                      "by side on a CPU, one thread share each (Linux); auto: one per torch thread (at "
+                                      "most 8) when the plan times the arms left at 5 s or more on average, else 1", rich_help_panel=COMPUTE),
           force: bool = typer.Option(False, "--force", help="run in an --out folder that holds a run of another "
                                      "configuration (its results.json is replaced; arms of matching configs reused)", rich_help_panel=RUN),
           model: str = in_panel(MODEL, COMPUTE), device: str = in_panel(DEVICE, COMPUTE),

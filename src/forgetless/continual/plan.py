@@ -198,7 +198,7 @@ def run_arms(ctx: RunContext, built: dict, domain, tokenizer, pretrained, run_co
     return results, bases_summary(list(bases))
 
 
-AUTO_ARM_S = 5.0  # --workers auto: processes side by side when an arm is estimated to take this long or longer
+AUTO_ARM_S = 5.0  # --workers auto: processes side by side when the arms to run are estimated at this mean or more
 AUTO_MAX_WORKERS = 8
 
 
@@ -207,13 +207,14 @@ def make_plan(built: dict, model_cfg: GPTConfig, bases: dict, todo: list, device
     """The jobs of `run_arms`, each marked done (cached base, saved arm) or estimated (when `calibrated`, with
     the threads each job gets: a phase of one job runs in this process with all its threads).
 
-    `workers` None (--workers auto): one process of one thread per CPU thread (at most AUTO_MAX_WORKERS) when
-    the arms left are several and estimated at AUTO_ARM_S seconds or more each (a fork then pays; forgetless's
-    own models on a CPU only), else 1."""
+    `workers` None (--workers auto): one process of one thread per torch thread (at most AUTO_MAX_WORKERS) when
+    two or more arms are left to run and the plan estimates them at AUTO_ARM_S seconds or more on average (a fork
+    then pays; forgetless's own models on a CPU, forked processes allowed, no torchrun), else 1."""
     if workers is not None:
         return timed_plan(built, model_cfg, bases, todo, device, arm_seconds, calibrated, n_windows, workers)
     side_by_side = min(torch.get_num_threads(), AUTO_MAX_WORKERS)
-    if calibrated and device.type == "cpu" and side_by_side > 1 and len(todo) > 1 and can_fork():
+    left = sum(saved_arm(path, config) is None for _, _, path, config in todo)
+    if calibrated and device.type == "cpu" and side_by_side > 1 and left > 1 and can_fork():
         plan = timed_plan(built, model_cfg, bases, todo, device, arm_seconds, calibrated, n_windows, side_by_side)
         arms = [j.seconds for j in plan.jobs if j.kind == "arm" and not j.done]
         if len(arms) > 1 and sum(arms) / len(arms) >= AUTO_ARM_S:

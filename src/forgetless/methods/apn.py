@@ -272,7 +272,7 @@ class APNMethod(Method):
     @property
     def token_weights(self):
         """`entropy_weights` under gate_on=entropy, else None: the loss then needs only the scored positions'
-        logits (training_loss skips the output head elsewhere, a fifth of a SmolLM2 step with answers-only loss)."""
+        logits (training_loss skips the output head elsewhere: a fifth of apn-retrofit's SmolLM2 step, docs/RESULTS.md)."""
         return self.entropy_weights if self.cfg.gate_on == "entropy" else None
 
     def entropy_weights(self, logits, batch):
