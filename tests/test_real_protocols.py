@@ -9,7 +9,9 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from forgetless import from_pretrained
+from forgetless.adapted import CONFIG
 from forgetless.cli import app
+from forgetless.methods.base import FINE_TUNING_LR
 from tiny_models import bpe_tokenizer, gguf_llama
 
 runner = CliRunner()
@@ -126,3 +128,16 @@ def test_adapt_and_eval_take_a_pretrained_model(run, tmp_path):
     result = runner.invoke(app, ["adapt", "--model", model, "--method", "lora", "--domain-b", str(run / "b.txt"),
                                  "--out", str(tmp_path / "x")])
     assert result.exit_code == 2 and "--model with --domain-a" in " ".join(result.output.split())
+
+
+def test_adapt_a_pretrained_model_to_a_corpus_defaults_to_the_real_preset(run, tmp_path):
+    """Without --preset, `adapt --model M --domain-b C` takes `real` (as bench --model does): precision auto
+    (said), and the methods' options for pretrained weights (full fine-tuning at Trainer's 5e-5, not quick's 3e-4)."""
+    result = runner.invoke(app, ["adapt", "--model", f"hf:{run / 'model'}", "--method", "full", "--domain-a",
+                                 str(run / "a.txt"), "--domain-b", str(run / "b.txt"), "--model-block-size", "32",
+                                 "--adapt-steps", "2", "--data-eval-windows", "4", "--out", str(tmp_path / "arm")])
+    assert result.exit_code == 0, result.output
+    assert "precision fp32 (" in result.output  # auto resolved and said; quick's fp32 says nothing
+    saved = json.loads((tmp_path / "arm" / "metrics.json").read_text())
+    assert saved["method"] == "full" and saved["ppl_b_after"] < saved["ppl_b_before"]
+    assert json.loads((tmp_path / "arm" / "seed0" / CONFIG).read_text())["options"]["lr"] == FINE_TUNING_LR

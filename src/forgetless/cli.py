@@ -45,7 +45,7 @@ def run_config(preset: str, config_file, flags, sets):
 
 
 PRESET = typer.Option("quick", help="smoke (seconds), quick (minutes on a laptop CPU), paper (GPU)")
-BENCH_PRESET = typer.Option(None, "--preset", help="smoke (seconds), first (the first run: under 10 minutes on 2 "
+BENCH_PRESET = typer.Option(None, "--preset", help="smoke (seconds), first (the first run: about 5 minutes on 2 "
                             "CPU cores), quick (the complete comparison, under an hour), paper (GPU), real / real-full "
                             "(pretrained models) [default: first; real with a pretrained --model]")
 MODEL = typer.Option("byte-gpt", "--model", help="byte-gpt (small GPTs forgetless pretrains on A), smollm2-135m "
@@ -228,7 +228,7 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
                                    "loaded by forgetless.from_pretrained or `eval --method-state`)"),
           max_length: int = typer.Option(512, help="with --data: tokens per row (longer prompts lose their start)"),
           seed: int = 0, preset: Optional[str] = typer.Option(None, help="smoke (seconds), quick, paper (GPU), real "
-                                                               "(default: quick; real with --data)"),
+                                                               "(default: quick; real with --model or --data)"),
           device: str = DEVICE, precision: Optional[str] = PRECISION,
           fsdp: bool = typer.Option(False, "--fsdp", help="under torchrun: shard the --model over the processes "
                                     "(FSDP) instead of copying it to each; lora, seq-lora or full, with adamw"),
@@ -243,7 +243,7 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     from forgetless.continual.base_model import load_base
     from forgetless.data.domains import load_domains
     from forgetless.methods.base import as_specs
-    from forgetless.presets import settle_precision
+    from forgetless.presets import default_preset, settle_precision
 
     set_precision(flags, precision)
     device = resolve_device(device)
@@ -259,7 +259,9 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     if is_task_spec(domain_b) and Path(domain_b).is_file():
         raise ForgetlessError(f"--domain-b takes a text corpus, and {domain_b} holds records; give it as --data "
                               f"{domain_b} (with --model)")
-    cfg, _ = settle_precision(run_config(preset or "quick", config_file, flags, set_), device)
+    preset = preset or (default_preset(model) if model else "quick")  # a pretrained model: real (methods' options
+    # for pretrained weights, auto precision)
+    cfg, _ = settle_precision(run_config(preset, config_file, flags, set_), device)
     if (base is None) == (model is None) or model and not domain_a:
         raise ForgetlessError("give --base (a pretrained forgetless GPT) or --model with --domain-a (the text whose "
                               "retention is measured), not both")
