@@ -2,6 +2,8 @@
 one-line errors for every bad input. All from local files; the SmolLM2 test is marked slow."""
 import json
 import os
+import socket
+import subprocess
 import sys
 import time
 
@@ -122,8 +124,13 @@ def test_gguf_conversion_is_cached_and_loads_to_the_same_model(gguf_file, tmp_pa
     """The first load writes the float32 folder; the next reads it (no conversion) to identical logits, with the
     names of a converted load (so export still sees a GGUF base, not a folder a PEFT adapter could name)."""
     monkeypatch.setenv("FORGETLESS_CACHE", str(tmp_path))
+    target = hf.gguf_cache(gguf_file)[0]  # a conversion killed midway left its half-written folder beside it:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = target.with_name(f".{target.name}.tmp-{socket.gethostname()}-{int(dead.stdout)}")
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half")
     model, tok = load_model(str(gguf_file))
-    [folder] = (tmp_path / "models").iterdir()
+    [folder] = (tmp_path / "models").iterdir()  # the half-written folder is gone
     assert folder.name.startswith("tiny-llama-") and (folder / hf.GGUF_SOURCE).is_file()
     monkeypatch.setattr(hf, "convert_gguf", lambda path: pytest.fail("converted again"))
     again, tok_again = load_model(str(gguf_file))

