@@ -82,7 +82,7 @@ def alive(pid: int) -> bool:
 def remove_unfinished(stale: Path):
     """Delete what a killed writer left at `stale` (a `private_folder`, or a file of older versions)."""
     if stale.is_dir():
-        shutil.rmtree(stale)
+        shutil.rmtree(stale, ignore_errors=True)  # another process may be removing it too
     else:
         stale.unlink(missing_ok=True)
 
