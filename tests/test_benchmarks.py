@@ -42,7 +42,10 @@ def test_bench_real_quick_interleaves_each_method_with_its_own_lora():
     for r in out["methods"].values():
         steps, lora = r["step_ms_all"], r["baseline_ms_all"]
         assert len(steps) == len(lora) == 2  # one LoRA step per round, beside the method's
-        assert r["ratio"] == pytest.approx(statistics.median(steps) / statistics.median(lora), rel=0.01)
+        # the kept steps are rounded to 0.1 ms: the ratio lies within what those roundings allow (and its own 3 digits)
+        least = statistics.median(t - 0.05 for t in steps) / statistics.median(t + 0.05 for t in lora)
+        most = statistics.median(t + 0.05 for t in steps) / statistics.median(t - 0.05 for t in lora)
+        assert least - 5e-4 <= r["ratio"] <= most + 5e-4
         low, high = r["ratio_per_round"]
         assert low <= r["ratio"] + 1e-3 and r["ratio"] <= high + 1e-3  # two rounds: the ratio of sums lies between
         assert r["ms_spread"]["min"] <= r["ms"] <= r["ms_spread"]["max"] and r["peak_rss_mb"] >= r["rss_before_mb"] > 0
