@@ -1,17 +1,20 @@
 """The instruction-task sequence on a (tiny, random) pretrained model: R with general ability as task 0,
 held-out tasks, general perplexity, saved and reused arms, the report."""
 import copy
+import io
 import json
 
 import pytest
+from rich.console import Console
 
 from forgetless import attach
 from forgetless.continual.instruct import load_stream, run_on, scores
 from forgetless.data.instructions import load_task
 from forgetless.errors import ForgetlessError
 from forgetless.presets import build_config
-from forgetless.report import write_report
+from forgetless.report import terminal_table, write_report
 from forgetless.report.frontier import operating_points
+from forgetless.report.results import RunResult
 from tiny_lm import tiny_llama, tiny_tokenizer
 from tiny_results import round_trips
 
@@ -49,6 +52,10 @@ def test_instruction_sequence_scores_every_task_after_every_task(tmp_path, capsy
     files = write_report(results, tmp_path)
     assert (tmp_path / "r_matrix.png") in files and "OP tasks 1..T" in (tmp_path / "results.md").read_text()
     assert round_trips(tmp_path / "results.json")
+    console = Console(width=80, file=io.StringIO(), record=True)  # a narrow terminal: labels and digits kept whole
+    console.print(terminal_table(RunResult.load(tmp_path), "sequence", "caption"))
+    text = console.export_text()
+    assert "…" not in text and all(f"│ {label} " in text for label in results["methods"]), text
     arm = (tmp_path / "arms" / "full" / "seed0.json").stat().st_mtime
     run(tmp_path, ["full"])
     assert (tmp_path / "arms" / "full" / "seed0.json").stat().st_mtime == arm  # reused, not run again

@@ -15,8 +15,8 @@ from forgetless.report.frontier import (curves, frontier_figure, frontier_markdo
                                         operating_points)
 from forgetless.report.results import RunResult
 from forgetless.report.study import op_vs_bwt, study_markdown
-from forgetless.report.tables import (markdown, sequence_markdown, sequence_terminal_rows, terminal_rows, write_csv,
-                                      write_sequence_csv)
+from forgetless.report.tables import (markdown, rich_table, sequence_markdown, sequence_terminal_rows, terminal_rows,
+                                      write_csv, write_sequence_csv)
 
 
 def write_report(results: RunResult, out: Path, figures: bool = True) -> list[Path]:
@@ -92,18 +92,8 @@ def skipped(files: list[Path]) -> list[Path]:
 
 def terminal_table(results: RunResult, title: str, caption: str):
     """The rich table `forgetless bench` prints: the terminal columns of either protocol."""
-    from rich.markup import escape
-    from rich.table import Table
-
     rows_of = {"two-domain": terminal_rows, "sequence": sequence_terminal_rows, "online": online_terminal_rows}
-    heads, body = rows_of[results.protocol](results)
-    table = Table(title=title, caption=caption)
-    for h in heads:  # a long method label folds onto a second line; numbers never do
-        table.add_column(h, justify="left" if h == "method" else "right", no_wrap=h != "method",
-                         overflow="fold" if h == "method" else "ellipsis")
-    for r in body:
-        table.add_row(*map(escape, r))  # method specs such as ewc[lam=1e4] look like markup
-    return table
+    return rich_table(*rows_of[results.protocol](results), title, caption)
 
 
 def r_matrices(results: RunResult) -> dict:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from forgetless.report.figures import colors, plt, save
 from forgetless.report.results import RunResult
-from forgetless.report.tables import sequence_markdown
+from forgetless.report.tables import rich_table, sequence_markdown
 
 
 def interval(stat: dict | None, fmt: str = "{:.1f}", scale: float = 1.0) -> str:
@@ -90,21 +90,12 @@ def study_markdown(results: RunResult) -> str:
 
 def terminal_tables(results: RunResult, title: str, caption: str) -> list:
     """The rich tables `forgetless study` prints: ours, then the published rows (when the stream has some)."""
-    from rich.markup import escape
-    from rich.table import Table
-
     tables = []
     heads, body = reference_rows(results)
     published = (heads[:-1], [r[:-1] for r in body])  # without the source column: results.md has it
     for (heads, body), ours in ((study_rows(results), True), (published, False)):
-        if not body:
-            continue
-        table = Table(title=title if ours else None, caption=caption if ours else None)
-        for i, h in enumerate(heads):  # our numbers right-aligned; the published rows' text left
-            table.add_column(h, justify="right" if ours and i else "left", overflow="fold")
-        for r in body:
-            table.add_row(*map(escape, r))
-        tables.append(table)
+        if body:  # our numbers right-aligned; the published rows' text left
+            tables.append(rich_table(heads, body, title if ours else None, caption if ours else None, numbers=ours))
     return tables
 
 

@@ -79,6 +79,24 @@ def interval_lines(results: RunResult, keys: list[tuple[str, str, float]]) -> li
     return lines
 
 
+def rich_table(heads: list[str], body: list[list[str]], title: str | None = None, caption: str | None = None,
+               numbers: bool = True):
+    """A rich table for the terminal: the first column (the method) keeps the width of its labels (up to 24
+    characters) however narrow the terminal; other cells wrap at their spaces ("41.67 ±" over "0.00") rather than
+    lose digits. `numbers`: the other columns right-aligned."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=title, caption=caption)
+    labels = max((len(r[0]) for r in body), default=0)
+    for i, h in enumerate(heads):
+        table.add_column(h, justify="right" if numbers and i else "left", overflow="fold",
+                         min_width=None if i else min(max(labels, len(h)), 24))
+    for r in body:
+        table.add_row(*map(escape, r))  # method specs such as ewc[lam=1e4] look like markup
+    return table
+
+
 def markdown(results: RunResult) -> str:
     domains = results.extra["domains"]
     lines = [f"Protocol {results.protocol}, preset {results.preset}, domains "
