@@ -17,7 +17,12 @@ def pytest_configure(config):
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["HF_DATASETS_OFFLINE"] = "1"
-    torch.set_num_threads(2)
+    torch.set_num_threads(max(1, 2 // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))  # 2 alone, 1 each under -n
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one test process per core, at most 4 (each holds its own torch, models and fixtures)."""
+    return min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 
 @pytest.fixture(autouse=True)
