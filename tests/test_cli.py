@@ -317,9 +317,15 @@ def test_bracketed_method_options_add_an_arm(tmp_path):
     assert (tmp_path / "arms" / "lora[r=2]" / "seed0.json").exists()
 
 
-def test_listing_commands():
+def test_listing_commands(monkeypatch):
+    from forgetless.cliutil import out_console
     methods = invoke("methods")
     assert methods.exit_code == 0 and "apn-param-matched" in methods.output and "lora" in methods.output
+    monkeypatch.setattr(out_console, "_width", 80)  # a narrow terminal (rich keeps a set width there): the guide's evidence gets the room
+    narrow = invoke("methods").output
+    assert "…" not in narrow and max(map(len, narrow.splitlines())) <= 80  # long words fold, nothing is cut
+    heads = next(line for line in narrow.splitlines() if "you have" in line).strip("┃").split("┃")
+    assert [h.strip() for h in heads] == ["you have", "method", "batches", "evidence"] and len(heads[3]) > 2 * len(heads[0])
     corpora = invoke("corpora", "tinyshakespeare", "shakespeare-folio")
     assert corpora.exit_code == 0
     cells = {row[1].strip(): row[2:] for row in (line.split("│") for line in corpora.output.splitlines())

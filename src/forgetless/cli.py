@@ -527,9 +527,10 @@ def methods():
     from forgetless.models.gpt import GPTConfig
 
     table = Table()
-    table.add_column("method", no_wrap=True)  # names stay whole in a narrow terminal
-    for head in ("base", "in `all` of", "traits", "options (default)", "about"):
-        table.add_column(head)
+    for head in ("method", "base"):  # short names stay whole in a narrow terminal; long words in the others fold
+        table.add_column(head, no_wrap=True)
+    for head in ("in `all` of", "traits", "options (default)", "about"):
+        table.add_column(head, overflow="fold")
     for name in method_names():
         cls = METHODS[name]
         opts = ", ".join(f"{f.name}={f.default if f.default is not dataclasses.MISSING else f.default_factory()}"
@@ -537,9 +538,9 @@ def methods():
         about = (cls.__doc__ or "").strip().splitlines()[:1]
         table.add_row(name, base_label(build_method(name).base_config(GPTConfig())), ", ".join(cls.default_for),
                       traits_text(cls), opts, *about or [""])
-    guide = Table(title="Which method, when", title_justify="left")
-    for head in ("you have", "method", "batches", "evidence"):
-        guide.add_column(head, overflow="fold")
+    guide = Table(title="Which method, when", title_justify="left", expand=True)
+    for head, share in (("you have", 2), ("method", 2), ("batches", 2), ("evidence", 5)):  # the evidence is longest
+        guide.add_column(head, overflow="fold", ratio=share)
     for a in GUIDE:
         guide.add_row(*map(escape, (a.situation, a.method, a.data, f"{a.evidence} ({RESULTS}#{a.anchor})")))
     out_console.print(guide)
