@@ -17,7 +17,8 @@ def pytest_configure(config):
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["HF_DATASETS_OFFLINE"] = "1"
-    torch.set_num_threads(max(1, 2 // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))  # 2 alone, 1 each under -n
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # -n: this is one of that many test processes
+    torch.set_num_threads(max(1, 2 // workers))
 
 
 def pytest_xdist_auto_num_workers(config):

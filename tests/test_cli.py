@@ -321,11 +321,12 @@ def test_listing_commands(monkeypatch):
     from forgetless.cliutil import out_console
     methods = invoke("methods")
     assert methods.exit_code == 0 and "apn-param-matched" in methods.output and "lora" in methods.output
-    monkeypatch.setattr(out_console, "_width", 80)  # a narrow terminal (rich keeps a set width there): the guide's evidence gets the room
+    monkeypatch.setattr(out_console, "_width", 80)  # a narrow terminal (rich fixes a console's width when made)
     narrow = invoke("methods").output
     assert "…" not in narrow and max(map(len, narrow.splitlines())) <= 80  # long words fold, nothing is cut
     heads = next(line for line in narrow.splitlines() if "you have" in line).strip("┃").split("┃")
-    assert [h.strip() for h in heads] == ["you have", "method", "batches", "evidence"] and len(heads[3]) > 2 * len(heads[0])
+    assert [h.strip() for h in heads] == ["you have", "method", "batches", "evidence"]
+    assert len(heads[3]) > 2 * len(heads[0])  # the guide's evidence gets the room
     corpora = invoke("corpora", "tinyshakespeare", "shakespeare-folio")
     assert corpora.exit_code == 0
     cells = {row[1].strip(): row[2:] for row in (line.split("│") for line in corpora.output.splitlines())

@@ -136,7 +136,7 @@ def test_a_method_in_its_own_file_is_registered_and_listed(plugin, monkeypatch):
     from forgetless.cliutil import out_console
     assert METHODS[NAME].__module__ == MODULE
     assert method_names()[-1] == NAME  # after the methods of the design's table
-    monkeypatch.setattr(out_console, "_width", 250)  # a wide terminal: each option on one line (rich keeps its width)
+    monkeypatch.setattr(out_console, "_width", 250)  # a wide terminal: options unfolded
     result = CliRunner().invoke(app, ["methods"])
     assert result.exit_code == 0, result.output
     assert NAME in result.output and "scale=1.0" in result.output
