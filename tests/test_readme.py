@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.xdist_group("readme")  # -n auto --dist loadgroup: one process runs them all, in order
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 GUIDES = ["docs/your-model-and-data.md", "docs/methods.md", "docs/benchmarks.md", "docs/serving.md",
