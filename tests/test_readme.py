@@ -1,7 +1,8 @@
 """The README's and the guides' Python examples run as written, each in a new process, one after another in one
 folder per document (a later example may load what an earlier one saved), and print what the document says they
 print: every block is followed by `<!-- prints: REGEX -->`. A guide's block without that line is only compiled.
-The README's shell commands run too, with small settings (SMALL below)."""
+The README's shell commands run too, after its examples, with small settings (SMALL below). One test per document,
+so a document's steps stay in order in one process under `pytest -n`."""
 import os
 import re
 import shlex
@@ -11,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.xdist_group("readme")  # -n auto --dist loadgroup: one process runs them all, in order
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 GUIDES = ["docs/your-model-and-data.md", "docs/methods.md", "docs/benchmarks.md", "docs/serving.md",
@@ -22,29 +22,24 @@ EXAMPLES = [(doc, code, expected) for doc in ["README.md", *GUIDES]
 RUN = [e for e in EXAMPLES if e[2]]
 
 
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    return {}
-
-
-def folder_of(folders, tmp_path_factory, doc: str) -> Path:
-    if doc not in folders:
-        folders[doc] = tmp_path_factory.mktemp(Path(doc).stem)
-    return folders[doc]
-
-
 def test_readme_has_examples_with_expected_output():
     readme = [e for e in EXAMPLES if e[0] == "README.md"]
     assert len(readme) >= 2 and all(expected for _, _, expected in readme)
     assert len(RUN) >= 9  # the guides' examples run too
 
 
-@pytest.mark.parametrize("doc,code,expected", RUN, ids=[f"{Path(d).stem}-{i}" for i, (d, _, _) in enumerate(RUN)])
-def test_python_example_runs(doc, code, expected, folders, tmp_path_factory):
-    run = subprocess.run([sys.executable, "-c", code], cwd=folder_of(folders, tmp_path_factory, doc),
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert re.search(expected, run.stdout, re.M), run.stdout
+@pytest.mark.parametrize("doc", list(dict.fromkeys(d for d, _, _ in RUN)), ids=lambda d: Path(d).stem)
+def test_python_examples_run_in_order(doc, tmp_path):
+    """A document's examples in its order, in one folder; the README's commands after them (adapt reads the files
+    the first example wrote)."""
+    for i, (_, code, expected) in enumerate(e for e in RUN if e[0] == doc):
+        run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert run.returncode == 0, f"{doc} example {i}: " + run.stderr[-2000:]
+        assert re.search(expected, run.stdout, re.M), f"{doc} example {i}: " + run.stdout
+    if doc == "README.md":
+        for command in [c for c in commands(doc) if c.startswith("forgetless")]:
+            readme_command_runs(command, tmp_path)
 
 
 @pytest.mark.parametrize("doc,code", [(d, c) for d, c, e in EXAMPLES if not e])
@@ -87,16 +82,12 @@ def test_readme_commands_have_small_settings_or_are_setup():
             assert " ".join(shlex.split(command)[:2]) in SMALL, f"no small settings for README command {command!r}"
 
 
-@pytest.mark.parametrize("command", [c for c in commands("README.md") if c.startswith("forgetless")])
-def test_readme_command_runs(command, folders, tmp_path_factory):
-    """In the README's folder, after its Python examples (adapt reads the files the first one wrote)."""
+def readme_command_runs(command: str, folder: Path):
+    """A README command with its small settings, in the folder of the README's examples."""
     args = shlex.split(command)
-    folder = folder_of(folders, tmp_path_factory, "README.md")
-    if "--data" in args and not (folder / args[args.index("--data") + 1]).exists():
-        pytest.skip("the README's first example did not run in this session (it writes the data files)")
     run = subprocess.run([sys.executable, "-m", "forgetless", *args[1:], *SMALL[" ".join(args[:2])]], cwd=folder,
                          capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert run.returncode == 0, (run.stdout + run.stderr)[-3000:]
+    assert run.returncode == 0, command + ": " + (run.stdout + run.stderr)[-3000:]
     if args[1] == "adapt":
         out = folder / args[args.index("--out") + 1]
         assert (out / "report.md").is_file() and (out / "model" / "config.json").is_file()
