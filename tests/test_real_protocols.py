@@ -12,6 +12,7 @@ from forgetless import from_pretrained
 from forgetless.adapted import CONFIG
 from forgetless.cli import app
 from forgetless.methods.base import FINE_TUNING_LR
+from forgetless.train import resolve_precision
 from tiny_models import bpe_tokenizer, gguf_llama
 
 runner = CliRunner()
@@ -137,7 +138,8 @@ def test_adapt_a_pretrained_model_to_a_corpus_defaults_to_the_real_preset(run, t
                                  str(run / "a.txt"), "--domain-b", str(run / "b.txt"), "--model-block-size", "32",
                                  "--adapt-steps", "2", "--data-eval-windows", "4", "--out", str(tmp_path / "arm")])
     assert result.exit_code == 0, result.output
-    assert "precision fp32 (" in result.output  # auto resolved and said; quick's fp32 says nothing
+    used, why = resolve_precision("auto", torch.device("cpu"))  # bf16 on a CPU with AVX-512 BF16 or AMX, else fp32
+    assert f"precision {used} ({why})" in result.output  # auto resolved and said; quick's fp32 says nothing
     saved = json.loads((tmp_path / "arm" / "metrics.json").read_text())
     assert saved["method"] == "full" and saved["ppl_b_after"] < saved["ppl_b_before"]
     assert json.loads((tmp_path / "arm" / "seed0" / CONFIG).read_text())["options"]["lr"] == FINE_TUNING_LR
