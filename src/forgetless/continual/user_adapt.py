@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from forgetless.data.instructions import Encoded, InstructionSampler
 from forgetless.data.user import Collator, load
 from forgetless.errors import ForgetlessError
 from forgetless.methods import Method
+from forgetless.models.hf import LoadConfig, describe
 from forgetless.monitor import PeakRSS
 from forgetless.presets import AdaptConfig
 from forgetless.progress import progress_task
@@ -29,9 +31,9 @@ HELD_OUT = 0.1  # of each data set, scored before and after
 
 
 def adapt_on_data(model: nn.Module, tokenizer, method: Method, new, old, cfg: AdaptConfig, seed: int, out: Path,
-                  max_length: int, model_spec: str | None = None) -> dict:
+                  max_length: int, model_spec: str | None = None, loaded: LoadConfig | None = None) -> dict:
     """Train `method` on `new` (mixing rows of `old` where given) and write out/report.{json,md},
-    out/report.png and the exported model in out/model; returns the report."""
+    out/report.png and the exported model in out/model; returns the report (`loaded`: how the model was loaded)."""
     new_train, new_held = held_out(load(new, tokenizer, max_length), "--data")
     old_train, old_held = held_out(load(old, tokenizer, max_length), "--retain") if old is not None else (None, None)
     cfg = method.training_config(cfg)
@@ -58,7 +60,9 @@ def adapt_on_data(model: nn.Module, tokenizer, method: Method, new, old, cfg: Ad
     report = {"model": model_spec, "method": method.name, "options": method.options(), "seed": seed,
               "rows": {"new_train": len(new_train), "new_held_out": len(new_held),
                        "old_train": len(old_train or []), "old_held_out": len(old_held or [])},
-              "mix": mix, "steps": cfg.steps, "lr": cfg.lr, "precision": cfg.precision, "before": before, "after": after,
+              "mix": mix, "steps": cfg.steps, "lr": cfg.lr, "precision": cfg.precision,
+              "load": {**asdict(loaded or LoadConfig()), "dtype_used": describe(model)["dtype"]},
+              "before": before, "after": after,
               "trainable_params": sum(p.numel() for _, p in params),
               "total_params": sum(p.numel() for p in adapted.model.parameters()),
               "wall_s": wall, "peak_rss_mb": memory.peak_mb, "loss": history.loss,
