@@ -235,3 +235,66 @@ def test_trainer_with_gradient_checkpointing_trains_lora(folder, tmp_path, tok, 
             callbacks=[forgetless.ForgetlessCallback(adapted)]).train()
     assert adapted.model.is_gradient_checkpointing
     assert any(not torch.equal(p, start[n]) for n, p in adapted.trainable_parameters())
+
+
+# ---- checks before the load ------------------------------------------------------------------
+def adapt(monkeypatch, *args):
+    """`forgetless adapt` in this process; the model's load is recorded (refusals must come before it)."""
+    from typer.testing import CliRunner
+
+    from forgetless.cli import app
+    loads = []
+    real = hf.load_folder
+    monkeypatch.setattr(hf, "load_folder", lambda *a: loads.append(a) or real(*a))
+    return CliRunner().invoke(app, ["adapt", *map(str, args)]), loads
+
+
+def records(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("case", ["missing", "missing-retain", "one-record", "fields", "empty-text"])
+def test_adapt_checks_its_data_before_loading_the_model(folder, tmp_path, monkeypatch, case):
+    """A missing file (no minutes spent trying it as a hub dataset), too few records, unknown fields or an empty
+    text file: one line, exit 2, and the model never loaded."""
+    good = records(tmp_path / "new.jsonl", [{"prompt": f"Q{i}", "answer": s} for i, s in enumerate(SENTENCES * 3)])
+    data, retain, said = {
+        "missing": (tmp_path / "nope.jsonl", None, "nope.jsonl: no such file or folder"),
+        "missing-retain": (good, "./old.txt", "--retain ./old.txt: no such file"),
+        "one-record": (records(tmp_path / "one.jsonl", [{"text": "a"}]), None, "has 1 record(s); give at least 2"),
+        "fields": (records(tmp_path / "odd.jsonl", [{"question": "a"}] * 4), None, "has fields question; give records"),
+        "empty-text": (good, tmp_path / "old.txt", "old.txt is empty"),
+    }[case]
+    (tmp_path / "old.txt").write_text("  \n")
+    r, loads = adapt(monkeypatch, "--model", f"hf:{folder}", "--data", data, *(["--retain", retain] if retain else []),
+                     "--method", "lora", "--out", tmp_path / "out")
+    assert r.exit_code == 2 and said in r.output and not loads, r.output
+
+
+def test_forgetless_data_load_refuses_a_missing_file_without_trying_the_hub(tok, tmp_path):
+    with pytest.raises(ForgetlessError, match="no such file or folder"):
+        forgetless.data.load(tmp_path / "typo.jsonl", tok)
+
+
+@pytest.mark.parametrize("case", ["few", "repeats"])
+def test_a_report_on_thin_held_out_rows_says_so(folder, tmp_path, monkeypatch, case):
+    """Five records hold one row out (fewer than 20); records that repeat put training rows among the held-out
+    ones. The report says so (report.json notes, report.md, the terminal); 300 distinct records say nothing."""
+    rows = {"few": [{"prompt": f"Q{i}", "answer": s} for i, s in enumerate(SENTENCES + SENTENCES[:1])],
+            "repeats": [{"prompt": "Q", "answer": s} for s in SENTENCES * 60]}[case]
+    r, _ = adapt(monkeypatch, "--model", f"hf:{folder}", "--data", records(tmp_path / "new.jsonl", rows),
+                 "--method", "lora", "--preset", "smoke", "--max-length", 24, "--adapt-steps", 1,
+                 "--out", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    notes = json.loads((tmp_path / "out" / "report.json").read_text())["notes"]
+    expect = {"few": "only 1 held-out row(s) scored", "repeats": "24 of 24 held-out rows repeat training rows"}[case]
+    assert [n for n in notes if expect in n] and expect in (tmp_path / "out" / "report.md").read_text()
+    assert expect in " ".join(r.output.split())
+
+
+def test_a_report_on_enough_distinct_rows_has_no_notes(tok):
+    from forgetless.continual.user_adapt import held_out, thin
+    data = forgetless.data.load([{"prompt": f"Q{i}", "answer": f"A{i}"} for i in range(300)], tok, 24)
+    assert thin(*held_out(data, "--data"), "--data") == []
+    assert len(thin(*held_out(data.select([0] * 300), "--data"), "--data")) == 1  # 30 held out, all repeats

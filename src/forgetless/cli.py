@@ -323,7 +323,7 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
 def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, preset, device, cfg, domain_b):
     """`adapt --data`: a pretrained model on the user's own data (continual/user_adapt.py), on the resolved `device`."""
     from forgetless.continual.protocol import refuse_joint
-    from forgetless.continual.user_adapt import adapt_on_data
+    from forgetless.continual.user_adapt import MIN_HELD_OUT, adapt_on_data
     from forgetless.guide import advice_for
     from forgetless.methods.base import METHODS, as_specs
     from forgetless.models.hf import load_model
@@ -334,6 +334,11 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
                               "for a forgetless GPT --base or a text corpus use --domain-b")
     if (writable(out) / "report.json").exists():
         raise ForgetlessError(f"{out / 'report.json'} exists; choose another --out or delete it")
+    from forgetless.data.user import check
+    for flag, source in (("--data", data), ("--retain", retain)):  # before the model loads
+        if source is not None and (rows := check(source, flag)) is not None and rows < 2:
+            raise ForgetlessError(f"{flag} {source} has {rows} record(s); give at least 2 (a tenth, at least one, is "
+                                  f"held out to score before and after; {MIN_HELD_OUT * 10} or more for steady numbers)")
     if method is None:
         advice = advice_for(retain is not None)
         method = advice.method
