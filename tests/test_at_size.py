@@ -134,15 +134,15 @@ def test_adapt_refuses_a_base_training_method_on_a_quantized_base_before_loading
 
 # ---- dtype and the hub -----------------------------------------------------------------------
 def test_dtype_loads_the_weights_in_it_and_auto_follows_the_device(folder, monkeypatch):
-    import forgetless.train as train
+    import forgetless.device as devices
     assert next(load_model(f"hf:{folder}", "cpu", LoadConfig(dtype="bf16"))[0].parameters()).dtype == torch.bfloat16
     cpu = torch.device("cpu")
-    monkeypatch.setattr(train, "cpu_bf16", lambda: "AMX")
+    monkeypatch.setattr(devices, "cpu_bf16", lambda: "AMX")
     assert hf.resolve_dtype("auto", "bfloat16", cpu) == torch.bfloat16
     assert hf.resolve_dtype("auto", None, cpu) == torch.bfloat16  # no dtype saved: bf16 where it is native
     assert hf.resolve_dtype("auto", "float32", cpu) == torch.float32  # the checkpoint's
     assert hf.resolve_dtype("auto", "float16", cpu) == torch.float32  # fp16 is native on CUDA only
-    monkeypatch.setattr(train, "cpu_bf16", lambda: None)
+    monkeypatch.setattr(devices, "cpu_bf16", lambda: None)
     assert hf.resolve_dtype("auto", "bfloat16", cpu) == torch.float32
     with pytest.raises(ForgetlessError, match="load.dtype 'int4' is not one of auto, fp32, bf16, fp16"):
         LoadConfig(dtype="int4")
