@@ -1,6 +1,7 @@
 """Models at their real size: a hub id through transformers' cache, a dtype, 4-bit and 8-bit (bitsandbytes) bases
 that every method not training the base weights attaches to, trains, saves, reloads and exports on (the others
 refuse in one line), and gradient checkpointing in forgetless's loop and under Trainer (both variants)."""
+import copy
 import json
 import os
 import subprocess
@@ -39,6 +40,12 @@ def folder(tmp_path_factory, tok):
     return root
 
 
+@pytest.fixture(scope="module")
+def bases(folder):
+    """{bits: the quantized base, never run}: each test takes copies (a load takes seconds; a copy, milliseconds)."""
+    return {bits: quiet(load_model, f"hf:{folder}", "cpu", LoadConfig(quantize=bits))[0] for bits in ("4bit", "8bit")}
+
+
 def windows(n: int = 4, seed: int = 0):
     return torch.randint(1, 250, (n, 17), generator=torch.Generator().manual_seed(seed))  # (N, T+1)
 
@@ -53,12 +60,11 @@ def quiet(fn, *args, **kwargs):
 @needs_bnb
 @pytest.mark.parametrize("bits", ["4bit", "8bit"])
 @pytest.mark.parametrize("name", method_names())
-def test_every_method_runs_on_a_quantized_base_or_refuses_in_one_line(folder, tmp_path, bits, name):
+def test_every_method_runs_on_a_quantized_base_or_refuses_in_one_line(bases, tmp_path, bits, name):
     """A method that trains only its own modules attaches, trains (its output moves), saves, reloads onto a fresh
     quantized base (the same logits) and exports without merging into packed weights; one that trains the model's
     own weights refuses in one line naming a method that runs there."""
-    load = LoadConfig(quantize=bits)
-    model, _ = load_model(f"hf:{folder}", "cpu", load)
+    model = copy.deepcopy(bases[bits])
     assert quantized(model) == bits
     method = build_method(name)
     if method.trains != MODULES:
@@ -80,7 +86,7 @@ def test_every_method_runs_on_a_quantized_base_or_refuses_in_one_line(folder, tm
     after = quiet(adapted.eval(), input_ids=ids).logits
     assert not torch.equal(before, after)  # it trained
     adapted.save_pretrained(tmp_path / "saved")
-    again = quiet(forgetless.from_pretrained, load_model(f"hf:{folder}", "cpu", load)[0], tmp_path / "saved")
+    again = quiet(forgetless.from_pretrained, copy.deepcopy(bases[bits]), tmp_path / "saved")
     torch.testing.assert_close(quiet(again.eval(), input_ids=ids).logits, after, rtol=0, atol=1e-5)
     form, out = adapted.export(tmp_path / "export")
     assert form in ("peft", "forgetless") and not (out / "model.safetensors").exists()  # no merged weights
@@ -88,8 +94,8 @@ def test_every_method_runs_on_a_quantized_base_or_refuses_in_one_line(folder, tm
 
 
 @needs_bnb
-def test_a_task_stream_on_a_4bit_base_runs_seq_lora_and_refuses_lora_merges(folder):
-    model, _ = load_model(f"hf:{folder}", "cpu", LoadConfig(quantize="4bit"))
+def test_a_task_stream_on_a_4bit_base_runs_seq_lora_and_refuses_lora_merges(bases):
+    model = copy.deepcopy(bases["4bit"])
     from peft.tuners.lora import LoraLayer
     adapted = forgetless.attach(model, "seq-lora")
     outputs = []
@@ -107,7 +113,7 @@ def test_a_task_stream_on_a_4bit_base_runs_seq_lora_and_refuses_lora_merges(fold
     layers = [m for m in adapted.model.modules() if isinstance(m, LoraLayer)]
     assert layers and not any(m.merged or getattr(m, "forgetless_merged", False) for m in layers)  # never merged
     assert quantized(adapted.model) == "4bit"
-    lora = forgetless.attach(load_model(f"hf:{folder}", "cpu", LoadConfig(quantize="4bit"))[0], "lora")
+    lora = forgetless.attach(copy.deepcopy(bases["4bit"]), "lora")
     lora.start_task(1)
     with pytest.raises(ForgetlessError, match="use seq-lora"):
         lora.start_task(2)
