@@ -226,13 +226,16 @@ def test_gradient_checkpointing_gives_the_same_gradients_in_our_loop(folder, var
         torch.testing.assert_close(checkpointed[n], g, rtol=1e-5, atol=1e-7, msg=n)
 
 
-@pytest.mark.parametrize("reentrant", [True, False])
-def test_trainer_with_gradient_checkpointing_trains_lora(folder, tmp_path, tok, reentrant):
+@pytest.mark.parametrize("reentrant,bits", [(True, "none"), (False, "none"), (True, "4bit")])
+def test_trainer_with_gradient_checkpointing_trains_lora(folder, tmp_path, tok, reentrant, bits):
     """Trainer(gradient_checkpointing=True) on the Adapted: LoRA trains with either variant (reentrant: the
-    'does not require grad' failure of transformers 4's default)."""
+    'does not require grad' failure of transformers 4's default), on an NF4 base too (QLoRA: Trainer takes the
+    method's modules as the adapters a quantized model needs)."""
     from transformers import Trainer, TrainingArguments
+    if bits != "none" and find_spec("bitsandbytes") is None:
+        pytest.skip("bitsandbytes is not installed (pip install 'forgetless[quant]')")
     new = forgetless.data.load([{"prompt": f"Q{i}: {s}", "answer": s} for i, s in enumerate(SENTENCES * 2)], tok, 32)
-    adapted = forgetless.attach(load_model(f"hf:{folder}", "cpu")[0], "lora")
+    adapted = forgetless.attach(load_model(f"hf:{folder}", "cpu", LoadConfig(quantize=bits))[0], "lora")
     start = {n: p.detach().clone() for n, p in adapted.trainable_parameters()}
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[],
                              learning_rate=1e-2, use_cpu=True, save_strategy="no", disable_tqdm=True,

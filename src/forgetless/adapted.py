@@ -88,6 +88,12 @@ class Adapted(nn.Module):
     # ---- the model ------------------------------------------------------------------------
     accepts_loss_kwargs = False  # transformers' Trainer: the loss is a mean per batch; Trainer scales it for accumulation
 
+    @property
+    def _hf_peft_config_loaded(self) -> bool:
+        """transformers' Trainer refuses to train a quantized model without trainable adapters attached; a method
+        that trains only its own modules is such adapters."""
+        return self.method.trains == MODULES
+
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, retained: torch.Tensor | None = None, **kwargs):
         """The model's forward on input_ids (B, T), other arguments passed through. With `labels` (B, T)
