@@ -308,3 +308,25 @@ def test_a_report_on_enough_distinct_rows_has_no_notes(tok):
     data = forgetless.data.load([{"prompt": f"Q{i}", "answer": f"A{i}"} for i in range(300)], tok, 24)
     assert thin(*held_out(data, "--data"), "--data") == []
     assert len(thin(*held_out(data.select([0] * 300), "--data"), "--data")) == 1  # 30 held out, all repeats
+
+
+@needs_bnb
+def test_adapt_trains_lora_on_a_4bit_base_with_gradient_checkpointing(folder, tmp_path, monkeypatch):
+    """`forgetless adapt --quantize 4bit --gradient-checkpointing`: forgetless's own loop trains LoRA on the NF4 base
+    with checkpointed layers; the report records how the model was loaded; the export is a PEFT adapter."""
+    rows = [{"prompt": f"Q{i}: {s}", "answer": s} for i, s in enumerate(SENTENCES * 6)]
+    r, _ = adapt(monkeypatch, "--model", f"hf:{folder}", "--data", records(tmp_path / "new.jsonl", rows),
+                 "--method", "lora", "--preset", "smoke", "--max-length", 24, "--adapt-steps", 2, "--quantize", "4bit",
+                 "--gradient-checkpointing", "--out", tmp_path / "out")
+    assert r.exit_code == 0, r.output
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["load"] == {"dtype": "fp32", "quantize": "4bit", "gradient_checkpointing": "on", "dtype_used": "float32"}
+    assert report["export"]["form"] == "peft" and all(torch.isfinite(torch.tensor(loss)) for _, loss in report["loss"])
+
+
+def test_loading_options_without_a_pretrained_model_refuse(tmp_path):
+    from typer.testing import CliRunner
+
+    from forgetless.cli import app
+    r = CliRunner().invoke(app, ["bench", "--preset", "smoke", "--quantize", "4bit", "--out", str(tmp_path / "b")])
+    assert r.exit_code == 2 and "--quantize and --gradient-checkpointing load a pretrained --model" in r.output

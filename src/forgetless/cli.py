@@ -149,6 +149,7 @@ def bench(preset: Optional[str] = in_panel(BENCH_PRESET, RUN),
     set_precision(flags, precision)
     set_load(flags, dtype, quantize, checkpointing)
     cfg = run_config(preset, config_file, flags, set_)
+    check_load(cfg, model != "byte-gpt")
     workers = parse_workers(workers)
     with contextlib.ExitStack() as stack:  # a folder this run made is removed if it fails before writing in it
         if optimizers:
@@ -289,6 +290,7 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     preset = preset or (default_preset(model) if model else "quick")  # a pretrained model: real (methods' options
     # for pretrained weights, auto precision)
     cfg, _ = settle_precision(run_config(preset, config_file, flags, set_), device)
+    check_load(cfg, model is not None)
     if (base is None) == (model is None) or model and not domain_a:
         raise ForgetlessError("give --base (a pretrained forgetless GPT) or --model with --domain-a (the text whose "
                               "retention is measured), not both")
@@ -692,6 +694,14 @@ def set_load(flags: dict, dtype: Optional[str], quantize: Optional[str], checkpo
     for key, value in (("dtype", dtype), ("quantize", quantize), ("gradient_checkpointing", checkpointing and "on")):
         if value:
             flags.setdefault("load", {}).setdefault(key, value)
+
+
+def check_load(cfg, pretrained: bool):
+    """The load section acts on a pretrained --model only: set without one, a one-line error."""
+    from forgetless.models.hf import LoadConfig
+    if not pretrained and cfg.load != LoadConfig():
+        raise ForgetlessError("--dtype, --quantize and --gradient-checkpointing load a pretrained --model; forgetless's "
+                              "own GPT (byte-gpt, --base) trains in float32 (use --precision bf16 for autocast)")
 
 
 def writable(folder: Path) -> Path:
