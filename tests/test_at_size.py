@@ -330,3 +330,9 @@ def test_loading_options_without_a_pretrained_model_refuse(tmp_path):
     from forgetless.cli import app
     r = CliRunner().invoke(app, ["bench", "--preset", "smoke", "--quantize", "4bit", "--out", str(tmp_path / "b")])
     assert r.exit_code == 2 and "--quantize and --gradient-checkpointing load a pretrained --model" in r.output
+
+
+def test_adapt_data_with_fsdp_refuses_before_loading(folder, tmp_path, monkeypatch):
+    data = records(tmp_path / "new.jsonl", [{"prompt": f"Q{i}", "answer": s} for i, s in enumerate(SENTENCES * 3)])
+    r, loads = adapt(monkeypatch, "--model", f"hf:{folder}", "--data", data, "--fsdp", "--out", tmp_path / "out")
+    assert r.exit_code == 2 and "adapt --data does not shard" in r.output and not loads
