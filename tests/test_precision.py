@@ -4,6 +4,7 @@ for training. The detectors are monkeypatched: these tests do not depend on the 
 import pytest
 import torch
 
+import forgetless.device as devices
 from forgetless import train
 from forgetless.continual import evaluate as evaluate_module
 from forgetless.continual.instruct import run_on
@@ -47,11 +48,11 @@ def test_auto_on_a_cpu_follows_its_bf16_instructions(cpu_probes):
 def test_without_torchs_probes_the_cpu_flags_decide(monkeypatch):
     for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
         monkeypatch.delattr(torch.cpu, probe)
-    monkeypatch.setattr(train, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
+    monkeypatch.setattr(devices, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
     assert train.resolve_precision("auto", CPU) == ("bf16", "auto: the CPU has AVX-512 BF16")
-    monkeypatch.setattr(train, "cpu_flags", lambda: {"avx2", "amx_tile", "amx_bf16"})
+    monkeypatch.setattr(devices, "cpu_flags", lambda: {"avx2", "amx_tile", "amx_bf16"})
     assert train.resolve_precision("auto", CPU)[1] == "auto: the CPU has AMX"
-    monkeypatch.setattr(train, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(devices, "cpu_flags", lambda: {"avx2", "fma"})
     assert train.resolve_precision("auto", CPU)[0] == "fp32"
 
 

@@ -126,3 +126,11 @@ def gguf_name(name: str) -> str:
 def rope_permute(w: np.ndarray, n_head: int) -> np.ndarray:  # (n_head * head_dim, d)
     """llama.cpp's `permute`: each head's rotary halves interleaved (transformers undoes it on load)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def quantizable_llama(vocab_size: int = 256) -> LlamaForCausalLM:
+    """A tiny Llama whose linears bitsandbytes quantizes and runs on a CPU (inputs of at least its 64-wide blocks)."""
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, vocab_size=vocab_size,
+                                        max_position_embeddings=64, bos_token_id=0, eos_token_id=0))

@@ -31,7 +31,7 @@ from forgetless.device import resolve_device  # noqa: F401 (its home before devi
 from forgetless.errors import ForgetlessError
 from forgetless.export import check_empty, export_adapted
 from forgetless.methods import Method, build_method
-from forgetless.methods.base import METHODS, MethodSpec, parse_method_specs
+from forgetless.methods.base import METHODS, MODULES, MethodSpec, parse_method_specs
 from forgetless.models.gpt import GPT
 
 WEIGHTS, CONFIG = "adapter_model.safetensors", "forgetless_config.json"
@@ -80,9 +80,19 @@ class Adapted(nn.Module):
         self._start_is_base = False  # task 1 started on the attached weights: start copies need not be saved
         self._said: set[str] = set()  # warnings given once
         self._follow_model()
+        if method.trains != MODULES and self.dtype in (torch.bfloat16, torch.float16):
+            warn(f"{method.name} trains the model's own {str(self.dtype)[6:]} weights in place, with no float32 master "
+                 "copy: updates smaller than the weights' rounding step (about 1/256 of a weight in bf16) are lost; load "
+                 "the model in fp32 (--dtype fp32) with --precision bf16 for mixed precision, or use an adapter method")
 
     # ---- the model ------------------------------------------------------------------------
     accepts_loss_kwargs = False  # transformers' Trainer: the loss is a mean per batch; Trainer scales it for accumulation
+
+    @property
+    def _hf_peft_config_loaded(self) -> bool:
+        """transformers' Trainer refuses to train a quantized model without trainable adapters attached; a method
+        that trains only its own modules is such adapters."""
+        return self.method.trains == MODULES
 
     def forward(self, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, retained: torch.Tensor | None = None, **kwargs):
@@ -201,6 +211,15 @@ class Adapted(nn.Module):
             p.requires_grad_(False)
         for _, p in self.trainable_parameters():
             p.requires_grad_(True)
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None):
+        """transformers' gradient checkpointing of the model (what Trainer calls with gradient_checkpointing=True);
+        the reentrant variant (transformers 4's default) with the embedding's output requiring grad, so the method's
+        modules inside checkpointed layers get gradients (models.hf.gradient_checkpointing)."""
+        from forgetless.models.hf import gradient_checkpointing
+        import transformers
+        default = int(transformers.__version__.split(".")[0]) < 5  # 4.x checkpoints reentrantly by default
+        gradient_checkpointing(self.model, (gradient_checkpointing_kwargs or {}).get("use_reentrant", default))
 
     # ---- tasks and the loss ---------------------------------------------------------------
     def start_task(self, task: int, previous=None):

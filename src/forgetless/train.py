@@ -20,6 +20,7 @@ from forgetless import distributed
 from forgetless.checkpoint import load_checkpoint, load_optimizer, optimizer_tensors, save_checkpoint
 from forgetless.config import stable_hash
 from forgetless.data.splits import Batch, Sampler
+from forgetless.device import cpu_bf16
 from forgetless.errors import ForgetlessError
 from forgetless.optim import OPTIMIZERS, build_optimizer
 from forgetless.progress import progress_task
@@ -65,8 +66,6 @@ class PretrainConfig(TrainConfig):
 
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-CPU_BF16 = (("AMX", "_is_amx_tile_supported", "amx_bf16"), ("AVX-512 BF16", "_is_avx512_bf16_supported", "avx512_bf16"))
-# (name, torch.cpu probe, /proc/cpuinfo flag) of the instruction sets that run bf16 matrix products natively
 
 
 def autocast(device: torch.device, precision: str):
@@ -91,28 +90,6 @@ def resolve_precision(precision: str, device: torch.device) -> tuple[str, str]:
         return ("bf16", f"auto: the CPU has {native}") if native else \
             ("fp32", "auto: the CPU has no native bf16 (AVX-512 BF16 or AMX), where bf16 is emulated and many times slower")
     return "fp32", f"auto: fp32 on {device.type}"
-
-
-def cpu_bf16() -> str | None:
-    """The instruction set this CPU runs bf16 matrix products with (AMX, AVX-512 BF16), or None: torch's probes,
-    else the flags of /proc/cpuinfo."""
-    for name, probe, flag in CPU_BF16:
-        try:
-            found = getattr(torch.cpu, probe)()
-        except (AttributeError, RuntimeError):  # a torch without the probe
-            found = flag in cpu_flags()
-        if found:
-            return name
-    return None
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags in /proc/cpuinfo (none where it does not exist)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return set()
-    return {flag for line in lines if line.startswith("flags") for flag in line.partition(":")[2].split()}
 
 
 def emulated_bf16(precision: str, device: torch.device) -> bool:

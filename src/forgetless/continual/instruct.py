@@ -85,10 +85,11 @@ class Instructions(Protocol):
     def run(self, ctx: RunContext, methods: list[MethodSpec | str]) -> RunResult:
         """Every (method, seed) arm over the instruction tasks `cfg.data.tasks` on the pretrained `ctx.model`."""
         from forgetless.models.hf import describe, load_model
-        lm, tokenizer = load_model(ctx.model, ctx.device)
+        lm, tokenizer = load_model(ctx.model, ctx.device, ctx.cfg.load)
         results = run_on(lm, tokenizer, ctx.cfg, methods, ctx.seeds, ctx.out, ctx.preset, ctx.model)
         return results.with_keys(**provenance(ctx.device), model=ctx.model, bases={ctx.model: describe(lm)},
-                                 precision=ctx.precision)  # as requested (ctx.cfg holds it resolved)
+                                 precision=ctx.precision,  # as requested (ctx.cfg holds it resolved)
+                                 load=dataclasses.asdict(ctx.cfg.load))
 
 
 def run_on(lm: nn.Module, tokenizer, cfg: RunConfig, methods, seeds: list[int], out: Path, preset: str,

@@ -99,7 +99,7 @@ class Online(Protocol):
         cfg, device = ctx.cfg, ctx.device
         specs = [s for s in as_specs(methods) if s.name not in (FROZEN, DYNAMIC) or s.options]
         built = {FROZEN: Frozen(Method.Config()), **build_arms(cfg, [DYNAMIC]), **build_arms(cfg, specs)}
-        pretrained = load_pretrained(ctx.model, device)
+        pretrained = load_pretrained(ctx.model, device, ctx.cfg.load)
         (a, b), tokenizer = load_domains([cfg.data.domain_a, cfg.data.domain_b],
                                          pretrained[1] if pretrained else cfg.data.tokenizer, cfg.model.block_size,
                                          cfg.data.val_fraction, cfg.data.eval_windows, cfg.data.dev_fraction)

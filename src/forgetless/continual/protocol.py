@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime
 import platform
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -99,19 +99,20 @@ def fresh(method):
     return build_method(method.name, method.options())
 
 
-def load_pretrained(model: str, device) -> tuple | None:
-    """(model, tokenizer) of a pretrained `model` spec, or None for byte-gpt (forgetless pretrains its own)."""
+def load_pretrained(model: str, device, load=None) -> tuple | None:
+    """(model, tokenizer) of a pretrained `model` spec loaded as `load` (a LoadConfig) says, or None for byte-gpt
+    (forgetless pretrains its own)."""
     if model == "byte-gpt":
         return None
     from forgetless.models.hf import load_model
-    return load_model(model, device)
+    return load_model(model, device, load)
 
 
 def opening(ctx: RunContext, protocol: str, a, b) -> dict:
     """The keys a two-domain or online results file opens with (docs/DESIGN.md §6.3): the run, its provenance,
     and the domains `a`, `b` with their held-out works and fingerprints."""
     return {"protocol": protocol, "preset": ctx.preset, "seeds": list(ctx.seeds), "base_seeds": ctx.base_seeds,
-            **provenance(ctx.device), "model": ctx.model, "precision": ctx.precision,
+            **provenance(ctx.device), "model": ctx.model, "precision": ctx.precision, "load": asdict(ctx.cfg.load),
             "domains": {"a": ctx.cfg.data.domain_a, "b": ctx.cfg.data.domain_b},
             "held_out": {"a": a.val_keys, "b": b.val_keys},
             "data_fingerprints": {"a": a.fingerprint, "b": b.fingerprint},

@@ -130,7 +130,7 @@ class Sequence(Protocol):
             raise ForgetlessError("the sequence protocol needs tasks after the base: --tasks CORPUS1,CORPUS2,...")
         check_mix_from(specs, cfg.data.mix_from)
         built = build_arms(cfg, methods, sequence=True)
-        pretrained = load_pretrained(ctx.model, device)
+        pretrained = load_pretrained(ctx.model, device, ctx.cfg.load)
         tasks, tokenizer = load_domains(specs, pretrained[1] if pretrained else cfg.data.tokenizer, cfg.model.block_size,
                                         cfg.data.val_fraction, cfg.data.eval_windows,
                                          cfg.data.dev_fraction)
@@ -159,6 +159,7 @@ class Sequence(Protocol):
         return RunResult.from_json({
             "protocol": "sequence", "preset": ctx.preset, "seeds": list(ctx.seeds), "base_seeds": ctx.base_seeds,
             "tasks": specs, **provenance(device), "precision": ctx.precision,
+            "load": dataclasses.asdict(cfg.load),
             "score": "next-token accuracy on held-out windows, %", "date": datetime.date.today().isoformat(),
             "config": cfg.to_dict(), "bases": summary, "model": ctx.model,
             "methods": {label: summarize(runs, built[label]) for label, runs in arms.items()},

@@ -57,9 +57,9 @@ def loaded(model: str, device: str, cfg: RunConfig):
     from forgetless.models.hf import describe, load_model
     device = resolve_device(device)
     cfg, precision = settle_precision(cfg, device)  # auto resolved; a precision the device lacks refused
-    lm, tokenizer = load_model(model, device)
+    lm, tokenizer = load_model(model, device, cfg.load)
     return lm, tokenizer, cfg, {**provenance(device), "model": model, "bases": {model: describe(lm)},
-                                "precision": precision}
+                                "precision": precision, "load": dataclasses.asdict(cfg.load)}
 
 
 # ---- the lr grid ----------------------------------------------------------------------------------

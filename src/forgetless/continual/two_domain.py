@@ -39,7 +39,7 @@ class TwoDomain(Protocol):
         if "full" not in built:
             console.print("[dim]adding the 'full' arm: adaptation gain G is measured against full fine-tuning[/dim]")
             built = {"full": build_method("full", cfg.methods.get("full")), **built}
-        pretrained = load_pretrained(ctx.model, device)
+        pretrained = load_pretrained(ctx.model, device, ctx.cfg.load)
         (a, b), tokenizer = load_domains([cfg.data.domain_a, cfg.data.domain_b],
                                          pretrained[1] if pretrained else cfg.data.tokenizer,
                                          cfg.model.block_size, cfg.data.val_fraction, cfg.data.eval_windows,

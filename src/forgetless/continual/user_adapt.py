@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -20,20 +21,25 @@ from forgetless.data.instructions import Encoded, InstructionSampler
 from forgetless.data.user import Collator, load
 from forgetless.errors import ForgetlessError
 from forgetless.methods import Method
+from forgetless.models.hf import LoadConfig, describe
 from forgetless.monitor import PeakRSS
 from forgetless.presets import AdaptConfig
-from forgetless.progress import progress_task
+from forgetless.progress import console, progress_task
 from forgetless.train import autocast, train
 
 HELD_OUT = 0.1  # of each data set, scored before and after
+MIN_HELD_OUT = 20  # held-out rows below which a report says its numbers are noisy
 
 
 def adapt_on_data(model: nn.Module, tokenizer, method: Method, new, old, cfg: AdaptConfig, seed: int, out: Path,
-                  max_length: int, model_spec: str | None = None) -> dict:
+                  max_length: int, model_spec: str | None = None, loaded: LoadConfig | None = None) -> dict:
     """Train `method` on `new` (mixing rows of `old` where given) and write out/report.{json,md},
-    out/report.png and the exported model in out/model; returns the report."""
+    out/report.png and the exported model in out/model; returns the report (`loaded`: how the model was loaded)."""
     new_train, new_held = held_out(load(new, tokenizer, max_length), "--data")
     old_train, old_held = held_out(load(old, tokenizer, max_length), "--retain") if old is not None else (None, None)
+    notes = [*thin(new_train, new_held, "--data"), *(thin(old_train, old_held, "--retain") if old is not None else [])]
+    for note in notes:
+        console.print(f"[yellow]warning:[/yellow] {note}", highlight=False, soft_wrap=True)
     cfg = method.training_config(cfg)
     mix = cfg.mix if old is not None else 0.0
     pad = Collator(tokenizer).pad_id
@@ -58,11 +64,13 @@ def adapt_on_data(model: nn.Module, tokenizer, method: Method, new, old, cfg: Ad
     report = {"model": model_spec, "method": method.name, "options": method.options(), "seed": seed,
               "rows": {"new_train": len(new_train), "new_held_out": len(new_held),
                        "old_train": len(old_train or []), "old_held_out": len(old_held or [])},
-              "mix": mix, "steps": cfg.steps, "lr": cfg.lr, "precision": cfg.precision, "before": before, "after": after,
+              "mix": mix, "steps": cfg.steps, "lr": cfg.lr, "precision": cfg.precision,
+              "load": {**asdict(loaded or LoadConfig()), "dtype_used": describe(model)["dtype"]},
+              "before": before, "after": after,
               "trainable_params": sum(p.numel() for _, p in params),
               "total_params": sum(p.numel() for p in adapted.model.parameters()),
               "wall_s": wall, "peak_rss_mb": memory.peak_mb, "loss": history.loss,
-              "export": {"form": form, "folder": str(folder)}}
+              "export": {"form": form, "folder": str(folder)}, "notes": notes}
     write_json(out / "report.json", report)
     drawn = figure(report, out / "report.png")
     (out / "report.md").write_text(markdown(report, image=drawn))
@@ -76,6 +84,20 @@ def held_out(data, flag: str):
     n = max(1, round(HELD_OUT * len(data)))
     picks = set(torch.randperm(len(data), generator=torch.Generator().manual_seed(0))[:n].tolist())
     return (data.select([i for i in range(len(data)) if i not in picks]), data.select(sorted(picks)))
+
+
+def thin(train, held, flag: str) -> list[str]:
+    """What makes the held-out scores of one data set weak evidence: fewer than MIN_HELD_OUT rows, or rows that
+    repeat training rows (their scores measure memorisation)."""
+    notes = []
+    if len(held) < MIN_HELD_OUT:
+        notes.append(f"{flag}: only {len(held)} held-out row(s) scored (fewer than {MIN_HELD_OUT}), so its before/after "
+                     f"numbers are noisy; give {MIN_HELD_OUT * 10} or more rows")
+    seen = {tuple(r["input_ids"]) for r in train}
+    if repeats := sum(tuple(r["input_ids"]) in seen for r in held):
+        notes.append(f"{flag}: {repeats} of {len(held)} held-out rows repeat training rows, so their scores measure "
+                     "memorisation, not what was learned; remove the duplicates")
+    return notes
 
 
 def encoded(rows, pad: int) -> Encoded:
@@ -133,13 +155,14 @@ def markdown(r: dict, image: bool = True) -> str:
         lines.append(f"| old data: perplexity (forgetting {change:+.1%}) | {b['old_ppl']:.3f} | {a['old_ppl']:.3f} |")
     else:
         lines += ["", "No old data was given (--retain), so forgetting was not measured."]
+    if r.get("notes"):
+        lines += ["", *(f"**Warning:** {note}" for note in r["notes"])]
     return "\n".join(lines) + ("\n\n![before and after](report.png)\n" if image else "\n")
 
 
 def figure(r: dict, path: Path) -> bool:
     """Training loss, and held-out loss of new and old rows before and after; without matplotlib (the
     `plots` extra) nothing is drawn, one line says so, and False is returned."""
-    from forgetless.progress import console
     from forgetless.report.figures import PLOTS_MISSING, available, plt, save
     if not available():
         console.print(PLOTS_MISSING.replace("`forgetless report DIR`", "run again"), markup=False, highlight=False, soft_wrap=True)

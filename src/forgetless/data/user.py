@@ -41,19 +41,58 @@ def load(source, tokenizer, max_length: int = 512, split: str = "train"):
     if isinstance(source, (str, Path)) and Path(source).suffix.lower() in TEXT_SUFFIXES and Path(source).is_file():
         return as_dataset(text_rows([read_text(Path(source))], hf, max_length))
     records = read_records(source, split)
-    columns = set(records.column_names)
-    if "messages" in columns:
+    kind = record_kind(records, source)
+    if kind == "messages":
         rows = chat_rows(records["messages"], hf, max_length)
-    elif "prompt" in columns and (answer := next((f for f in ANSWER_FIELDS if f in columns), None)):
-        rows = prompt_rows(records["prompt"], records[answer], hf, max_length)
-    elif "text" in columns:
+    elif kind == "text":
         rows = text_rows(records["text"], hf, max_length)
     else:
-        raise ForgetlessError(f"{describe(source)} has fields {', '.join(sorted(columns)) or 'none'}; give records "
-                              "with text, prompt and answer (or completion), or chat messages")
+        rows = prompt_rows(records["prompt"], records[kind], hf, max_length)
     if not rows:
         raise ForgetlessError(f"{describe(source)} holds no rows with tokens")
     return as_dataset(rows)
+
+
+def record_kind(records, source) -> str:
+    """Which form `records` have: messages (chat), text, or the answer field of prompt/answer records."""
+    columns = set(records.column_names)
+    if "messages" in columns:
+        return "messages"
+    if "prompt" in columns and (answer := next((f for f in ANSWER_FIELDS if f in columns), None)):
+        return answer
+    if "text" in columns:
+        return "text"
+    raise ForgetlessError(f"{describe(source)} has fields {', '.join(sorted(columns)) or 'none'}; give records "
+                          "with text, prompt and answer (or completion), or chat messages")
+
+
+def check(source, flag: str) -> int | None:
+    """Before a model loads: `source` (what --data or --retain names) exists where it looks like a path and holds
+    records of a known form; the number of its records (None for plain text, folders and hub names: their rows are
+    known once tokenised)."""
+    need("datasets", "data", flag)
+    path = Path(source).expanduser()
+    if not path.exists() and looks_like_path(str(source)):
+        raise ForgetlessError(f"{flag} {no_such(source)}")
+    if not path.is_file():
+        return None  # a folder or a hub dataset name: read when the data loads
+    if path.suffix.lower() in TEXT_SUFFIXES:
+        if not read_text(path).strip():
+            raise ForgetlessError(f"{flag} {path} is empty; give a file with text or records")
+        return None
+    records = read_records(path, "train")
+    record_kind(records, source)
+    return len(records)
+
+
+def no_such(source) -> str:
+    return (f"{source}: no such file or folder; give an existing file (.txt, .jsonl, .json, .csv, .parquet), a saved "
+            "dataset folder, or a hub dataset name (org/name)")
+
+
+def looks_like_path(text: str) -> bool:
+    """A data file's name (a known suffix) or a path (/, ./, ../, ~), never a hub dataset name (org/name)."""
+    return Path(text).suffix.lower() in (READERS.keys() | TEXT_SUFFIXES) or text.startswith(("/", "./", "../", "~"))
 
 
 def mix(new, old=None, fraction: float = 0.2, seed: int = 0):
@@ -128,6 +167,8 @@ def read_records(source, split: str):
     if not isinstance(source, (str, Path)):
         raise ForgetlessError(f"load: cannot read a {type(source).__name__}; give a file, folder, dataset or list")
     path = Path(source).expanduser()
+    if not path.exists() and looks_like_path(str(source)):  # not a hub name: no 30 s of trying the hub
+        raise ForgetlessError(no_such(source))
     try:
         with quiet_datasets(datasets):
             if path.is_file():

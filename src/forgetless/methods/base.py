@@ -223,7 +223,9 @@ class Method(StepHooks):
 
     def check_base(self, model: nn.Module):
         """Refuse a model this method cannot run on: a forgetless GPT whose FFN is not the one
-        `base_config` asks for, or another model when the method needs a forgetless FFN kind."""
+        `base_config` asks for, another model when the method needs a forgetless FFN kind, or a quantized
+        base (packed 4/8-bit weights) when it trains the model's own weights."""
+        self.check_quantized(quantized(model))
         if isinstance(model, GPT):
             need, have = ffn_signature(self.base_config(model.config)), ffn_signature(model.config)
             if need != have:
@@ -234,6 +236,14 @@ class Method(StepHooks):
             raise ForgetlessError(f"method {self.name} needs a forgetless GPT with {kind} FFNs; on "
                                   f"{type(model).__name__} use a method that attaches beside the MLP "
                                   "(e.g. apn-retrofit, adapter, lora)")
+
+    def check_quantized(self, bits: str | None):
+        """Refuse a base quantized to `bits` ('4bit', '8bit'; None: not quantized) where this method trains the
+        model's own weights (packed integers there, not trainable)."""
+        if bits and bits != "none" and self.trains != MODULES:
+            raise ForgetlessError(f"method {self.name} trains the model's own weights, which are {bits}-quantized "
+                                  "(packed, not trainable) here; use a method that trains added modules, e.g. lora "
+                                  "(QLoRA) or seq-lora, or load the base unquantized")
 
     def attach(self, model: nn.Module) -> nn.Module:
         """Insert this method's modules into `model` (in place) and return it."""
@@ -294,6 +304,14 @@ class Method(StepHooks):
         it existed keep their cache keys."""
         return {f.name: getattr(self.cfg, f.name) for f in fields(self.cfg)
                 if f.name != "joint" or getattr(self.cfg, f.name) != f.default}
+
+
+def quantized(model: nn.Module) -> str | None:
+    """'4bit' or '8bit' where `model` holds bitsandbytes-quantized layers (Linear4bit, Linear8bitLt), else None."""
+    for m in model.modules():
+        if type(m).__module__.startswith("bitsandbytes"):
+            return "4bit" if "4bit" in type(m).__name__ else "8bit"
+    return None
 
 
 def copy_weights(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ import torch
 
 from forgetless.errors import ForgetlessError
 from forgetless.methods.base import (ALL_LINEAR, PEFT, Method, MethodConfig, default_linear_targets, find_modules,
-                                     is_regex, register_method, replace_module)
+                                     is_regex, quantized, register_method, replace_module)
 
 
 @dataclass
@@ -51,6 +51,9 @@ class LoRA(Method):
 
     def on_task_start(self, model, task):
         if task > 1:
+            if bits := quantized(model):
+                raise ForgetlessError(f"lora merges each finished task into the base weights, which are {bits}-quantized "
+                                      "here; use seq-lora (one adapter through all tasks, never merged) on a quantized base")
             merge_and_reset(model)
 
     def trainable_parameters(self, model):

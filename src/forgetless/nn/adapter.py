@@ -126,6 +126,15 @@ def lora_pair(r: int, d_in: int, d_out: int, like: torch.Tensor) -> tuple[nn.Par
     return nn.Parameter(down), nn.Parameter(torch.zeros(d_out, r, device=like.device, dtype=like.dtype))
 
 
+def float_like(layer: nn.Module) -> torch.Tensor:
+    """An empty tensor on `layer`'s device in the dtype it computes in: its first parameter's, or for a quantized
+    layer (bitsandbytes 4/8-bit: packed integer weights) its compute dtype, else float32."""
+    p = next(layer.parameters())
+    if p.is_floating_point():
+        return p.new_empty(0)
+    return torch.empty(0, device=p.device, dtype=getattr(layer, "compute_dtype", None) or torch.float32)
+
+
 def width_for(params_of, budget: float, least: int = 1) -> int:
     """The width n whose module has about `budget` parameters, for modules whose parameter count is
     linear in n: `params_of(n)` counts them (built at n = 1 and 2 only)."""

@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from forgetless.errors import ForgetlessError
+from forgetless.nn.adapter import float_like
 from forgetless.side import Recorded
 
 
@@ -51,7 +52,7 @@ class MoRAMLinear(Recorded, nn.Module):
         """Freeze every atom so far and add r fresh ones (keys Kaiming-uniform, values zero)."""
         for p in [*self.keys, *self.values]:
             p.requires_grad_(False)
-        like = next(self.base.parameters())  # new atoms on the base layer's device and dtype
+        like = float_like(self.base)  # new atoms on the base layer's device and compute dtype
         keys = torch.empty(self.cfg.atoms_per_task, self.d_in, device=like.device, dtype=like.dtype)
         nn.init.kaiming_uniform_(keys, a=math.sqrt(5))
         self.keys.append(nn.Parameter(keys))

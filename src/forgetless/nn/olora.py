@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from forgetless.errors import ForgetlessError
-from forgetless.nn.adapter import lora_pair
+from forgetless.nn.adapter import float_like, lora_pair
 
 
 @dataclass
@@ -43,7 +43,7 @@ class OLoRALinear(nn.Module):
         """Freeze the LoRAs so far and add task t's (A random, B zero: the output is unchanged)."""
         for p in [*self.down, *self.up]:
             p.requires_grad_(False)
-        down, up = lora_pair(self.cfg.r, self.d_in, self.d_out, next(self.base.parameters()))
+        down, up = lora_pair(self.cfg.r, self.d_in, self.d_out, float_like(self.base))
         self.down.append(down)
         self.up.append(up)
 
