@@ -172,7 +172,7 @@ def crash_points(die_at: int, points: Path | None):
     """In a forked child: count the crash points (before and after each file system call that makes state
     durable, and each step of the engine's learn, snapshot and rollback paths) and die at the `die_at`-th;
     returns the function that marks one (the caller's own points)."""
-    import forgetless.checkpoint as checkpoint
+    import forgetless.serve.store as store
     from forgetless.continual.learner import Learner
     count = [0]
     names = open(points, "a") if points else None
@@ -195,12 +195,14 @@ def crash_points(die_at: int, points: Path | None):
             return out
         setattr(owner, attr, wrapped)
 
-    for attr in ("fsync", "replace", "link", "unlink", "truncate"):
+    for attr in ("fsync", "replace", "link", "unlink", "truncate", "ftruncate"):
         wrap(os, attr, f"os.{attr}")
-    wrap(checkpoint, "save_file", "save_file")
+    wrap(store, "save_file", "save_file")
+    wrap(store.Store, "write_manifest", "Store.write_manifest")
     wrap(wal.WriteAheadLog, "append", "wal.append")
+    wrap(wal.WriteAheadLog, "compact", "wal.compact")
     wrap(Learner, "learn", "Learner.learn")
-    for attr in ("apply", "check", "rollback", "write_snapshot", "keep", "publish", "remember"):
+    for attr in ("apply", "check", "rollback", "write_snapshot", "publish", "remember"):
         wrap(Engine, attr, f"Engine.{attr}")
     return point
 

@@ -256,10 +256,11 @@ class Engine:
         new, sent = [], ""
         for _ in range(min(max_tokens, self.cfg.max_new_tokens)):
             logits = logits_of(model, ids[:, -self.block_size:])[:, -1].float()  # (1, V)
-            if temperature == 0:
+            scaled = logits / temperature if temperature else logits             # (1, V)
+            if temperature == 0 or not torch.isfinite(scaled).all():  # a temperature so small it is greedy
                 token = logits.argmax(-1, keepdim=True)                           # (1, 1)
             else:
-                token = torch.multinomial(F.softmax(logits / temperature, -1), 1, generator=generator)
+                token = torch.multinomial(F.softmax(scaled, -1), 1, generator=generator)
             ids = torch.cat([ids, token], 1)
             new.append(int(token))
             text = self.tokenizer.decode(new)
