@@ -148,6 +148,8 @@ class WriteAheadLog:
 
     def __init__(self, path: Path, archive: bool = True):
         self.path, self.archive = Path(path), archive
+        for stale in (self.path.with_name(f".{self.path.name}.tmp"), self.path.parent / ARCHIVE / ".segment.tmp"):
+            stale.unlink(missing_ok=True)  # a compaction a kill interrupted (the log was not replaced yet)
         bad, count, torn, whole, self.first, self.seq, self.n = 0, 0, None, True, None, 0, 0
         first_bad = None
         for number, offset, line, record, why in entries(self.path) if self.path.exists() else ():
