@@ -59,7 +59,9 @@ from forgetless.serve.engine import KEPT, WAL, Engine, Screened, ServeConfig, ke
 
 CORPUS = "shakespeare-modern"
 SERVE = {"canary_every": 4, "snapshot_every": 8}  # else the server's defaults
-KILL = {"method": "full", "lr": 3e-3, "max_canary_rise": 0.02}  # the kill and corruption streams: a tight canary, so the replay has rollbacks
+# the kill and corruption streams: a tight canary, so the replay has rollbacks; the entropy screen off, so their
+# random-byte documents reach the learner (in the warm-up) as before it existed
+KILL = {"method": "full", "lr": 3e-3, "max_canary_rise": 0.02, "screen_max_entropy": 8.0}
 
 
 class Setup:
@@ -360,7 +362,9 @@ def poison(setup: Setup, seed: int, warm: int, n_garbage: int, root: Path) -> di
         tail.insert(rng.randrange(len(tail) + 1), ("garbage", garbage(i % 4, rng, clean[rng.randrange(warm)], setup.doc_chars)))
     stream = [("clean", d) for d in clean[:warm]] + tail
     arms = {"guarded": ({}, stream),
-            "canary-only": ({"screen_k": 0.0, "screen_max_symbol_share": 1.0, "screen_min_entropy": 0.0}, stream),
+            "canary-only": ({"screen_k": 0.0, "screen_low_k": 0.0, "screen_max_symbol_share": 1.0,
+                             "screen_min_entropy": 0.0, "screen_max_entropy": 8.0, "screen_min_compression": 0.0},
+                            stream),
             "clean": ({}, [s for s in stream if s[0] == "clean"])}
     out = {"documents": len(stream), "garbage": n_garbage, "warm": warm, "keep_states": 16}
     for name, (options, docs) in arms.items():

@@ -399,3 +399,72 @@ def test_a_non_loopback_host_needs_allowed_hosts():
         allowed("0.0.0.0", None)
     assert allowed("0.0.0.0", "a.lan, 10.0.0.5") == ("a.lan", "10.0.0.5")
     assert "localhost" in allowed("127.0.0.1", None) and "::1" in allowed("::1", None)
+
+
+# ---- 9. every misconfiguration a one-line error ----------------------------------------------------------------
+
+
+@pytest.fixture
+def served_base(trained, tmp_path):
+    """A base checkpoint, its canary text and a private token file, as `forgetless serve` takes them."""
+    from forgetless.checkpoint import save_checkpoint
+    base, canary, token = tmp_path / "base.safetensors", tmp_path / "canary.txt", tmp_path / "token"
+    save_checkpoint(base, {f"model.{k}": v for k, v in trained.items()},
+                    {"kind": "base", "model_config": ours().config.to_dict(), "tokenizer": {"kind": "bytes"},
+                     "domain": str(canary)})
+    canary.write_text(TEXT)
+    token.write_text(TOKEN + "\n")
+    token.chmod(0o600)
+    return base, canary, token
+
+
+def startup_cases(tmp_path, base, canary, token, trained):
+    """(name, extra serve arguments, what the one line must say), each preparing what it needs."""
+    from forgetless.checkpoint import save_checkpoint
+    (tmp_path / "garbage.safetensors").write_bytes(b"not a checkpoint at all")
+    wide = tmp_path / "wide.safetensors"
+    save_checkpoint(wide, {f"model.{k}": v for k, v in ours(d=48).state_dict().items()},
+                    {"kind": "base", "model_config": ours(d=48).config.to_dict(), "tokenizer": {"kind": "bytes"},
+                     "domain": str(canary)})
+    open_token = tmp_path / "open-token"
+    open_token.write_text(TOKEN)
+    open_token.chmod(0o644)
+    Engine(ours(), __import__("forgetless.data.tokenizers", fromlist=["ByteTokenizer"]).ByteTokenizer(),
+           torch.zeros(4, 17, dtype=torch.long), 16, ServeConfig(method="full"), tmp_path / "full-state").close()
+    (tmp_path / "bad-manifest").mkdir()
+    (tmp_path / "bad-manifest" / "manifest.json").write_text("{not json")
+    return [
+        ("no base", ["--base", tmp_path / "missing.safetensors"], "does not exist"),
+        ("garbage base", ["--base", tmp_path / "garbage.safetensors"], "corrupt or truncated"),
+        ("unknown method", ["--serve-method", "nonsense"], "nonsense"),
+        ("another method's state", ["--state-dir", tmp_path / "full-state"], "another method"),
+        ("another width's state", ["--base", wide, "--state-dir", tmp_path / "full-state", "--serve-method", "full"],
+         "another base"),
+        ("damaged manifest", ["--state-dir", tmp_path / "bad-manifest"], "manifest.json is damaged"),
+        ("state dir cannot be made", ["--state-dir", "/proc/forgetless/state"], "cannot be made or written"),
+        ("readable token file", ["--token-file", open_token], "chmod 600"),
+        ("missing token file", ["--token-file", tmp_path / "nothing"], "does not exist"),
+        ("port 0", ["--port", 0], "not a TCP port"),
+        ("port 65536", ["--port", 65536], "not a TCP port"),
+        ("port -1", ["--port", -1], "not a TCP port"),
+        ("port 2**70", ["--port", 2 ** 70], "not a TCP port"),
+        ("unknown host", ["--host", "no-such-host.invalid", "--allowed-hosts", "x"], "cannot listen"),
+        ("public host without names", ["--host", "0.0.0.0"], "--allowed-hosts"),
+        ("keep no states", ["--serve-keep-states", 0], "keep_states must be positive"),
+        ("no queue", ["--serve-max-queued", 0], "max_queued must be positive"),
+        ("bad retention", ["--serve-log-retention", "forever"], "archive or drop"),
+        ("NaN screen", ["--serve-screen-low-k", "nan"], "finite number"),
+        ("negative compression", ["--serve-screen-min-compression", -1], "finite number"),
+    ]
+
+
+def test_every_startup_misconfiguration_is_one_line(served_base, trained, tmp_path):
+    from test_serve import serve_cli, free_port
+    base, canary, token = served_base
+    for name, extra, said in startup_cases(tmp_path, base, canary, token, trained):
+        args = {"--base": base, "--canary": canary, "--state-dir": tmp_path / "state", "--token-file": token,
+                "--port": free_port()}
+        flat = [a for k, v in args.items() if k not in extra for a in (k, v)] + extra
+        r = serve_cli(*flat)
+        lines = r.output.strip().splitlines()
+        assert r.exit_code == 2 and len(lines) == 1 and said in lines[0], (name, r.exit_code, r.output, r.exception)

@@ -4,11 +4,14 @@ learns from accepted documents (docs/DESIGN.md §3.6).
 - **No torn reads.** The learner trains its own copy; after each accepted document a fresh copy of its
   weights is published (copy-on-write). A request takes the copy published when it starts and keeps it
   to the end, so it never sees a half-applied update. Learning, snapshots and rollbacks hold one lock.
-- **Guardrails.** Before a document is logged it is screened (`screen`): refused when its bytes are mostly one
-  symbol (the most frequent byte over `screen_max_symbol_share` of them) or nearly constant (byte entropy under
-  `screen_min_entropy` bits), or when its loss under the current weights is an outlier against the documents
-  accepted last: above median + `screen_k` x spread of the last `screen_window` accepted losses, spread =
-  max(1.4826 x MAD, `screen_min_spread` x median), once `screen_warmup` documents have been accepted. Refused
+- **Guardrails.** Before a document is logged it is screened (`screen`), on both sides: refused when its bytes
+  are mostly one symbol (the most frequent byte over `screen_max_symbol_share` of them), nearly constant (byte
+  entropy under `screen_min_entropy` bits), random characters (byte entropy over `screen_max_entropy` bits) or
+  dominated by repeated n-grams (zlib shrinks it below `screen_min_compression` of its size), or when its loss
+  under the current weights is an outlier against the documents accepted last: above median + `screen_k` x
+  spread or below median - `screen_low_k` x spread (memorised or repeated text) of the last `screen_window`
+  accepted losses, spread = max(1.4826 x MAD, `screen_min_spread` x median), once `screen_warmup` documents
+  have been accepted. Refused
   documents are not logged, not learned and do not enter the window, so poison cannot move the median.
   Every `canary_every` accepted documents the canary (held-out windows of the original text) is scored; a
   loss more than `max_canary_rise` nats/token above the reference (the canary loss at first start, or the
@@ -99,6 +102,14 @@ class ServeConfig:
         "help": "refuse a document whose most frequent byte is more than this share of its bytes (1: off)"})
     screen_min_entropy: float = field(default=1.0, metadata={
         "help": "refuse a document whose byte entropy is below this many bits per byte (0: off)"})
+    screen_max_entropy: float = field(default=5.5, metadata={
+        "help": "refuse a document whose byte entropy is above this many bits per byte: random characters (8: off; "
+                "raise it for scripts with many letters, e.g. CJK)"})
+    screen_min_compression: float = field(default=0.2, metadata={
+        "help": "refuse a document zlib compresses below this share of its size: repeated n-grams (0: off)"})
+    screen_low_k: float = field(default=5.0, metadata={
+        "help": "refuse a document whose loss is below median - K x spread of the recently accepted ones: "
+                "memorised or repeated text (0: off)"})
     max_doc_bytes: int = field(default=65536, metadata={"help": "largest document /v1/learn and /v1/score accept"})
     learn_per_minute: int = field(default=120, metadata={"help": "rate limit of /v1/learn (0: none)"})
     max_new_tokens: int = field(default=512, metadata={"help": "most tokens /v1/generate produces per request"})
@@ -119,7 +130,8 @@ class ServeConfig:
                                   f"({self.canary_every}): a snapshot is a checked state")
         if self.learn_per_minute < 0 or not self.max_canary_rise >= 0:
             raise ForgetlessError("serve.learn_per_minute and serve.max_canary_rise must not be negative")
-        for name in ("canary_reference", "screen_k", "screen_min_spread", "screen_min_entropy"):
+        for name in ("canary_reference", "screen_k", "screen_low_k", "screen_min_spread", "screen_min_entropy",
+                     "screen_max_entropy", "screen_min_compression"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ForgetlessError(f"serve.{name} must be a finite number >= 0, got {getattr(self, name)}")
         if not 0 < self.screen_max_symbol_share <= 1:
@@ -295,7 +307,7 @@ class Engine:
         """The document's loss under the current weights, or Screened (logged and counted by reason) when its bytes
         are mostly one symbol or nearly constant, or its loss is an outlier against the last accepted ones."""
         cfg = self.cfg
-        refusal = byte_screen(text.encode(), cfg.screen_max_symbol_share, cfg.screen_min_entropy)
+        refusal = byte_screen(text.encode(), cfg)
         loss = math.nan
         if refusal is None:
             loss = evaluate(self.learner.model, windows)["loss"]
@@ -568,37 +580,51 @@ class Engine:
                 "usage": self.usage}
 
 
-def byte_screen(data: bytes, max_share: float, min_entropy: float) -> tuple[str, str] | None:
-    """(reason, why) when `data` is mostly one byte (its most frequent byte over `max_share` of it) or nearly
-    constant (Shannon entropy of its bytes under `min_entropy` bits per byte); else None."""
+def byte_screen(data: bytes, cfg: ServeConfig) -> tuple[str, str] | None:
+    """(reason, why) when `data` is mostly one byte (its most frequent byte over `screen_max_symbol_share` of it),
+    nearly constant or random (Shannon entropy of its bytes under `screen_min_entropy` or over
+    `screen_max_entropy` bits per byte) or dominated by repeats (zlib at level 9 shrinks it below
+    `screen_min_compression` of its size); else None."""
     counts = collections.Counter(data)
     if not counts:
         return None
     top, count = counts.most_common(1)[0]
-    if count / len(data) > max_share:
+    if count / len(data) > cfg.screen_max_symbol_share:
         return ("repetitive", f"byte {bytes([top])!r} is {count / len(data):.0%} of its {len(data)} bytes (more than "
-                              f"{max_share:.0%}: --serve-screen-max-symbol-share)")
+                              f"{cfg.screen_max_symbol_share:.0%}: --serve-screen-max-symbol-share)")
     entropy = -sum(c / len(data) * math.log2(c / len(data)) for c in counts.values())
-    if entropy < min_entropy:
-        return ("low-entropy", f"its bytes carry {entropy:.2f} bits each (less than {min_entropy}: "
+    if entropy < cfg.screen_min_entropy:
+        return ("low-entropy", f"its bytes carry {entropy:.2f} bits each (less than {cfg.screen_min_entropy}: "
                                "--serve-screen-min-entropy)")
+    if entropy > cfg.screen_max_entropy:
+        return ("random", f"its bytes carry {entropy:.2f} bits each, like random characters (more than "
+                          f"{cfg.screen_max_entropy}: --serve-screen-max-entropy)")
+    share = len(zlib.compress(data, 9)) / len(data)
+    if share < cfg.screen_min_compression:
+        return ("repeated", f"it compresses to {share:.1%} of its {len(data)} bytes: mostly repeated text (less than "
+                            f"{cfg.screen_min_compression:.0%}: --serve-screen-min-compression)")
     return None
 
 
 def loss_screen(loss: float, recent: list[float], cfg: ServeConfig) -> tuple[str, str] | None:
     """("outlier", why) when `loss` is above median + k x spread of `recent` (the losses of the last accepted
-    documents), spread = max(1.4826 x MAD, min_spread x median); None before `screen_warmup` of them, or when
-    `screen_k` is 0. A non-finite loss is an outlier."""
-    if not cfg.screen_k or len(recent) < cfg.screen_warmup:
+    documents), ("memorised", why) when it is below median - low_k x spread; spread = max(1.4826 x MAD,
+    min_spread x median); None before `screen_warmup` of them. A non-finite loss is an outlier."""
+    if len(recent) < cfg.screen_warmup:
         return None
     median = statistics.median(recent)
     spread = max(1.4826 * statistics.median(abs(x - median) for x in recent), cfg.screen_min_spread * abs(median))
-    limit = median + cfg.screen_k * spread
-    if loss <= limit:
-        return None
-    return ("outlier", f"its loss {loss:.3f} nats/token is above {limit:.3f} = median {median:.3f} + "
-                       f"{cfg.screen_k:g} x spread {spread:.3f} of the last {len(recent)} accepted documents; if it "
-                       "is good data, raise --serve-screen-k (0: no loss screen)")
+    high, low = median + cfg.screen_k * spread, median - cfg.screen_low_k * spread
+    if cfg.screen_k and not loss <= high:
+        return ("outlier", f"its loss {loss:.3f} nats/token is above {high:.3f} = median {median:.3f} + "
+                           f"{cfg.screen_k:g} x spread {spread:.3f} of the last {len(recent)} accepted documents; if "
+                           "it is good data, raise --serve-screen-k (0: no loss screen)")
+    if cfg.screen_low_k and loss < low:
+        return ("memorised", f"its loss {loss:.3f} nats/token is below {low:.3f} = median {median:.3f} - "
+                             f"{cfg.screen_low_k:g} x spread {spread:.3f} of the last {len(recent)} accepted documents "
+                             "(text the model already knows, or repeated); if it is good data, raise "
+                             "--serve-screen-low-k (0: off)")
+    return None
 
 
 def text_checksum(text: str) -> str:
