@@ -113,7 +113,7 @@ def test_rate_limit_on_learn(trained, tmp_path):
 
 
 def test_rollback_fires_on_a_poisoned_stream_and_restores_the_canary(trained, tmp_path):
-    e = engine(trained, tmp_path / "state", lr=1e-3, max_canary_rise=0.05, screen_k=0)  # the canary alone
+    e = engine(trained, tmp_path / "state", lr=1e-3, max_canary_rise=0.05, screen_k=0, screen_max_entropy=8)  # canary alone
     c = local(make_app(e, TOKEN))
     for doc in DOCS[:4]:  # good text: the canary stays within bounds
         assert not c.post("/v1/learn", json={"text": doc}, headers=AUTH).json()["rolled_back"]
@@ -192,7 +192,7 @@ def traffic(post, n_docs: int = 6) -> int:
 
 
 def test_stats_feed_the_dashboard(trained, tmp_path):
-    c = client(trained, tmp_path, method=ROUTED, screen_k=0)  # random bytes reach the canary
+    c = client(trained, tmp_path, method=ROUTED, screen_k=0, screen_max_entropy=8)  # random bytes reach the canary
     page = c.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "/v1/stats" in page.text and "http" not in page.text.replace("http://www.w3.org/2000/svg", "")  # no CDN
@@ -260,7 +260,7 @@ def test_dashboard_in_headless_chromium(trained, tmp_path):
     from selenium.webdriver.support.ui import WebDriverWait
     browser = chromium()
     try:
-        with served(make_app(engine(trained, tmp_path / "state", method=ROUTED, screen_k=0), TOKEN)) as url:
+        with served(make_app(engine(trained, tmp_path / "state", method=ROUTED, screen_k=0, screen_max_entropy=8), TOKEN)) as url:
             with httpx.Client(base_url=url, timeout=60) as http:
                 seq = traffic(http.post)
                 browser.get(f"{url}/?every=300")
@@ -700,9 +700,10 @@ def test_the_byte_screen_refuses_in_one_line_without_logging_or_using_the_rate_l
 
 
 def test_the_loss_screen_refuses_an_outlier_after_its_warm_up(trained, tmp_path):
-    e = engine(trained, tmp_path / "state", screen_warmup=4)
+    e = engine(trained, tmp_path / "state", screen_warmup=4, screen_max_entropy=8)  # the noise reaches the loss
     c = local(make_app(e, TOKEN))
-    noise = "".join(chr(random.Random(0).randrange(256)) for _ in range(400))
+    rng = random.Random(0)
+    noise = "".join(chr(rng.randrange(256)) for _ in range(400))
     assert c.post("/v1/learn", json={"text": DOCS[0]}, headers=AUTH).status_code == 200
     assert c.post("/v1/learn", json={"text": DOCS[1][::-1]}, headers=AUTH).status_code == 200  # warm-up: accepted
     for doc in DOCS[2:4]:
@@ -712,7 +713,7 @@ def test_the_loss_screen_refuses_an_outlier_after_its_warm_up(trained, tmp_path)
     assert re.search(r"its loss [\d.]+ nats/token is above [\d.]+ = median [\d.]+ \+ 5 x spread", r.json()["error"])
     assert e.seq == 4 and len(e.recent) == 4  # not logged, not in the window
     assert c.post("/v1/learn", json={"text": DOCS[4]}, headers=AUTH).json()["seq"] == 5
-    off = engine(trained, tmp_path / "off", screen_warmup=4, screen_k=0)
+    off = engine(trained, tmp_path / "off", screen_warmup=4, screen_k=0, screen_max_entropy=8)
     for doc in DOCS[:4]:
         off.learn(doc)
     assert off.learn(noise)["seq"] == 5  # screen_k 0: no loss screen

@@ -26,7 +26,8 @@ from forgetless.serve.engine import KEPT, SNAPSHOT, WAL, Engine, ServeConfig, ke
 from test_serve import AUTH, DOCS, TEXT, TOKEN, engine, local, state_of, trained  # noqa: E402,F401
 from tiny_models import ours  # noqa: E402
 
-LEARN = {"canary_every": 2, "snapshot_every": 4, "screen_k": 0, "learn_per_minute": 0, "max_canary_rise": 10}
+LEARN = {"canary_every": 2, "snapshot_every": 4, "screen_k": 0, "screen_low_k": 0, "screen_min_compression": 0,
+         "learn_per_minute": 0, "max_canary_rise": 10}  # the screen off (the test text repeats itself)
 
 
 def learn(c, docs, **extra):
