@@ -276,6 +276,64 @@ def kills(setup: Setup, n: int, seed: int, root: Path) -> dict:
     return {**summary, "kills": len(trials), "survived": survived, "attempts": attempts, "trials": trials}
 
 
+def disk_faults(setup: Setup, n: int, seed: int, root: Path) -> dict:
+    """A full disk at `n` random points of the kill stream: the k-th write or fsync of the log, or the k-th
+    snapshot file, fails with ENOSPC (k drawn uniformly over the uninterrupted run's calls after its start). The client resends a document
+    answered 503 (same key); the stream must end in the uninterrupted weights and answers, every sequence number
+    used once, and a restart must replay to the same weights."""
+    import errno
+
+    from forgetless.serve import store
+    rng = random.Random(seed)
+    stream = kill_stream(setup, random.Random(seed))
+    whole = setup.engine(root / "whole", **KILL)
+    answers, expected = send(whole, stream), weights(whole)
+    accepted = len(whole.wal.records)  # the log's writes and fsyncs; its snapshots: one per snapshot_every
+    whole.close()
+    trials = []
+    for trial in range(n):
+        kind = ("write", "fsync", "save_file")[trial % 3]
+        calls, owner = [0], store if kind == "save_file" else os
+        at = rng.randint(1, accepted if kind != "save_file" else max(1, accepted // SERVE["snapshot_every"]))
+        folder, real = root / f"disk{trial}", getattr(owner, kind)
+        engine = setup.engine(folder, **KILL)
+
+        def failing(*args, kind=kind, at=at, real=real, engine=engine, **kwargs):
+            if kind == "save_file" or args[0] == engine.wal.fd:  # the log's calls, or any snapshot
+                calls[0] += 1
+                if calls[0] == at:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+            return real(*args, **kwargs)
+        setattr(owner, kind, failing)
+        got, unavailable = [], 0
+        try:
+            for i, doc in enumerate(stream):
+                for _ in range(2):  # a 503 is resent once (the disk has room again)
+                    try:
+                        got.append(engine.learn(doc, key=f"d{i}"))
+                    except Screened as e:
+                        got.append({"refused": e.reason})
+                    except wal.Unavailable:
+                        unavailable += 1
+                        continue
+                    break
+        finally:
+            setattr(owner, kind, real)
+        seqs = [r["seq"] for r in engine.wal.records]
+        trial = {"kind": kind, "at": at, "failed": calls[0] >= at, "answered_503": unavailable,
+                 "same_answers": got == answers, "same_weights": same(weights(engine), expected),
+                 "seqs_once": seqs == list(range(1, len(seqs) + 1))}
+        engine.close()
+        again = setup.engine(folder, **KILL)
+        trial["restart_same_weights"] = same(weights(again), expected)
+        trial["ok"] = all(trial[k] for k in ("same_answers", "same_weights", "seqs_once", "restart_same_weights"))
+        trials.append(trial)
+        again.close()
+        shutil.rmtree(folder)
+    return {"trials": trials, "faults": sum(t["failed"] for t in trials), "survived": sum(t["ok"] for t in trials),
+            "answered_503": sum(t["answered_503"] for t in trials), "documents": len(stream)}
+
+
 def sweep(setup: Setup, root: Path, every: int = 1) -> dict:
     """Die at every `every`-th crash point of the kill stream (deterministic, unlike the timed kills); each
     restart must lose no acknowledged document and end in the uninterrupted weights and answers."""
@@ -437,6 +495,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--corruptions", type=int, default=10)
+    parser.add_argument("--disk", type=int, default=12, help="random full-disk faults (log write, log fsync, snapshot)")
     parser.add_argument("--sweep", type=int, default=0, help="also die at every Nth crash point of the kill stream "
                         "(1: all of them; 0: no sweep)")
     parser.add_argument("--poison", action=argparse.BooleanOptionalAction, default=True, help="run the poison stream")
@@ -465,9 +524,11 @@ def main(argv=None):
         for name, run in (("kills", lambda: kills(setup, args.kills, args.seed, root / "k")),
                           ("sweep", lambda: sweep(setup, root / "s", args.sweep)),
                           ("corruptions", lambda: corruptions(setup, args.corruptions, args.seed, root / "c")),
+                          ("disk", lambda: disk_faults(setup, args.disk, args.seed, root / "d")),
                           ("two_servers", lambda: two_servers(setup, root / "t")),
                           ("poison", lambda: poison(setup, args.seed, args.warm, args.garbage, root / "p"))):
             if (name == "kills" and not args.kills) or (name == "sweep" and not args.sweep) or (name == "corruptions" and not args.corruptions) or \
+                    (name == "disk" and not args.disk) or \
                     (name == "poison" and not args.poison):
                 continue
             (root / name[0]).mkdir(exist_ok=True)
@@ -500,6 +561,12 @@ def report(r: dict):
         c = r["corruptions"]
         print(f"corruptions: {c['handled']}/{c['corruptions']} handled ({c['refused']} refused naming the line, "
               f"repaired; {c['corruptions'] - c['refused']} loaded whole with the same weights)")
+    if "disk" in r:
+        d = r["disk"]
+        print(f"full disk: {d['survived']}/{len(d['trials'])} survived ({d['faults']} faults hit: "
+              f"{sum(t['failed'] and t['kind'] != 'save_file' for t in d['trials'])} log writes/fsyncs, "
+              f"{sum(t['failed'] and t['kind'] == 'save_file' for t in d['trials'])} snapshots; {d['answered_503']} "
+              "answered 503 and resent)")
     if "two_servers" in r:
         print(f"two servers on one folder: {'refused' if r['two_servers']['refused'] else 'NOT refused'}: "
               f"{r['two_servers'].get('message', '')}")
