@@ -325,14 +325,21 @@ def final_state(url, state_dir):
     return load_checkpoint(state_dir / SNAPSHOT)[0]
 
 
-def test_wal_replay_after_kill_9_gives_the_same_weights_and_a_second_server_is_refused(trained, tmp_path):
-    base, canary, token_file = tmp_path / "base.safetensors", tmp_path / "canary.txt", tmp_path / "token"
-    save_checkpoint(base, {f"model.{k}": v for k, v in trained.items()},
-                    {"kind": "base", "model_config": ours().config.to_dict(), "tokenizer": {"kind": "bytes"},
+def served_files(weights: dict, folder, config=None):
+    """A base checkpoint of `weights` (a model of `config`, default `ours()`'s), its canary text and a private token
+    file in `folder`, as `forgetless serve` takes them."""
+    base, canary, token_file = folder / "base.safetensors", folder / "canary.txt", folder / "token"
+    save_checkpoint(base, {f"model.{k}": v for k, v in weights.items()},
+                    {"kind": "base", "model_config": (config or ours().config).to_dict(), "tokenizer": {"kind": "bytes"},
                      "domain": str(canary)})
     canary.write_text(TEXT)
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
+    return base, canary, token_file
+
+
+def test_wal_replay_after_kill_9_gives_the_same_weights_and_a_second_server_is_refused(trained, tmp_path):
+    base, canary, token_file = served_files(trained, tmp_path)
     docs = DOCS[:7]
     proc, url = start_server(base, canary, tmp_path / "whole", token_file)
     try:

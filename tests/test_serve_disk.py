@@ -8,7 +8,6 @@ import errno
 import hashlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -23,7 +22,8 @@ from forgetless.errors import ForgetlessError  # noqa: E402
 from forgetless.serve import store, wal  # noqa: E402
 from forgetless.serve.app import make_app  # noqa: E402
 from forgetless.serve.engine import KEPT, SNAPSHOT, WAL, Engine, ServeConfig, kept_name  # noqa: E402
-from test_serve import AUTH, DOCS, TEXT, TOKEN, engine, local, state_of, trained  # noqa: E402,F401
+from test_serve import (AUTH, DOCS, TEXT, TOKEN, engine, free_port, local, serve_cli, served_files,  # noqa: E402,F401
+                        state_of, trained)
 from tiny_models import ours  # noqa: E402
 
 LEARN = {"canary_every": 2, "snapshot_every": 4, "screen_k": 0, "screen_low_k": 0, "screen_min_compression": 0,
@@ -405,28 +405,11 @@ def test_a_non_loopback_host_needs_allowed_hosts():
 # ---- 9. every misconfiguration a one-line error ----------------------------------------------------------------
 
 
-@pytest.fixture
-def served_base(trained, tmp_path):
-    """A base checkpoint, its canary text and a private token file, as `forgetless serve` takes them."""
-    from forgetless.checkpoint import save_checkpoint
-    base, canary, token = tmp_path / "base.safetensors", tmp_path / "canary.txt", tmp_path / "token"
-    save_checkpoint(base, {f"model.{k}": v for k, v in trained.items()},
-                    {"kind": "base", "model_config": ours().config.to_dict(), "tokenizer": {"kind": "bytes"},
-                     "domain": str(canary)})
-    canary.write_text(TEXT)
-    token.write_text(TOKEN + "\n")
-    token.chmod(0o600)
-    return base, canary, token
-
-
 def startup_cases(tmp_path, base, canary, token, trained):
     """(name, extra serve arguments, what the one line must say), each preparing what it needs."""
-    from forgetless.checkpoint import save_checkpoint
     (tmp_path / "garbage.safetensors").write_bytes(b"not a checkpoint at all")
-    wide = tmp_path / "wide.safetensors"
-    save_checkpoint(wide, {f"model.{k}": v for k, v in ours(d=48).state_dict().items()},
-                    {"kind": "base", "model_config": ours(d=48).config.to_dict(), "tokenizer": {"kind": "bytes"},
-                     "domain": str(canary)})
+    (tmp_path / "wide").mkdir()
+    wide = served_files(ours(d=48).state_dict(), tmp_path / "wide", ours(d=48).config)[0]
     open_token = tmp_path / "open-token"
     open_token.write_text(TOKEN)
     open_token.chmod(0o644)
@@ -459,9 +442,8 @@ def startup_cases(tmp_path, base, canary, token, trained):
     ]
 
 
-def test_every_startup_misconfiguration_is_one_line(served_base, trained, tmp_path):
-    from test_serve import serve_cli, free_port
-    base, canary, token = served_base
+def test_every_startup_misconfiguration_is_one_line(trained, tmp_path):
+    base, canary, token = served_files(trained, tmp_path)
     for name, extra, said in startup_cases(tmp_path, base, canary, token, trained):
         args = {"--base": base, "--canary": canary, "--state-dir": tmp_path / "state", "--token-file": token,
                 "--port": free_port()}

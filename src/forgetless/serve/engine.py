@@ -34,7 +34,6 @@ import collections
 import copy
 import logging
 import math
-import os
 import statistics
 import threading
 import time

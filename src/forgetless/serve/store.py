@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from forgetless.checkpoint import FORMAT, load_checkpoint, private_folder, remove_unfinished, shared
 from forgetless.errors import ForgetlessError
+from forgetless.serve.wal import fsync_path
 
 log = logging.getLogger("forgetless.serve")
 SNAPSHOT, KEPT, MANIFEST = "snapshot.safetensors", "kept", "manifest.json"
@@ -37,14 +38,6 @@ def sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def fsync_folder(folder: Path):
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def durable_copy(source: Path, target: Path):
@@ -133,7 +126,7 @@ class Store:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        fsync_folder(self.folder)
+        fsync_path(self.folder)
 
     def save(self, tensors: dict[str, torch.Tensor], meta: dict, keep: bool):
         """Write the snapshot (and, when `keep` and no kept state has its seq yet, its kept copy): files first,
@@ -169,8 +162,8 @@ class Store:
             os.replace(tmp, path)
             if kept_tmp:
                 os.replace(kept_tmp, self.kept_folder / kept_name(seq))
-            fsync_folder(self.folder)
-            fsync_folder(self.kept_folder)
+            fsync_path(self.folder)
+            fsync_path(self.kept_folder)
             for s in pruned:
                 (self.kept_folder / kept_name(s)).unlink(missing_ok=True)
         finally:
