@@ -59,7 +59,9 @@ from forgetless.serve.engine import KEPT, WAL, Engine, Screened, ServeConfig, ke
 
 CORPUS = "shakespeare-modern"
 SERVE = {"canary_every": 4, "snapshot_every": 8}  # else the server's defaults
-KILL = {"method": "full", "lr": 3e-3, "max_canary_rise": 0.02}  # the kill and corruption streams: a tight canary, so the replay has rollbacks
+# the kill and corruption streams: a tight canary, so the replay has rollbacks; the entropy screen off, so their
+# random-byte documents reach the learner (in the warm-up) as before it existed
+KILL = {"method": "full", "lr": 3e-3, "max_canary_rise": 0.02, "screen_max_entropy": 8.0}
 
 
 class Setup:
@@ -172,7 +174,7 @@ def crash_points(die_at: int, points: Path | None):
     """In a forked child: count the crash points (before and after each file system call that makes state
     durable, and each step of the engine's learn, snapshot and rollback paths) and die at the `die_at`-th;
     returns the function that marks one (the caller's own points)."""
-    import forgetless.checkpoint as checkpoint
+    import forgetless.serve.store as store
     from forgetless.continual.learner import Learner
     count = [0]
     names = open(points, "a") if points else None
@@ -195,12 +197,14 @@ def crash_points(die_at: int, points: Path | None):
             return out
         setattr(owner, attr, wrapped)
 
-    for attr in ("fsync", "replace", "link", "unlink", "truncate"):
+    for attr in ("fsync", "replace", "link", "unlink", "truncate", "ftruncate"):
         wrap(os, attr, f"os.{attr}")
-    wrap(checkpoint, "save_file", "save_file")
+    wrap(store, "save_file", "save_file")
+    wrap(store.Store, "write_manifest", "Store.write_manifest")
     wrap(wal.WriteAheadLog, "append", "wal.append")
+    wrap(wal.WriteAheadLog, "compact", "wal.compact")
     wrap(Learner, "learn", "Learner.learn")
-    for attr in ("apply", "check", "rollback", "write_snapshot", "keep", "publish", "remember"):
+    for attr in ("apply", "check", "rollback", "write_snapshot", "publish", "remember"):
         wrap(Engine, attr, f"Engine.{attr}")
     return point
 
@@ -270,6 +274,64 @@ def kills(setup: Setup, n: int, seed: int, root: Path) -> dict:
         trials.append(recover(setup, stream, folder, acks, reference, {"delay_s": round(delay, 3)}))
     survived = sum(t["ok"] for t in trials)
     return {**summary, "kills": len(trials), "survived": survived, "attempts": attempts, "trials": trials}
+
+
+def disk_faults(setup: Setup, n: int, seed: int, root: Path) -> dict:
+    """A full disk at `n` random points of the kill stream: the k-th write or fsync of the log, or the k-th
+    snapshot file, fails with ENOSPC (k drawn uniformly over the uninterrupted run's calls after its start). The client resends a document
+    answered 503 (same key); the stream must end in the uninterrupted weights and answers, every sequence number
+    used once, and a restart must replay to the same weights."""
+    import errno
+
+    from forgetless.serve import store
+    rng = random.Random(seed)
+    stream = kill_stream(setup, random.Random(seed))
+    whole = setup.engine(root / "whole", **KILL)
+    answers, expected = send(whole, stream), weights(whole)
+    accepted = len(whole.wal.records)  # the log's writes and fsyncs; its snapshots: one per snapshot_every
+    whole.close()
+    trials = []
+    for trial in range(n):
+        kind = ("write", "fsync", "save_file")[trial % 3]
+        calls, owner = [0], store if kind == "save_file" else os
+        at = rng.randint(1, accepted if kind != "save_file" else max(1, accepted // SERVE["snapshot_every"]))
+        folder, real = root / f"disk{trial}", getattr(owner, kind)
+        engine = setup.engine(folder, **KILL)
+
+        def failing(*args, kind=kind, at=at, real=real, engine=engine, **kwargs):
+            if kind == "save_file" or args[0] == engine.wal.fd:  # the log's calls, or any snapshot
+                calls[0] += 1
+                if calls[0] == at:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+            return real(*args, **kwargs)
+        setattr(owner, kind, failing)
+        got, unavailable = [], 0
+        try:
+            for i, doc in enumerate(stream):
+                for _ in range(2):  # a 503 is resent once (the disk has room again)
+                    try:
+                        got.append(engine.learn(doc, key=f"d{i}"))
+                    except Screened as e:
+                        got.append({"refused": e.reason})
+                    except wal.Unavailable:
+                        unavailable += 1
+                        continue
+                    break
+        finally:
+            setattr(owner, kind, real)
+        seqs = [r["seq"] for r in engine.wal.records]
+        trial = {"kind": kind, "at": at, "failed": calls[0] >= at, "answered_503": unavailable,
+                 "same_answers": got == answers, "same_weights": same(weights(engine), expected),
+                 "seqs_once": seqs == list(range(1, len(seqs) + 1))}
+        engine.close()
+        again = setup.engine(folder, **KILL)
+        trial["restart_same_weights"] = same(weights(again), expected)
+        trial["ok"] = all(trial[k] for k in ("same_answers", "same_weights", "seqs_once", "restart_same_weights"))
+        trials.append(trial)
+        again.close()
+        shutil.rmtree(folder)
+    return {"trials": trials, "faults": sum(t["failed"] for t in trials), "survived": sum(t["ok"] for t in trials),
+            "answered_503": sum(t["answered_503"] for t in trials), "documents": len(stream)}
 
 
 def sweep(setup: Setup, root: Path, every: int = 1) -> dict:
@@ -358,7 +420,9 @@ def poison(setup: Setup, seed: int, warm: int, n_garbage: int, root: Path) -> di
         tail.insert(rng.randrange(len(tail) + 1), ("garbage", garbage(i % 4, rng, clean[rng.randrange(warm)], setup.doc_chars)))
     stream = [("clean", d) for d in clean[:warm]] + tail
     arms = {"guarded": ({}, stream),
-            "canary-only": ({"screen_k": 0.0, "screen_max_symbol_share": 1.0, "screen_min_entropy": 0.0}, stream),
+            "canary-only": ({"screen_k": 0.0, "screen_low_k": 0.0, "screen_max_symbol_share": 1.0,
+                             "screen_min_entropy": 0.0, "screen_max_entropy": 8.0, "screen_min_compression": 0.0},
+                            stream),
             "clean": ({}, [s for s in stream if s[0] == "clean"])}
     out = {"documents": len(stream), "garbage": n_garbage, "warm": warm, "keep_states": 16}
     for name, (options, docs) in arms.items():
@@ -431,6 +495,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--corruptions", type=int, default=10)
+    parser.add_argument("--disk", type=int, default=12, help="random full-disk faults (log write, log fsync, snapshot)")
     parser.add_argument("--sweep", type=int, default=0, help="also die at every Nth crash point of the kill stream "
                         "(1: all of them; 0: no sweep)")
     parser.add_argument("--poison", action=argparse.BooleanOptionalAction, default=True, help="run the poison stream")
@@ -459,9 +524,11 @@ def main(argv=None):
         for name, run in (("kills", lambda: kills(setup, args.kills, args.seed, root / "k")),
                           ("sweep", lambda: sweep(setup, root / "s", args.sweep)),
                           ("corruptions", lambda: corruptions(setup, args.corruptions, args.seed, root / "c")),
+                          ("disk", lambda: disk_faults(setup, args.disk, args.seed, root / "d")),
                           ("two_servers", lambda: two_servers(setup, root / "t")),
                           ("poison", lambda: poison(setup, args.seed, args.warm, args.garbage, root / "p"))):
             if (name == "kills" and not args.kills) or (name == "sweep" and not args.sweep) or (name == "corruptions" and not args.corruptions) or \
+                    (name == "disk" and not args.disk) or \
                     (name == "poison" and not args.poison):
                 continue
             (root / name[0]).mkdir(exist_ok=True)
@@ -494,6 +561,12 @@ def report(r: dict):
         c = r["corruptions"]
         print(f"corruptions: {c['handled']}/{c['corruptions']} handled ({c['refused']} refused naming the line, "
               f"repaired; {c['corruptions'] - c['refused']} loaded whole with the same weights)")
+    if "disk" in r:
+        d = r["disk"]
+        print(f"full disk: {d['survived']}/{len(d['trials'])} survived ({d['faults']} faults hit: "
+              f"{sum(t['failed'] and t['kind'] != 'save_file' for t in d['trials'])} log writes/fsyncs, "
+              f"{sum(t['failed'] and t['kind'] == 'save_file' for t in d['trials'])} snapshots; {d['answered_503']} "
+              "answered 503 and resent)")
     if "two_servers" in r:
         print(f"two servers on one folder: {'refused' if r['two_servers']['refused'] else 'NOT refused'}: "
               f"{r['two_servers'].get('message', '')}")

@@ -88,7 +88,7 @@ def test_serve_learns_scores_and_generates_on_the_device(text_file, tmp_path):
     canary = chunk_windows(ByteTokenizer().encode(text[-3000:].encode()), 16)[:8]
     engine = Engine(ours().to(DEVICE), ByteTokenizer(), canary, 16,
                     ServeConfig(method="lora", lr=3e-3, canary_every=1, snapshot_every=2), tmp_path / "state")
-    client, auth = TestClient(make_app(engine, "token")), {"Authorization": "Bearer token"}
+    client, auth = TestClient(make_app(engine, "token"), base_url="http://localhost"), {"Authorization": "Bearer token"}
     for i in range(3):
         reply = client.post("/v1/learn", json={"text": text[i * 500:(i + 1) * 500]}, headers=auth)
         assert reply.status_code == 200 and reply.json()["seq"] == i + 1, reply.text

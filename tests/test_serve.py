@@ -35,6 +35,7 @@ from tiny_models import ours  # noqa: E402
 
 TOKEN = "s3cret-s3cret-s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+JSON = {"Content-Type": "application/json"}
 LINES = [f"{['ROMEO', 'JULIET', 'NURSE'][i % 3]}:\nO speak again, bright angel, line {i}; the night is young.\n"
          for i in range(300)]
 TEXT = "".join(LINES)
@@ -67,8 +68,13 @@ def engine(trained, state_dir, **options) -> Engine:
     return Engine(model, ByteTokenizer(), canary, 16, cfg, state_dir)
 
 
+def local(app) -> TestClient:
+    """A client whose requests name localhost (the server refuses other Host names by default)."""
+    return TestClient(app, base_url="http://localhost")
+
+
 def client(trained, tmp_path, token=TOKEN, **options) -> TestClient:
-    return TestClient(make_app(engine(trained, tmp_path / "state", **options), token))
+    return local(make_app(engine(trained, tmp_path / "state", **options), token))
 
 
 def test_learning_needs_the_token(trained, tmp_path):
@@ -107,8 +113,8 @@ def test_rate_limit_on_learn(trained, tmp_path):
 
 
 def test_rollback_fires_on_a_poisoned_stream_and_restores_the_canary(trained, tmp_path):
-    e = engine(trained, tmp_path / "state", lr=1e-3, max_canary_rise=0.05, screen_k=0)  # the canary alone
-    c = TestClient(make_app(e, TOKEN))
+    e = engine(trained, tmp_path / "state", lr=1e-3, max_canary_rise=0.05, screen_k=0, screen_max_entropy=8)  # canary alone
+    c = local(make_app(e, TOKEN))
     for doc in DOCS[:4]:  # good text: the canary stays within bounds
         assert not c.post("/v1/learn", json={"text": doc}, headers=AUTH).json()["rolled_back"]
     rng = random.Random(0)
@@ -186,7 +192,7 @@ def traffic(post, n_docs: int = 6) -> int:
 
 
 def test_stats_feed_the_dashboard(trained, tmp_path):
-    c = client(trained, tmp_path, method=ROUTED, screen_k=0)  # random bytes reach the canary
+    c = client(trained, tmp_path, method=ROUTED, screen_k=0, screen_max_entropy=8)  # random bytes reach the canary
     page = c.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "/v1/stats" in page.text and "http" not in page.text.replace("http://www.w3.org/2000/svg", "")  # no CDN
@@ -254,7 +260,7 @@ def test_dashboard_in_headless_chromium(trained, tmp_path):
     from selenium.webdriver.support.ui import WebDriverWait
     browser = chromium()
     try:
-        with served(make_app(engine(trained, tmp_path / "state", method=ROUTED, screen_k=0), TOKEN)) as url:
+        with served(make_app(engine(trained, tmp_path / "state", method=ROUTED, screen_k=0, screen_max_entropy=8), TOKEN)) as url:
             with httpx.Client(base_url=url, timeout=60) as http:
                 seq = traffic(http.post)
                 browser.get(f"{url}/?every=300")
@@ -319,14 +325,21 @@ def final_state(url, state_dir):
     return load_checkpoint(state_dir / SNAPSHOT)[0]
 
 
-def test_wal_replay_after_kill_9_gives_the_same_weights_and_a_second_server_is_refused(trained, tmp_path):
-    base, canary, token_file = tmp_path / "base.safetensors", tmp_path / "canary.txt", tmp_path / "token"
-    save_checkpoint(base, {f"model.{k}": v for k, v in trained.items()},
-                    {"kind": "base", "model_config": ours().config.to_dict(), "tokenizer": {"kind": "bytes"},
+def served_files(weights: dict, folder, config=None):
+    """A base checkpoint of `weights` (a model of `config`, default `ours()`'s), its canary text and a private token
+    file in `folder`, as `forgetless serve` takes them."""
+    base, canary, token_file = folder / "base.safetensors", folder / "canary.txt", folder / "token"
+    save_checkpoint(base, {f"model.{k}": v for k, v in weights.items()},
+                    {"kind": "base", "model_config": (config or ours().config).to_dict(), "tokenizer": {"kind": "bytes"},
                      "domain": str(canary)})
     canary.write_text(TEXT)
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
+    return base, canary, token_file
+
+
+def test_wal_replay_after_kill_9_gives_the_same_weights_and_a_second_server_is_refused(trained, tmp_path):
+    base, canary, token_file = served_files(trained, tmp_path)
     docs = DOCS[:7]
     proc, url = start_server(base, canary, tmp_path / "whole", token_file)
     try:
@@ -455,14 +468,14 @@ def test_random_corruption_never_loses_an_acknowledged_document(tmp_path):
 
 def test_a_key_is_learned_once_and_a_retry_gets_the_first_answer_after_a_restart(trained, tmp_path):
     e = engine(trained, tmp_path / "state")
-    c = TestClient(make_app(e, TOKEN))
+    c = local(make_app(e, TOKEN))
     first = [c.post("/v1/learn", json={"text": d, "key": f"k{i}"}, headers=AUTH).json() for i, d in enumerate(DOCS[:5])]
     assert c.post("/v1/learn", json={"text": DOCS[1], "key": "k1"}, headers=AUTH).json() == first[1]
     other = c.post("/v1/learn", json={"text": DOCS[2], "key": "k1"}, headers=AUTH)
     assert other.status_code == 409 and "another text" in other.json()["error"]
     assert e.seq == 5
     e.close()  # snapshot at document 4; document 5 only in the log
-    again = TestClient(make_app(engine(trained, tmp_path / "state"), TOKEN))
+    again = local(make_app(engine(trained, tmp_path / "state"), TOKEN))
     assert [again.post("/v1/learn", json={"text": DOCS[i], "key": f"k{i}"}, headers=AUTH).json()
             for i in (1, 4)] == [first[1], first[4]]
     assert again.get("/v1/health").json()["seq"] == 5
@@ -610,11 +623,11 @@ def test_the_body_is_capped_before_it_is_parsed(trained, tmp_path):
     c = client(trained, tmp_path, max_doc_bytes=100)  # body limit 6 x 100 + 1024 bytes
     padded = b'{"text": "a small document"' + b" " * 2000 + b"}"
     for path, headers in (("/v1/learn", AUTH), ("/v1/score", {})):
-        r = c.post(path, content=padded, headers=headers)
+        r = c.post(path, content=padded, headers={**headers, **JSON})
         assert r.status_code == 413 and r.json()["error"].startswith("the body is over 1624 bytes"), r.text
-    chunked = c.post("/v1/score", content=iter([b'{"text": "', b"a" * 1000, b"a" * 1000, b'"}']))
+    chunked = c.post("/v1/score", content=iter([b'{"text": "', b"a" * 1000, b"a" * 1000, b'"}']), headers=JSON)
     assert chunked.status_code == 413
-    lying = c.post("/v1/score", content=b'{"text": "hi there"}', headers={"Content-Length": "99999999"})
+    lying = c.post("/v1/score", content=b'{"text": "hi there"}', headers={"Content-Length": "99999999", **JSON})
     assert lying.status_code == 413
 
 
@@ -646,12 +659,14 @@ BAD_BODIES = {  # endpoint -> bodies that must each get a one-line 4xx
 
 
 FIELDS = {"/v1/score": {"text": "a short text"}, "/v1/learn": {"text": "a short text", "key": "k"},
-          "/v1/generate": {"prompt": "ROMEO:", "max_tokens": 2, "temperature": 0.5, "seed": 1}}
-VALUES = [None, True, -1, 0, 2 ** 63, 2 ** 64, -2 ** 70, 1.5, 1e308, "", " ", "x" * 300, "\ud800", [], {}, ["a"]]
+          "/v1/generate": {"prompt": "ROMEO:", "max_tokens": 2, "temperature": 0.5, "seed": 1},
+          "/v1/rollback": {"seq": 0}}
+VALUES = [None, True, False, -1, 0, 2 ** 63 - 1, 2 ** 63, 2 ** 64 - 1, 2 ** 64, -2 ** 70, 10 ** 400, 1.5, -0.0, 5e-324,
+          1e-300, 1e308, -1e308, "", " ", "0", "x" * 300, "\ud800", "\x00", [], {}, ["a"]]
 
 
 def test_every_field_of_every_endpoint_with_any_value_is_answered_without_a_5xx(trained, tmp_path):
-    c = TestClient(make_app(engine(trained, tmp_path / "state", max_doc_bytes=200), TOKEN))
+    c = local(make_app(engine(trained, tmp_path / "state", max_doc_bytes=200), TOKEN))
     for path, good in FIELDS.items():
         for field, value in itertools.product([*good, "other"], VALUES):
             body = json.dumps({**good, field: value})  # \ud800 as an escape
@@ -682,7 +697,7 @@ def test_every_bad_input_is_a_one_line_4xx(trained, tmp_path):
 def test_the_byte_screen_refuses_in_one_line_without_logging_or_using_the_rate_limit(trained, tmp_path, text, options,
                                                                                        reason):
     e = engine(trained, tmp_path / "state", learn_per_minute=2, **options)
-    c = TestClient(make_app(e, TOKEN))
+    c = local(make_app(e, TOKEN))
     r = c.post("/v1/learn", json={"text": text}, headers=AUTH)
     assert r.status_code == 422 and r.json()["reason"] == reason, r.text
     assert r.json()["error"].startswith("document refused by the screen") and "\n" not in r.json()["error"]
@@ -692,9 +707,10 @@ def test_the_byte_screen_refuses_in_one_line_without_logging_or_using_the_rate_l
 
 
 def test_the_loss_screen_refuses_an_outlier_after_its_warm_up(trained, tmp_path):
-    e = engine(trained, tmp_path / "state", screen_warmup=4)
-    c = TestClient(make_app(e, TOKEN))
-    noise = "".join(chr(random.Random(0).randrange(256)) for _ in range(400))
+    e = engine(trained, tmp_path / "state", screen_warmup=4, screen_max_entropy=8)  # the noise reaches the loss
+    c = local(make_app(e, TOKEN))
+    rng = random.Random(0)
+    noise = "".join(chr(rng.randrange(256)) for _ in range(400))
     assert c.post("/v1/learn", json={"text": DOCS[0]}, headers=AUTH).status_code == 200
     assert c.post("/v1/learn", json={"text": DOCS[1][::-1]}, headers=AUTH).status_code == 200  # warm-up: accepted
     for doc in DOCS[2:4]:
@@ -704,7 +720,7 @@ def test_the_loss_screen_refuses_an_outlier_after_its_warm_up(trained, tmp_path)
     assert re.search(r"its loss [\d.]+ nats/token is above [\d.]+ = median [\d.]+ \+ 5 x spread", r.json()["error"])
     assert e.seq == 4 and len(e.recent) == 4  # not logged, not in the window
     assert c.post("/v1/learn", json={"text": DOCS[4]}, headers=AUTH).json()["seq"] == 5
-    off = engine(trained, tmp_path / "off", screen_warmup=4, screen_k=0)
+    off = engine(trained, tmp_path / "off", screen_warmup=4, screen_k=0, screen_max_entropy=8)
     for doc in DOCS[:4]:
         off.learn(doc)
     assert off.learn(noise)["seq"] == 5  # screen_k 0: no loss screen
@@ -722,7 +738,7 @@ def test_the_screen_window_survives_a_restart(trained, tmp_path):
 
 def test_rollback_reaches_any_kept_state_and_a_restart_keeps_it(trained, tmp_path):
     e = engine(trained, tmp_path / "state", keep_states=2, max_canary_rise=1.0)  # no automatic rollback
-    c = TestClient(make_app(e, TOKEN))
+    c = local(make_app(e, TOKEN))
     weights = {}
     for i, doc in enumerate(DOCS[:12], 1):  # snapshots (kept) at 4, 8, 12
         c.post("/v1/learn", json={"text": doc}, headers=AUTH)
@@ -751,7 +767,7 @@ def test_rollback_reaches_any_kept_state_and_a_restart_keeps_it(trained, tmp_pat
 
 def test_the_limit_is_measured_from_the_operators_reference(trained, tmp_path):
     e = engine(trained, tmp_path / "state", canary_reference=0.5, screen_k=0)
-    c = TestClient(make_app(e, TOKEN))
+    c = local(make_app(e, TOKEN))
     stats = c.get("/v1/stats").json()
     assert stats["canary_reference"] == 0.5 and stats["canary_limit"] == 0.55 and e.reference > 1
     replies = [c.post("/v1/learn", json={"text": d}, headers=AUTH).json() for d in DOCS[:2]]

@@ -3,7 +3,8 @@ smoke-sized model: kill -9 at 10 random points of a learn stream (forked servers
 and a death at every 12th of its crash points (before and after each durable file operation and each step of
 learning, snapshots, kept links and rollbacks; deterministic, so any unsafe stretch of 12 or more points is hit
 on every run) -> the restarted server loses no acknowledged document and ends in the uninterrupted weights,
-answers and kept states; one byte changed
+answers and kept states; a full disk (ENOSPC) at 6 random log writes, log fsyncs and snapshot files -> the
+resent stream ends in the uninterrupted weights and answers, every sequence number used once; one byte changed
 at 10 random places of a real log -> it loads whole with the same weights, or refuses naming the line and
 repair keeps every other record; two servers on one folder -> refused; a poison stream -> the screen refuses
 the garbage (and no clean document), the probe ends within 0.005 nats of the pre-poison one, and without the
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory):
     out = tmp_path_factory.mktemp("faults") / "faults.json"
-    command = [sys.executable, str(ROOT / "benchmarks" / "serve_faults.py"), "--kills", "10", "--sweep", "12", "--corruptions", "10",
+    command = [sys.executable, str(ROOT / "benchmarks" / "serve_faults.py"), "--kills", "10", "--sweep", "12", "--corruptions", "10", "--disk", "6",
                "--steps", "150", "--doc-chars", "200", "--clean", "24", "--warm", "8", "--garbage", "8",
                "--seed", "0", "--json", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
@@ -54,6 +55,12 @@ def test_one_corrupt_byte_at_10_random_places_loses_no_acknowledged_document(fau
     assert c["handled"] == c["corruptions"] == 10, [t for t in c["trials"] if not t["ok"]]
     refused = [t for t in c["trials"] if t["outcome"] == "refused"]
     assert len(refused) >= 5 and all(f"line {t['line']} is damaged" in t["message"] for t in refused)
+
+
+def test_a_full_disk_at_6_random_log_writes_fsyncs_and_snapshots_loses_nothing(faults):
+    d = faults["disk"]
+    assert len(d["trials"]) == 6 and d["faults"] == 6 and d["survived"] == 6, [t for t in d["trials"] if not t["ok"]]
+    assert d["answered_503"] == sum(t["kind"] != "save_file" for t in d["trials"])  # each log fault: one 503
 
 
 def test_a_second_server_on_one_folder_is_refused(faults):

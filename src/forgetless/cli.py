@@ -608,6 +608,9 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
                                                     "/v1/snapshot, /v1/rollback (else $FORGETLESS_SERVE_TOKEN; "
                                                     "without either, learning is refused)"),
           host: str = typer.Option("127.0.0.1", help="address to listen on (localhost by default)"),
+          allowed_hosts: Optional[str] = typer.Option(None, help="comma-separated names requests may give in their "
+                                                      "Host header ('*': any); needed with a --host that is not "
+                                                      "loopback (default: localhost, 127.0.0.1, ::1)"),
           port: int = typer.Option(8000, help="port to listen on"),
           repair: bool = typer.Option(False, "--repair", help="move the damaged lines of --state-dir's write-ahead "
                                       "log to wal.quarantine beside it, keep every good line, and exit"),
@@ -639,6 +642,7 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
         raise ForgetlessError("give --base (a forgetless GPT) or --model with --canary (the text whose retention is "
                               "checked), not both")
     token = load_token(token_file, os.environ.get("FORGETLESS_SERVE_TOKEN", ""))
+    hosts = allowed(host, allowed_hosts)
     wal.check_folder(state_dir)
     sock = listening(host, port)  # before the state folder is touched
     if model:
@@ -652,11 +656,30 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     (original,), corpus_tokenizer = load_domains([canary], tokenizer, block_size, 0.1, canary_windows)
     engine = Engine(lm if model else lm.to(device), corpus_tokenizer, original.windows, block_size, cfg, state_dir,
                     original.train)
+    if engine.recovered:
+        out_console.print(escape(engine.recovered), highlight=False)
     out_console.print(f"serving {escape(cfg.method)} on http://{host}:{port} (state in {escape(str(state_dir))}: "
                       f"document {engine.seq}, {engine.counters['replayed']} replayed from the log; "
                       f"{'learning on' if token else 'learning OFF: no --token-file or $FORGETLESS_SERVE_TOKEN'})",
                       highlight=False)
-    uvicorn.Server(uvicorn.Config(make_app(engine, token), log_level="warning")).run(sockets=[sock])
+    uvicorn.Server(uvicorn.Config(make_app(engine, token, hosts), log_level="warning")).run(sockets=[sock])
+
+
+def allowed(host: str, names: str | None) -> tuple[str, ...]:
+    """The Host names `forgetless serve` answers: the localhost names when it listens on loopback, plus
+    --allowed-hosts (which a non-loopback --host needs: a one-line error without it)."""
+    import ipaddress
+
+    from forgetless.serve.app import LOCAL_HOSTS
+    given = tuple(n.strip() for n in (names or "").split(",") if n.strip())
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback and not given:
+        raise ForgetlessError(f"--host {host} is not loopback: give --allowed-hosts with the names clients reach "
+                              "it by (e.g. --allowed-hosts myserver.lan,10.0.0.5; '*' accepts any Host)")
+    return (LOCAL_HOSTS if loopback else ()) + given
 
 
 def listening(host: str, port: int):

@@ -2,9 +2,17 @@
 (Prometheus text), stats (JSON) and the dashboard page that draws them, health, snapshot, rollback (to the last
 good state or a kept one), states (the kept ones). Bad
 input gets a 4xx with a one-line reason, as JSON `{"error": "..."}`: the token is checked before the body
-is read, and the body is capped while it is read, before it is parsed."""
+is read, and the body is capped while it is read, before it is parsed.
+
+- **Reads never wait on learning.** Learn, snapshot and rollback run one at a time on the learner's own thread
+  (`Learner`), at most `max_queued` waiting (more: 503 + Retry-After), so they never hold the request threads;
+  health, metrics, states and stats run on the event loop and take no lock.
+- **Private.** Every request must name an allowed Host (`Guard`: the localhost names by default, against DNS
+  rebinding) and every POST body must be JSON (Content-Type application/json: a cross-origin form or text/plain
+  POST is refused 415 before it reaches a route)."""
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import hmac
@@ -12,6 +20,7 @@ import math
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -22,9 +31,11 @@ from starlette.exceptions import HTTPException
 
 from forgetless.errors import ForgetlessError
 from forgetless.serve.engine import Engine, KeyReused, Screened
+from forgetless.serve.wal import Unavailable
 
 DASHBOARD = Path(__file__).with_name("dashboard.html")
 MIN_TOKEN = 16  # characters
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
 def load_token(token_file: Path | None, environment: str) -> str | None:
@@ -80,7 +91,7 @@ class GenerateIn(Strict):
 
 
 class RollbackIn(Strict):
-    seq: int | None = Field(default=None, ge=0)
+    seq: int | None = Field(default=None, ge=0, lt=2 ** 63)
 
 
 class Refused(Exception):
@@ -88,9 +99,69 @@ class Refused(Exception):
         self.status, self.reason, self.headers = status, reason, headers
 
 
-def make_app(engine: Engine, token: str | None) -> FastAPI:
-    """The app around `engine`; `token` guards /v1/learn, /v1/snapshot and /v1/rollback (None: they are refused)."""
+def host_name(header: str) -> str:
+    """The name in a Host header, without its port, lower case: "[::1]:8000" -> "::1"."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:].partition("]")[0]
+    return header.rpartition(":")[0] if header.count(":") == 1 else header.rstrip(".")
+
+
+def is_json(content_type: str) -> bool:
+    kind = content_type.partition(";")[0].strip().lower()
+    return kind == "application/json" or kind.startswith("application/") and kind.endswith("+json")
+
+
+class Guard:
+    """ASGI middleware: a request whose Host is not in `allowed` ("*": any) is refused 400; a POST with a body
+    that is not declared JSON is refused 415; both before any route runs."""
+
+    def __init__(self, app, allowed: tuple[str, ...]):
+        self.app, self.allowed = app, {host_name(h) for h in allowed}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+            name, error = host_name(headers.get("host", "")), None
+            if "*" not in self.allowed and name not in self.allowed:
+                error = (400, f"Host {name!r} is not served here (allowed: {', '.join(sorted(self.allowed))}); start "
+                              "the server with --allowed-hosts naming it")
+            elif scope["method"] == "POST" and not is_json(headers.get("content-type", "")) and (
+                    headers.get("content-length", "0") not in ("", "0") or "transfer-encoding" in headers):
+                error = (415, f"the body must be JSON (Content-Type: application/json), not "
+                              f"{headers.get('content-type') or 'undeclared'}")
+            if error:
+                return await JSONResponse({"error": error[1]}, error[0])(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class Learner:
+    """One thread that runs learn, snapshot and rollback in turn, with at most `bound` waiting: more are refused
+    503 with Retry-After, so a burst of large learns never holds the request threads."""
+
+    def __init__(self, bound: int):
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="forgetless-learner")
+        self.bound, self.waiting, self.lock = bound, 0, threading.Lock()
+
+    async def run(self, fn, *args):
+        with self.lock:
+            if self.waiting >= self.bound:
+                raise Refused(503, f"the learner is busy ({self.waiting} requests waiting, the most "
+                                   "--serve-max-queued allows); retry later", {"Retry-After": "2"})
+            self.waiting += 1
+        try:
+            return await asyncio.wrap_future(self.pool.submit(fn, *args))
+        finally:
+            with self.lock:
+                self.waiting -= 1
+
+
+def make_app(engine: Engine, token: str | None, allowed_hosts: tuple[str, ...] = LOCAL_HOSTS) -> FastAPI:
+    """The app around `engine`; `token` guards /v1/learn, /v1/snapshot and /v1/rollback (None: they are refused);
+    requests must name one of `allowed_hosts` in their Host header ("*": any)."""
     app = FastAPI(title="forgetless serve", docs_url=None, redoc_url=None)
+    app.add_middleware(Guard, allowed=tuple(allowed_hosts))
+    learner = Learner(engine.cfg.max_queued)
     recent: collections.deque = collections.deque()  # times of accepted /v1/learn calls in the last minute
     rate_lock = threading.Lock()
     body_limit = 6 * engine.cfg.max_doc_bytes + 1024  # the largest document, every byte escaped (\u00XX), and fields
@@ -162,6 +233,11 @@ def make_app(engine: Engine, token: str | None) -> FastAPI:
     async def refused(request: Request, e: Refused):
         return JSONResponse({"error": e.reason}, e.status, headers=e.headers)
 
+    @app.exception_handler(Unavailable)
+    async def unavailable(request: Request, e: Unavailable):
+        engine.rejected["unavailable"] = engine.rejected.get("unavailable", 0) + 1
+        return JSONResponse({"error": str(e)}, 503, headers={"Retry-After": "60"})
+
     @app.exception_handler(ForgetlessError)
     async def bad_input(request: Request, e: ForgetlessError):
         reason = {"reason": e.reason} if isinstance(e, Screened) else {}  # the screen's refusals name their rule
@@ -171,10 +247,32 @@ def make_app(engine: Engine, token: str | None) -> FastAPI:
     async def http_error(request: Request, e: HTTPException):
         return JSONResponse({"error": str(e.detail)}, e.status_code, headers=getattr(e, "headers", None))
 
+    # ---- reads: on the event loop, no lock ---------------------------------------------------------
     @app.get("/v1/health")
-    def health():
+    async def health():
         return {"status": "ok", "method": engine.cfg.method, "seq": engine.seq, "updates": engine.learner.steps,
-                "serving": engine.serving[0], "snapshot_seq": engine.snapshot_seq}
+                "serving": engine.serving[0], "snapshot_seq": engine.snapshot_seq, "learning": engine.learning(),
+                "queued": learner.waiting, **({"recovered": engine.recovered} if engine.recovered else {})}
+
+    @app.get("/v1/states")
+    async def states():
+        return JSONResponse(finite(engine.states()))
+
+    @app.get("/v1/metrics")
+    async def metrics():
+        return PlainTextResponse(prometheus(engine.metrics()), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/stats")
+    async def stats():
+        return JSONResponse(finite(engine.stats()))
+
+    page = DASHBOARD.read_text()
+
+    @app.get("/", response_class=HTMLResponse)
+    async def dashboard():
+        return page
+
+    # ---- the model: scoring and generation (request threads) -------------------------------------
 
     @app.post("/v1/score")
     async def score(request: Request):
@@ -188,42 +286,25 @@ def make_app(engine: Engine, token: str | None) -> FastAPI:
         first = await run_in_threadpool(next, pieces, "")  # bad input fails here, before the stream starts
         return StreamingResponse(chain(first, pieces), media_type="text/plain; charset=utf-8")
 
+    # ---- learning: the learner's thread, bounded queue ---------------------------------------------
     @app.post("/v1/learn")
     async def learn(request: Request):
         authorize(request, "learning")  # before the body is read
         body = await parsed(request, LearnIn, counted=True)
         text = checked(body.text, "text", counted=True)
         with rate_slot():
-            return await run_in_threadpool(engine.learn, text, body.key)
+            return await learner.run(engine.learn, text, body.key)
 
     @app.post("/v1/snapshot")
-    def snapshot(request: Request):
+    async def snapshot(request: Request):
         authorize(request, "a snapshot")
-        return engine.snapshot()
+        return await learner.run(engine.snapshot)
 
     @app.post("/v1/rollback")
     async def rollback(request: Request):
         authorize(request, "a rollback")
         body = await parsed(request, RollbackIn, optional=True)
-        return await run_in_threadpool(engine.manual_rollback, body.seq)
-
-    @app.get("/v1/states")
-    def states():
-        return JSONResponse(finite(engine.states()))
-
-    @app.get("/v1/metrics")
-    def metrics():
-        return PlainTextResponse(prometheus(engine.metrics()), media_type="text/plain; version=0.0.4")
-
-    @app.get("/v1/stats")
-    def stats():
-        return JSONResponse(finite(engine.stats()))
-
-    page = DASHBOARD.read_text()
-
-    @app.get("/", response_class=HTMLResponse)
-    def dashboard():
-        return page
+        return await learner.run(engine.manual_rollback, body.seq)
 
     return app
 

@@ -4,20 +4,26 @@ learns from accepted documents (docs/DESIGN.md §3.6).
 - **No torn reads.** The learner trains its own copy; after each accepted document a fresh copy of its
   weights is published (copy-on-write). A request takes the copy published when it starts and keeps it
   to the end, so it never sees a half-applied update. Learning, snapshots and rollbacks hold one lock.
-- **Guardrails.** Before a document is logged it is screened (`screen`): refused when its bytes are mostly one
-  symbol (the most frequent byte over `screen_max_symbol_share` of them) or nearly constant (byte entropy under
-  `screen_min_entropy` bits), or when its loss under the current weights is an outlier against the documents
-  accepted last: above median + `screen_k` x spread of the last `screen_window` accepted losses, spread =
-  max(1.4826 x MAD, `screen_min_spread` x median), once `screen_warmup` documents have been accepted. Refused
+- **Guardrails.** Before a document is logged it is screened (`screen`), on both sides: refused when its bytes
+  are mostly one symbol (the most frequent byte over `screen_max_symbol_share` of them), nearly constant (byte
+  entropy under `screen_min_entropy` bits), random characters (byte entropy over `screen_max_entropy` bits) or
+  dominated by repeated n-grams (zlib shrinks it below `screen_min_compression` of its size), or when its loss
+  under the current weights is an outlier against the documents accepted last: above median + `screen_k` x
+  spread or below median - `screen_low_k` x spread (memorised or repeated text) of the last `screen_window`
+  accepted losses, spread = max(1.4826 x MAD, `screen_min_spread` x median), once `screen_warmup` documents
+  have been accepted. Refused
   documents are not logged, not learned and do not enter the window, so poison cannot move the median.
   Every `canary_every` accepted documents the canary (held-out windows of the original text) is scored; a
   loss more than `max_canary_rise` nats/token above the reference (the canary loss at first start, or the
   operator's `canary_reference`; never the last good state, so damage below the limit cannot ratchet the
   limit up) rolls the learner back to the last good state (logged with the documents undone); otherwise the
   state becomes the last good one. Every snapshot is also kept (`kept/`, the last `keep_states` and the first
-  start's): `/v1/rollback` can restore any of them.
+  start's; each its own file, hashed in a manifest: `store.py`): `/v1/rollback` can restore any of them.
 - **Durability.** One server holds the state folder (an OS lock). A document is appended to the
-  write-ahead log (checksummed, fsync) before it is learned and acknowledged. Every `snapshot_every`
+  write-ahead log (checksummed, fsync) before it is learned and acknowledged; an append that fails is undone
+  and answered 503 (`wal.Unavailable`). An operator's rollback or snapshot is a transaction: logged, its
+  snapshot written, and only then applied in memory; a start from a damaged snapshot falls back to the newest
+  intact kept state and replays the log (documents and operations) after it. Every `snapshot_every`
   documents, a good state (weights, optimizer, hook state, RNG) is written as safetensors. A restart
   loads the snapshot and replays the log after it: the same updates, checks and rollbacks, so the same
   weights bit for bit. A document sent with a key is learned once: a retry gets the first answer.
@@ -26,11 +32,8 @@ from __future__ import annotations
 
 import collections
 import copy
-import json
 import logging
 import math
-import os
-import shutil
 import statistics
 import threading
 import time
@@ -41,7 +44,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from forgetless.checkpoint import load_checkpoint, load_optimizer, optimizer_tensors, remove_unfinished, save_checkpoint
+from forgetless.checkpoint import load_optimizer, optimizer_tensors
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.learner import Learner, chunk_windows
 from forgetless.data.splits import Sampler
@@ -49,11 +52,13 @@ from forgetless.errors import ForgetlessError
 from forgetless.methods.base import as_specs
 from forgetless.models.gpt import logits_of
 from forgetless.nn.apn import APN, routing
-from forgetless.serve.wal import WriteAheadLog, lock_folder
+from forgetless.serve.store import KEPT, SNAPSHOT, Damaged, Store, kept_name
+from forgetless.serve.wal import Unavailable, WriteAheadLog, lock_folder
 from forgetless.train import TrainConfig, TrainingDiverged
 
 log = logging.getLogger("forgetless.serve")
-SNAPSHOT, WAL, KEPT = "snapshot.safetensors", "wal.jsonl", "kept"
+WAL = "wal.jsonl"
+__all__ = ["KEPT", "SNAPSHOT", "WAL", "Engine", "ServeConfig", "Unavailable", "kept_name"]
 HISTORY = 2000  # points of each dashboard curve kept (the latest)
 KEYS = 1000  # idempotency keys remembered (the latest), with their first answers
 
@@ -96,14 +101,27 @@ class ServeConfig:
         "help": "refuse a document whose most frequent byte is more than this share of its bytes (1: off)"})
     screen_min_entropy: float = field(default=1.0, metadata={
         "help": "refuse a document whose byte entropy is below this many bits per byte (0: off)"})
+    screen_max_entropy: float = field(default=5.5, metadata={
+        "help": "refuse a document whose byte entropy is above this many bits per byte: random characters (8: off; "
+                "raise it for scripts with many letters, e.g. CJK)"})
+    screen_min_compression: float = field(default=0.2, metadata={
+        "help": "refuse a document zlib compresses below this share of its size: repeated n-grams (0: off)"})
+    screen_low_k: float = field(default=5.0, metadata={
+        "help": "refuse a document whose loss is below median - K x spread of the recently accepted ones: "
+                "memorised or repeated text (0: off)"})
     max_doc_bytes: int = field(default=65536, metadata={"help": "largest document /v1/learn and /v1/score accept"})
     learn_per_minute: int = field(default=120, metadata={"help": "rate limit of /v1/learn (0: none)"})
     max_new_tokens: int = field(default=512, metadata={"help": "most tokens /v1/generate produces per request"})
+    max_queued: int = field(default=8, metadata={
+        "help": "learn, snapshot and rollback requests waiting for the learner; more are answered 503 + Retry-After"})
+    log_retention: str = field(default="archive", metadata={
+        "help": "records before the oldest kept state, moved out of the log after a snapshot: archive (to "
+                "STATE_DIR/wal-archive) or drop"})
     seed: int = field(default=0, metadata={"help": "seed of the method's initialisation and mixed rows"})
 
     def __post_init__(self):
         for name in ("steps_per_doc", "canary_every", "snapshot_every", "max_doc_bytes", "max_new_tokens", "keep_states",
-                     "screen_window", "screen_warmup"):
+                     "screen_window", "screen_warmup", "max_queued"):
             if getattr(self, name) <= 0:
                 raise ForgetlessError(f"serve.{name} must be positive, got {getattr(self, name)}")
         if self.snapshot_every % self.canary_every:
@@ -111,12 +129,15 @@ class ServeConfig:
                                   f"({self.canary_every}): a snapshot is a checked state")
         if self.learn_per_minute < 0 or not self.max_canary_rise >= 0:
             raise ForgetlessError("serve.learn_per_minute and serve.max_canary_rise must not be negative")
-        for name in ("canary_reference", "screen_k", "screen_min_spread", "screen_min_entropy"):
+        for name in ("canary_reference", "screen_k", "screen_low_k", "screen_min_spread", "screen_min_entropy",
+                     "screen_max_entropy", "screen_min_compression"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ForgetlessError(f"serve.{name} must be a finite number >= 0, got {getattr(self, name)}")
         if not 0 < self.screen_max_symbol_share <= 1:
             raise ForgetlessError(f"serve.screen_max_symbol_share must be in (0, 1] (1: off), got "
                                   f"{self.screen_max_symbol_share}")
+        if self.log_retention not in ("archive", "drop"):
+            raise ForgetlessError(f"serve.log_retention must be archive or drop, got {self.log_retention!r}")
         if self.screen_warmup > self.screen_window:
             raise ForgetlessError(f"serve.screen_warmup ({self.screen_warmup}) must not exceed serve.screen_window "
                                   f"({self.screen_window})")
@@ -132,20 +153,21 @@ class Engine:
         self.state_dir = Path(state_dir)
         self.folder_lock = lock_folder(self.state_dir)
         try:
-            self.wal = WriteAheadLog(self.state_dir / WAL)
+            self.wal = WriteAheadLog(self.state_dir / WAL, archive=cfg.log_retention == "archive")
+            self.store = Store(self.state_dir, cfg.keep_states)
         except ForgetlessError:
-            self.folder_lock.close()
+            self.close()
             raise
         torch.manual_seed(cfg.seed)
         (spec,) = as_specs([cfg.method])
         self.learner = Learner(model, spec.build(), TrainConfig(lr=cfg.lr, warmup=0), canary, mix_from, cfg.seed)
         self.device = self.learner.device
         self.lock = threading.Lock()
-        self.seq, self.snapshot_seq, self.good, self.undone_to = 0, 0, None, 0
+        self.seq, self.snapshot_seq, self.good, self.undone_to, self.ops = 0, 0, None, 0, 0
+        self.recovered: str | None = None  # how a start from a damaged snapshot recovered, in words
         self.counters = {"accepted": 0, "rollbacks": 0, "undone": 0, "score": 0, "generate": 0, "replayed": 0}
         self.rejected: dict[str, int] = {}
         self.recent: collections.deque = collections.deque(maxlen=cfg.screen_window)  # losses of accepted documents
-        self.kept: dict[int, float] = {}  # seq of a kept snapshot -> its canary loss
         self.answers: collections.OrderedDict = collections.OrderedDict()  # key -> (text checksum, first answer)
         self.last_prequential, self.prequential_sum = float("nan"), 0.0
         # the dashboard's curves: (seq, prequential loss), (seq, canary loss), (seq, documents undone)
@@ -153,27 +175,66 @@ class Engine:
         self.routed = any(isinstance(m, APN) for m in self.learner.model.modules())
         self.usage: list[list[float]] | None = None  # routed methods: share of each patch per layer, last document
         self.started = time.time()
-        for stale in [*self.state_dir.glob(f".{SNAPSHOT}.tmp-*"), *(self.state_dir / KEPT).glob(".*.tmp")]:
-            remove_unfinished(stale)  # a snapshot or kept link a kill left unfinished (never renamed: never read)
-        path = self.state_dir / SNAPSHOT
-        if path.exists():
-            snapshot = self.read_snapshot(path)
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+
+    def start(self):
+        """Resume from the snapshot (or the newest intact kept state) and replay the log after it: the same
+        updates, checks and rollbacks; a first start writes the first snapshot."""
+        snapshot = self.starting_state()
+        if snapshot is not None:
             self.restore(snapshot)
+            self.ops = snapshot["meta"].get("ops", 0)
             for key, crc, answer in snapshot["meta"].get("answers", []):
                 self.answers[key] = (crc, answer)
             self.recent.extend(snapshot["meta"].get("recent", []))
-            self.kept = kept_states(self.state_dir / KEPT)
-            if self.seq not in self.kept:  # a kill between the snapshot's rename and its kept link
-                self.keep()
         else:
             self.reference = self.canary_loss()
             self.canary_last = self.reference
             self.good = self.capture()
             self.write_snapshot()
-        for record in self.wal.after(self.seq):  # what the snapshot lacks: the same updates, checks, rollbacks
+        for record in self.wal.replay(self.seq):  # streamed
+            if "op" in record:
+                if record["n"] > self.ops:
+                    self.operate(record["op"], record.get("to"), record["n"])
+                continue
             self.apply(record["seq"], record["text"], record.get("key"))
             self.counters["replayed"] += 1
+        if self.recovered:
+            self.write_snapshot(keep=False)
         self.publish()
+
+    def starting_state(self) -> dict | None:
+        """The snapshot; when it is missing or damaged, the newest intact kept state (said in one line:
+        `recovered`); None on a first start."""
+        if not (self.state_dir / SNAPSHOT).exists() and not self.store.kept:
+            return None
+        try:
+            return self.checked(self.store.read_snapshot())
+        except Damaged as e:
+            problem, damaged = str(e), []
+        for seq in sorted(self.store.kept, reverse=True):
+            try:
+                state = self.checked(self.store.read_kept(seq))
+            except Damaged as e:
+                damaged.append(str(e))
+                self.store.drop_kept(seq)
+                continue
+            also = f" (also damaged, renamed *.damaged: {'; '.join(damaged)})" if damaged else ""
+            self.recovered = (f"{problem}: started from the kept state {self.store.kept_folder / kept_name(seq)} and "
+                              f"replayed the log after it{also}")
+            log.warning("%s", self.recovered)
+            return state
+        raise ForgetlessError(f"{problem}, and no kept state is intact{': ' + '; '.join(damaged) if damaged else ''}; "
+                              f"move {self.state_dir} away to start afresh from the base")
+
+    @property
+    def kept(self) -> dict[int, float]:
+        """Seq of each kept state -> its canary loss."""
+        return {seq: entry["canary"] for seq, entry in self.store.kept.items()}
 
     # ---- reading ---------------------------------------------------------------------------------
     def encode(self, text: str) -> torch.Tensor:  # (N,) ids
@@ -206,10 +267,11 @@ class Engine:
         new, sent = [], ""
         for _ in range(min(max_tokens, self.cfg.max_new_tokens)):
             logits = logits_of(model, ids[:, -self.block_size:])[:, -1].float()  # (1, V)
-            if temperature == 0:
+            scaled = logits / temperature if temperature else logits             # (1, V)
+            if temperature == 0 or not torch.isfinite(scaled).all():  # a temperature so small it is greedy
                 token = logits.argmax(-1, keepdim=True)                           # (1, 1)
             else:
-                token = torch.multinomial(F.softmax(logits / temperature, -1), 1, generator=generator)
+                token = torch.multinomial(F.softmax(scaled, -1), 1, generator=generator)
             ids = torch.cat([ids, token], 1)
             new.append(int(token))
             text = self.tokenizer.decode(new)
@@ -244,7 +306,7 @@ class Engine:
         """The document's loss under the current weights, or Screened (logged and counted by reason) when its bytes
         are mostly one symbol or nearly constant, or its loss is an outlier against the last accepted ones."""
         cfg = self.cfg
-        refusal = byte_screen(text.encode(), cfg.screen_max_symbol_share, cfg.screen_min_entropy)
+        refusal = byte_screen(text.encode(), cfg)
         loss = math.nan
         if refusal is None:
             loss = evaluate(self.learner.model, windows)["loss"]
@@ -292,7 +354,10 @@ class Engine:
                   "rolled_back": rolled_back, "canary_loss": self.canary_last}
         self.remember(key, text, result)
         if not rolled_back and seq % self.cfg.snapshot_every == 0:  # a passed check (a multiple of canary_every)
-            self.write_snapshot()
+            try:
+                self.write_snapshot()
+            except (OSError, Unavailable) as e:  # the log holds the document: the next snapshot will do
+                log.warning("the snapshot at document %d was not written (%s); the log holds the documents", seq, e)
         return result
 
     def check(self) -> bool:
@@ -343,36 +408,74 @@ class Engine:
     def snapshot(self) -> dict:
         """Check the canary now (rolling back if it fails), then write the state to disk."""
         with self.lock:
-            passed = self.check()
-            self.write_snapshot()
-            self.publish()
+            passed = self.operate("check")
         return {"seq": self.seq, "rolled_back": not passed, "path": str(self.state_dir / SNAPSHOT)}
 
     def manual_rollback(self, target: int | None = None) -> dict:
         """Restore the last good state, or the kept snapshot of document `target` (`states()`), now; it becomes
         the last good state and is written to disk (so a restart replays from it)."""
         with self.lock:
-            if target is None:
-                restored = self.good["meta"]["seq"]
-                self.rollback("asked for by /v1/rollback")
-            else:
-                path = self.state_dir / KEPT / kept_name(target)
-                if target not in self.kept or not path.is_file():
-                    raise ForgetlessError(f"no kept state at document {target}; kept: "
-                                          f"{', '.join(map(str, sorted(self.kept))) or 'none'} (GET /v1/states)")
-                restored, self.good = target, self.read_snapshot(path)
-                self.rollback(f"to the kept state of document {target}, asked for by /v1/rollback")
-            self.good = self.capture()
-            self.write_snapshot()
-            self.publish()
+            restored = self.good["meta"]["seq"] if target is None else target
+            self.operate("rollback", target)
         return {"seq": self.seq, "restored_seq": restored, "good_seq": self.good["meta"]["seq"],
                 "canary_loss": self.canary_last}
+
+    def operate(self, op: str, target: int | None = None, replayed: int | None = None) -> bool:
+        """An operator's rollback (to kept state `target`, or the last good state) or check-and-snapshot, as a
+        transaction: logged, then (a rollback) its snapshot written, and only then applied in memory; a failed
+        write undoes the log record and changes nothing (503). `replayed`: the number of a logged one being
+        replayed at start (not logged again). Returns whether a check passed."""
+        state = None
+        if op == "rollback":
+            state = self.good if target is None else self.kept_state(target)
+        n = replayed or self.ops + 1
+        undo = None if replayed else self.wal.append_op(op, self.seq, n, target)
+        self.ops, passed = n, True
+        try:
+            if op == "rollback":
+                self.write_snapshot({"tensors": state["tensors"], "meta": {**state["meta"], "seq": self.seq}},
+                                    keep=False)
+                why = "asked for by /v1/rollback" if target is None else \
+                    f"to the kept state of document {target}, asked for by /v1/rollback"
+                self.good = state
+                self.rollback(why)
+                self.good = self.capture()
+            else:
+                passed = self.check()  # applied in memory and logged: a restart does the same
+                self.write_snapshot()
+        except OSError as e:
+            if op == "rollback":
+                self.ops = n - 1
+                if undo is not None:
+                    self.wal.undo(undo, "holds a rollback whose snapshot could not be written")
+            raise Unavailable(f"the snapshot could not be written ({e.strerror or e}); "
+                              f"{'nothing changed' if op == 'rollback' else 'the check is applied and logged'}: "
+                              "free space (or fix the disk) and retry") from None
+        finally:
+            self.publish()
+        return passed
+
+    def kept_state(self, target: int) -> dict:
+        """The kept state of document `target`, its hash checked (a damaged one is dropped from the targets)."""
+        if target not in self.store.kept:
+            raise ForgetlessError(f"no kept state at document {target}; kept: "
+                                  f"{', '.join(map(str, sorted(self.store.kept))) or 'none'} (GET /v1/states)")
+        try:
+            return self.checked(self.store.read_kept(target))
+        except Damaged as e:
+            self.store.drop_kept(target)
+            raise ForgetlessError(f"{e}; it is no longer a rollback target (renamed *.damaged)") from None
 
     def states(self) -> dict:
         """The rollback targets: the last good state and the kept snapshots (seq, canary loss), oldest first."""
         return {"seq": self.seq, "good_seq": self.good["meta"]["seq"], "canary_reference": self.reference_loss(),
                 "canary_limit": self.limit(),
-                "kept": [{"seq": seq, "canary_loss": loss} for seq, loss in sorted(self.kept.items())]}
+                "kept": [{"seq": seq, "canary_loss": loss} for seq, loss in sorted(self.kept.items())],
+                "learning": self.learning()}
+
+    def learning(self) -> str:
+        """"on", or why nothing more is acknowledged (the log is broken, or the file is no longer the log)."""
+        return self.wal.problem() or "on"
 
     # ---- state -----------------------------------------------------------------------------------
     def capture(self) -> dict:
@@ -391,7 +494,13 @@ class Engine:
 
     def restore(self, state: dict, keep_seq: bool = False):
         tensors, meta, learner = state["tensors"], state["meta"], self.learner
-        learner.model.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
+        try:
+            learner.model.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
+        except RuntimeError as e:
+            lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+            detail = next((line for line in lines if "mismatch" in line or "key" in line.lower()), lines[0])[:200]
+            raise ForgetlessError(f"the state in {self.state_dir} was written for another base ({detail}); serve it "
+                                  "with the base it was made with, or give another --state-dir") from None
         load_optimizer(learner.opt, tensors, meta["optim_groups"])
         learner.hooks.load_hook_state({k[len("hooks."):]: v for k, v in tensors.items() if k.startswith("hooks.")})
         torch.set_rng_state(tensors["rng.torch"])
@@ -406,41 +515,32 @@ class Engine:
             self.seq = self.snapshot_seq = meta["seq"]
             self.good = state
 
-    def write_snapshot(self):
-        state = self.capture()
+    def write_snapshot(self, state: dict | None = None, keep: bool = True):
+        """Write `state` (default: the learner's, now) as the snapshot, kept (`keep`) unless a kept state of
+        this seq exists; then move the log's records before the oldest kept state out of it."""
+        state = state or self.capture()
         answers = [[key, crc, answer] for key, (crc, answer) in self.answers.items()]
-        save_checkpoint(self.state_dir / SNAPSHOT, state["tensors"], {**state["meta"], "answers": answers,
-                                                                      "recent": list(self.recent)})
+        self.store.save(state["tensors"], {**state["meta"], "answers": answers, "recent": list(self.recent),
+                                           "ops": self.ops, "keep": keep}, keep)
         self.snapshot_seq = self.seq
-        self.keep()
+        floor = min((s for s in self.store.kept if s), default=None)
+        if floor is not None:
+            try:
+                self.wal.compact(floor)
+            except Unavailable as e:
+                log.warning("%s", e)
 
-    def keep(self):
-        """Keep the snapshot just written as kept/SEQ (a hard link: no copy) and drop the oldest beyond
-        `keep_states` (the first start's, seq 0, stays)."""
-        folder = self.state_dir / KEPT
-        folder.mkdir(exist_ok=True)
-        tmp = folder / f".{kept_name(self.seq)}.tmp"
-        tmp.unlink(missing_ok=True)
-        try:
-            os.link(self.state_dir / SNAPSHOT, tmp)
-        except OSError:  # a file system without hard links
-            shutil.copyfile(self.state_dir / SNAPSHOT, tmp)
-        os.replace(tmp, folder / kept_name(self.seq))
-        self.kept[self.seq] = self.canary_last
-        for seq in [s for s in sorted(self.kept) if s][:-self.cfg.keep_states]:
-            (folder / kept_name(seq)).unlink(missing_ok=True)
-            del self.kept[seq]
-
-    def read_snapshot(self, path: Path) -> dict:
-        tensors, meta = load_checkpoint(path)
+    def checked(self, state: tuple[dict, dict]) -> dict:
+        tensors, meta = state
         if meta.get("kind") != "serve" or meta.get("method") != self.cfg.method:
-            raise ForgetlessError(f"{path} is not a snapshot of this server's method ({meta.get('method')} vs "
+            raise ForgetlessError(f"{self.state_dir} holds a snapshot of another method ({meta.get('method')} vs "
                                   f"{self.cfg.method}); give another --state-dir or the same --serve-method")
         return {"tensors": tensors, "meta": meta}
 
     def close(self):
         """Close the log and release the state folder."""
-        self.wal.close()
+        if hasattr(self, "wal"):
+            self.wal.close()
         self.folder_lock.close()
 
     def prequential_mean(self) -> float:
@@ -479,51 +579,51 @@ class Engine:
                 "usage": self.usage}
 
 
-def byte_screen(data: bytes, max_share: float, min_entropy: float) -> tuple[str, str] | None:
-    """(reason, why) when `data` is mostly one byte (its most frequent byte over `max_share` of it) or nearly
-    constant (Shannon entropy of its bytes under `min_entropy` bits per byte); else None."""
+def byte_screen(data: bytes, cfg: ServeConfig) -> tuple[str, str] | None:
+    """(reason, why) when `data` is mostly one byte (its most frequent byte over `screen_max_symbol_share` of it),
+    nearly constant or random (Shannon entropy of its bytes under `screen_min_entropy` or over
+    `screen_max_entropy` bits per byte) or dominated by repeats (zlib at level 9 shrinks it below
+    `screen_min_compression` of its size); else None."""
     counts = collections.Counter(data)
     if not counts:
         return None
     top, count = counts.most_common(1)[0]
-    if count / len(data) > max_share:
+    if count / len(data) > cfg.screen_max_symbol_share:
         return ("repetitive", f"byte {bytes([top])!r} is {count / len(data):.0%} of its {len(data)} bytes (more than "
-                              f"{max_share:.0%}: --serve-screen-max-symbol-share)")
+                              f"{cfg.screen_max_symbol_share:.0%}: --serve-screen-max-symbol-share)")
     entropy = -sum(c / len(data) * math.log2(c / len(data)) for c in counts.values())
-    if entropy < min_entropy:
-        return ("low-entropy", f"its bytes carry {entropy:.2f} bits each (less than {min_entropy}: "
+    if entropy < cfg.screen_min_entropy:
+        return ("low-entropy", f"its bytes carry {entropy:.2f} bits each (less than {cfg.screen_min_entropy}: "
                                "--serve-screen-min-entropy)")
+    if entropy > cfg.screen_max_entropy:
+        return ("random", f"its bytes carry {entropy:.2f} bits each, like random characters (more than "
+                          f"{cfg.screen_max_entropy}: --serve-screen-max-entropy)")
+    share = len(zlib.compress(data, 9)) / len(data)
+    if share < cfg.screen_min_compression:
+        return ("repeated", f"it compresses to {share:.1%} of its {len(data)} bytes: mostly repeated text (less than "
+                            f"{cfg.screen_min_compression:.0%}: --serve-screen-min-compression)")
     return None
 
 
 def loss_screen(loss: float, recent: list[float], cfg: ServeConfig) -> tuple[str, str] | None:
     """("outlier", why) when `loss` is above median + k x spread of `recent` (the losses of the last accepted
-    documents), spread = max(1.4826 x MAD, min_spread x median); None before `screen_warmup` of them, or when
-    `screen_k` is 0. A non-finite loss is an outlier."""
-    if not cfg.screen_k or len(recent) < cfg.screen_warmup:
+    documents), ("memorised", why) when it is below median - low_k x spread; spread = max(1.4826 x MAD,
+    min_spread x median); None before `screen_warmup` of them. A non-finite loss is an outlier."""
+    if len(recent) < cfg.screen_warmup:
         return None
     median = statistics.median(recent)
     spread = max(1.4826 * statistics.median(abs(x - median) for x in recent), cfg.screen_min_spread * abs(median))
-    limit = median + cfg.screen_k * spread
-    if loss <= limit:
-        return None
-    return ("outlier", f"its loss {loss:.3f} nats/token is above {limit:.3f} = median {median:.3f} + "
-                       f"{cfg.screen_k:g} x spread {spread:.3f} of the last {len(recent)} accepted documents; if it "
-                       "is good data, raise --serve-screen-k (0: no loss screen)")
-
-
-def kept_name(seq: int) -> str:
-    return f"{seq:09d}.safetensors"
-
-
-def kept_states(folder: Path) -> dict[int, float]:
-    """Seq -> canary loss of the snapshots kept in `folder` (read from their headers)."""
-    from safetensors import safe_open
-    kept = {}
-    for path in sorted(folder.glob("[0-9]*.safetensors")):
-        with safe_open(str(path), "pt") as f:
-            kept[int(path.stem)] = json.loads(f.metadata()["forgetless"])["canary"]
-    return kept
+    high, low = median + cfg.screen_k * spread, median - cfg.screen_low_k * spread
+    if cfg.screen_k and not loss <= high:
+        return ("outlier", f"its loss {loss:.3f} nats/token is above {high:.3f} = median {median:.3f} + "
+                           f"{cfg.screen_k:g} x spread {spread:.3f} of the last {len(recent)} accepted documents; if "
+                           "it is good data, raise --serve-screen-k (0: no loss screen)")
+    if cfg.screen_low_k and loss < low:
+        return ("memorised", f"its loss {loss:.3f} nats/token is below {low:.3f} = median {median:.3f} - "
+                             f"{cfg.screen_low_k:g} x spread {spread:.3f} of the last {len(recent)} accepted documents "
+                             "(text the model already knows, or repeated); if it is good data, raise "
+                             "--serve-screen-low-k (0: off)")
+    return None
 
 
 def text_checksum(text: str) -> str:
