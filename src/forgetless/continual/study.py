@@ -117,6 +117,13 @@ def order_seeds(orders: dict, seeds: list[int], order1_seeds: list[int]) -> dict
     return {k: order1_seeds if k == "1" else seeds for k in orders}
 
 
+def run_order(orders: dict, seeds: list[int], order1_seeds: list[int]) -> list[tuple[str, list[int]]]:
+    """(order, its seeds) in the order a study runs them: every order at `seeds` first, then order 1 again at all of
+    `order1_seeds` (its arms at `seeds` reused), so a stopped study has the three orders before order 1's extra seeds."""
+    first = [(k, seeds) for k in orders]
+    return first + [(k, s) for k, s in order_seeds(orders, seeds, order1_seeds).items() if s != seeds]
+
+
 def check_study(cfg: RunConfig, specs: list[MethodSpec], grid, seeds: list[int], order1_seeds: list[int],
                 paired_with: str | None = None):
     """One-line errors before any work."""
@@ -157,7 +164,7 @@ def run_study(lm, tokenizer, cfg: RunConfig, specs: list[MethodSpec], stream: st
             grids[label] = [{"lr": lr, "arm": p.label, "chosen": lr == pick,
                              **{f"{m}_dev": arms[p.label][0][m] for m in bootstrap.METRICS}} for lr, p in ps]
     per_order = {}
-    for k, seeds_k in order_seeds(orders, seeds, order1_seeds).items():
+    for k, seeds_k in run_order(orders, seeds, order1_seeds):
         cfg_k = with_tasks(cfg, orders[k])
         built, arms = run_arms_on(lm, tokenizer, cfg_k, list(chosen.values()), seeds_k, out / f"order{k}", model, "test")
         write_report(sequence_results(cfg_k, built, arms, seeds_k, preset, "test"), out / f"order{k}", False)
