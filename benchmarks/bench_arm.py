@@ -33,7 +33,7 @@ import torch
 from _timing import provenance
 from bench_precision import load, metric_check
 
-import forgetless.continual.instruct as instruct
+from forgetless.continual import instruct
 from forgetless.adapted import resolve_device
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.instruct import load_stream, run_on

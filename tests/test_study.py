@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from forgetless.cli import app
 from forgetless.continual import bootstrap
 from forgetless.continual.instruct import load_stream, scored_on, split_dev
-import forgetless.continual.instruct as instruct
+from forgetless.continual import instruct
 from forgetless.config import stable_hash
 from forgetless.continual.plan import saved_arm
 from forgetless.continual.study import (choose, fit_budget, grid_lrs, parse_budget, parse_grid, plan_study, run_order,
