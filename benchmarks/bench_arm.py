@@ -13,6 +13,7 @@ each task, in sampling errors).
     python benchmarks/bench_arm.py [--precisions fp32,bf16] [--repeats 1] [--tasks dbpedia,amazon,yahoo,agnews]
         [--steps 32] [--train-examples 256] [--test-rows 50] [--held-out FOMC] [--threads N] [--quick]
 
+`--scoring-rows N`: label scoring alone (N test rows of the first task), old and new alternating, no arm.
 `--quick`: the tests' tiny Llama and one task (seconds; the test of this script).
 """
 from __future__ import annotations
@@ -33,12 +34,13 @@ import torch
 from _timing import provenance
 from bench_precision import load, metric_check
 
-from forgetless.continual import instruct
+from forgetless.continual import instruct, scoring
 from forgetless.adapted import resolve_device
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.instruct import load_stream, run_on
+from forgetless.data.instructions import load_task
 from forgetless.presets import build_config
-from forgetless.train import cpu_bf16
+from forgetless.train import autocast, cpu_bf16
 
 ROOT = Path(__file__).resolve().parents[1]
 OLD_REV = "ec11510"  # the commit before the lean scoring (label scores on a cropped cache, length-sorted batches)
@@ -56,6 +58,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--train-examples", type=int, default=256, help="training rows per task")
     parser.add_argument("--test-rows", type=int, default=50, help="test rows per task")
     parser.add_argument("--old-rev", default=OLD_REV, help="the git revision whose scoring is 'old'")
+    parser.add_argument("--scoring-rows", type=int, default=0, help="time label scoring alone: this many test rows of "
+                        "the first task, old and new alternating --repeats times per precision (no arm)")
     parser.add_argument("--quick", action="store_true", help="the tests' tiny Llama, one task: seconds")
     args = parser.parse_args()
     if min(args.threads, args.repeats, args.steps, args.train_examples, args.test_rows) < 1:
@@ -106,6 +110,8 @@ def main():
     load_avg = os.getloadavg()
     print(f"{about}, {args.threads} thread(s), load {load_avg[0]:.1f} on {os.cpu_count()} CPUs; old = scoring of "
           f"{args.old_rev}", flush=True)
+    if args.scoring_rows:
+        return scoring_only(lm, tokenizer, old, args, precisions, device)
     timed, first = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for precision in precisions:
@@ -141,6 +147,26 @@ def main():
         out["new_bf16_vs_old_fp32"] = round(median["fp32", "old"] / median["bf16", "new"], 3)
         print(f"new bf16 against old fp32: {out['new_bf16_vs_old_fp32']:.2f}x", flush=True)
     print(json.dumps(out))
+
+
+def scoring_only(lm, tokenizer, old, args, precisions: list[str], device):
+    """Label scoring of `--scoring-rows` rows of the first task, old and new alternating: seconds, and whether the
+    same label wins on every row."""
+    task = load_task(args.tasks.split(",")[0])
+    prompts = [ex.prompt for ex in task.test[:args.scoring_rows]]
+    for precision in precisions:
+        runs, scores = {"old": [], "new": []}, {}
+        for r in range(args.repeats):
+            for name, module in (("old", old), ("new", scoring)):
+                with autocast(device, precision):
+                    t0 = time.perf_counter()
+                    scores[name] = module.label_scores(lm, tokenizer, prompts, task.labels, 8)  # (N, K)
+                    runs[name].append(round(time.perf_counter() - t0, 1))
+                print(f"{precision} {name} #{r}: {runs[name][-1]} s, load {os.getloadavg()[0]:.1f}", flush=True)
+        agree = (scores["old"].argmax(1) == scores["new"].argmax(1)).float().mean().item()
+        print(json.dumps({"bench": "arm scoring", "precision": precision, "rows": len(prompts), **runs,
+                          "ratios": [round(a / b, 2) for a, b in zip(runs["old"], runs["new"])], "argmax_agree": agree,
+                          "max_abs_diff": (scores["old"] - scores["new"]).abs().max().item()}), flush=True)
 
 
 if __name__ == "__main__":
