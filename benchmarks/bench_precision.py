@@ -163,21 +163,23 @@ def run_arm(lm, tokenizer, overrides: dict, precision: str, out: Path, model: st
     return results, wall, torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
 
 
-def metric_check(fp32: dict, bf16: dict, window_losses: list[float], test_rows: list[int], windows: int) -> dict:
-    """Every R cell and the general PPL after each task, bf16 minus fp32, in units of their sampling error."""
+def metric_check(fp32: dict, bf16: dict, window_losses: list[float], test_rows: list[int], windows: int,
+                 names: tuple[str, str] = ("fp32", "bf16"), method: str = "lora") -> dict:
+    """Every R cell and the general PPL after each task, the second run (`bf16`) minus the first (`fp32`), in units
+    of their sampling error; `names` label the two in the output."""
     cells = []
-    R32, R16 = fp32["methods"]["lora"]["r_matrix"], bf16["methods"]["lora"]["r_matrix"]
+    R32, R16 = fp32["methods"][method]["r_matrix"], bf16["methods"][method]["r_matrix"]
     rows = [windows] + test_rows  # column 0: next-token accuracy over the general windows' tokens
     for t, (row32, row16) in enumerate(zip(R32, R16)):
         for i, (a, b) in enumerate(zip(row32, row16)):
             n = rows[i]
             p = (a / 100 * n + 0.5) / (n + 1)
             se = 100 * math.sqrt(p * (1 - p) / n)
-            cells.append({"after_task": t, "task": i, "fp32": round(a, 3), "bf16": round(b, 3), "se": round(se, 3),
+            cells.append({"after_task": t, "task": i, names[0]: round(a, 3), names[1]: round(b, 3), "se": round(se, 3),
                           "z": round(abs(b - a) / se, 3)})
     se_loss = statistics.stdev(window_losses) / math.sqrt(len(window_losses))
-    ppl32, ppl16 = fp32["methods"]["lora"]["general_ppl"], bf16["methods"]["lora"]["general_ppl"]
-    ppl = [{"after_task": t, "fp32": round(a, 4), "bf16": round(b, 4), "se_log": round(se_loss, 5),
+    ppl32, ppl16 = fp32["methods"][method]["general_ppl"], bf16["methods"][method]["general_ppl"]
+    ppl = [{"after_task": t, names[0]: round(a, 4), names[1]: round(b, 4), "se_log": round(se_loss, 5),
             "z": round(abs(math.log(b) - math.log(a)) / se_loss, 3)} for t, (a, b) in enumerate(zip(ppl32, ppl16))]
     worst = max(c["z"] for c in cells + ppl)
     return {"r_cells": cells, "general_ppl": ppl, "max_z": worst, "within_one_se": worst < 1.0,

@@ -126,3 +126,13 @@ def test_bench_precision_skips_the_arm_where_bf16_is_emulated(monkeypatch, capsy
     assert line["config"]["repeats"] == 2 and line["config"]["iters"] == 1  # few calls where bf16 is emulated
     assert "emulated" in line["arm"]["skipped"] and line["metric_check"] == line["arm"]
     assert "arm and metric check skipped: bf16 is emulated" in out and "auto picks fp32 here" in out
+
+
+def test_bench_arm_quick_times_old_and_new_and_checks_the_metrics():
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_arm.py"), "--quick", "--precisions", "fp32",
+                          "--threads", "1"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    line = json.loads(run.stdout.strip().splitlines()[-1])
+    fp32 = line["precisions"]["fp32"]
+    assert [len(fp32["old"]), len(fp32["new"])] == [1, 1] and fp32["old"][0]["wall_s"] > 0 and fp32["speedup"] > 0
+    assert fp32["metric_check"]["cells"] > 0 and fp32["metric_check"]["max_z"] < 1  # the same label wins per row

@@ -11,7 +11,11 @@ from typer.testing import CliRunner
 from forgetless.cli import app
 from forgetless.continual import bootstrap
 from forgetless.continual.instruct import load_stream, scored_on, split_dev
-from forgetless.continual.study import choose, grid_lrs, parse_grid, plan_study, run_study
+from forgetless.continual import instruct
+from forgetless.config import stable_hash
+from forgetless.continual.plan import saved_arm
+from forgetless.continual.study import (choose, fit_budget, grid_lrs, parse_budget, parse_grid, plan_study, run_order,
+                                       run_study)
 from forgetless.data.instructions import Example, InstructionTask, load_task
 from forgetless.data.streams import STREAMS, pick_orders, stream_orders
 from forgetless.errors import ForgetlessError
@@ -227,6 +231,46 @@ def test_the_plan_counts_arms_and_minutes_and_what_is_saved(study, stream, tmp_p
     assert [r["minutes"] for r in done["rows"]] == [0, 0] and "**total: 10 arms (0 left)**" in plan_markdown(done)
 
 
+def test_the_budget_keeps_the_minimum_and_adds_the_seeds_that_fit(study, stream, tmp_path):
+    orders, tok = stream_orders(stream["spec"]), stream["tok"]
+    plan = plan_study(study["lm"], tok, stream["cfg"], parse_method_specs("lora,mtl"), orders, orders["1"], [0],
+                      [0, 1, 2], parse_grid(None), tmp_path, "tiny")
+    seed_min = sum(r["arm_min"]["test"] for r in plan["rows"])  # one more seed on order 1, every method
+    minimum = plan["total_min"] - 2 * seed_min
+    assert fit_budget(plan, 60 * (minimum + 1.5 * seed_min), [0], [0, 1, 2])[0] == [0, 1]
+    assert fit_budget(plan, 60 * (minimum + 2 * seed_min) + 1, [0], [0, 1, 2])[0] == [0, 1, 2]
+    seeds, line = fit_budget(plan, 60 * minimum / 2, [0], [0, 1, 2])
+    assert seeds == [0] and "over the budget: it runs anyway" in line and "2 more seed(s) on order 1" in line
+    assert parse_budget("1h30m") == 5400 and parse_budget("90m") == 5400 and parse_budget("45s") == 45
+    assert run_order({"1": [], "2": []}, [0], [0, 1]) == [("1", [0]), ("2", [0]), ("1", [0, 1])]
+
+
+def test_the_folder_reloads_into_the_same_table_from_its_saved_arms(study, stream, monkeypatch):
+    """Run again on the study's folder: every arm is reused (none runs), and the table is the same."""
+    def no_arm(*args, **kwargs):
+        raise AssertionError("an arm ran again")
+    monkeypatch.setattr(instruct, "instruction_arm", no_arm)
+    tok, orders = stream["tok"], stream_orders(stream["spec"])
+    again = run_study(study["lm"], tok, stream["cfg"], parse_method_specs("lora,mtl"), stream["spec"], orders,
+                      orders["1"], [0], [0, 1], parse_grid(["x1,x3"]), study["out"], "real", "tiny", resamples=300)
+    assert study_markdown(again).replace(again["date"], "") == study_markdown(study["results"]).replace(
+        study["results"]["date"], "")
+    for label, m in study["results"]["methods"].items():
+        assert again["methods"][label]["intervals"] == m["intervals"]
+
+
+def test_a_saved_arm_is_reused_when_the_code_only_added_config_keys(study):
+    path = study["out"] / "order2" / "arms" / study["results"]["methods"]["lora"]["arm"] / "seed0.json"
+    arm = json.loads(path.read_text())
+    config = arm["run_config"]
+    assert saved_arm(path, config)["config_hash"] == stable_hash(config)
+    newer = {**config, "config": {**config["config"], "adapt": {**config["config"]["adapt"], "a_new_field": 1}},
+             "also_new": True}
+    assert saved_arm(path, newer)["config_added"] == ["also_new", "config.adapt.a_new_field"]
+    changed = {**config, "config": {**config["config"], "adapt": {**config["config"]["adapt"], "steps": 99}}}
+    assert saved_arm(path, changed) is None and saved_arm(path, {**changed, "also_new": True}) is None
+
+
 def test_study_errors_are_one_line(tmp_path, stream):
     runner = CliRunner()
     cases = [(["nope"], "unknown stream 'nope'"), (["standard", "--orders", "4"], "has orders 1, 2, 3"),
@@ -234,6 +278,7 @@ def test_study_errors_are_one_line(tmp_path, stream):
              (["standard", "--seeds", "2", "--order1-seeds", "1"], "--order1-seeds >= --seeds"),
              (["standard", "--data-dev-rows", "0"], "chooses on validation rows"),
              (["standard", "--lr-grid", "fast"], "--lr-grid 'fast'"),
+             (["standard", "--budget", "soon"], "--budget 'soon': give a wall-clock time"),
              (["standard", "--methods", "lora", "--paired-with", "mtl"], "--paired-with mtl: not among")]
     for args, message in cases:
         result = runner.invoke(app, ["study", *args, "--out", str(tmp_path / "x")])

@@ -167,3 +167,49 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
     assert m1["history"]["loss"] == m2["history"]["loss"]
     assert all(torch.equal(t1[k], t2[k]) for k in t2)
     assert not ckpt.exists()
+
+
+def lora_setup(r: int):
+    from tiny_lm import tiny_llama
+
+    import forgetless
+    adapted = forgetless.attach(tiny_llama(300), f"lora[r={r}]")
+    torch.manual_seed(1)
+    sampler = Sampler(torch.arange(3000) % 11 + 3, 4, 16, seed=0)
+    cfg = TrainConfig(steps=12, batch_size=4, lr=1e-2, warmup=2, eval_every=100, ckpt_every=4)
+    return adapted, sampler, cfg
+
+
+def test_a_lora_checkpoint_holds_its_adapters_not_the_base_and_resumes_exactly(tmp_path):
+    """Frozen base: the checkpoint is the trained tensors and their optimizer state (bytes proportional to the
+    trainable parameters, no base weight), and a run stopped after it and resumed ends as an uninterrupted one."""
+    def run(r, ckpt=None, stop_at=None):
+        adapted, sampler, cfg = lora_setup(r)
+        params, calls = adapted.trainable_parameters(), [0]
+
+        def loss(m, batch):
+            calls[0] += 1
+            if calls[0] == stop_at:
+                raise KeyboardInterrupt
+            return adapted.losses(batch)
+        history = train(adapted.model, params, sampler, cfg, loss, ckpt_path=ckpt, run_config={"r": r})
+        return adapted, history
+    sizes = {}
+    for r in (4, 8):
+        ckpt = tmp_path / f"r{r}.safetensors"
+        with pytest.raises(KeyboardInterrupt):
+            run(r, ckpt, stop_at=7)
+        tensors, meta = load_checkpoint(ckpt)
+        adapted = lora_setup(r)[0]
+        trained = sum(p.numel() for _, p in adapted.trainable_parameters())
+        model_part = {k: v for k, v in tensors.items() if k.startswith("model.")}
+        assert meta["step"] == 4 and all("lora_" in k for k in model_part), sorted(model_part)[:3]
+        assert sum(v.numel() for v in model_part.values()) == trained
+        sizes[r] = sum(v.numel() for k, v in tensors.items() if k.startswith(("model.", "optim.")) and v.dim())
+        assert sizes[r] == 3 * trained  # the adapters, AdamW's two moments; nothing of the base
+    assert sizes[8] == 2 * sizes[4]
+    resumed, history = run(8, tmp_path / "r8.safetensors")
+    whole, full = run(8)
+    assert history.loss == full.loss
+    for (n, p), (_, q) in zip(resumed.model.named_parameters(), whole.model.named_parameters()):
+        assert torch.equal(p, q), n

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -476,6 +477,10 @@ def study(stream: str = typer.Argument("standard", help="standard (O-LoRA's orde
           resamples: int = typer.Option(2000, "--resamples", help="bootstrap replicates of the intervals"),
           plan: bool = typer.Option(False, "--plan", help="print the arms and their estimated minutes (steps and scoring "
                                     "timed here; saved arms count 0) as a table, and run nothing"),
+          budget: Optional[str] = typer.Option(None, "--budget", help="a wall-clock budget (6h, 90m, 1h30m): print the "
+                                               "plan, then run the minimum (the grid and every order at --seeds) and as "
+                                               "many of --order1-seeds as the estimate fits, at the lowest CPU priority; "
+                                               "run the same command again to resume"),
           preset: str = typer.Option("real", "--preset", help="the training budget per task (real: 32 steps of batch 8; "
                                      "real-full: for GPUs); the study scores every test row and carves 50 validation "
                                      "rows per task from training unless --data-test-rows / --data-dev-rows say otherwise"),
@@ -489,7 +494,8 @@ def study(stream: str = typer.Argument("standard", help="standard (O-LoRA's orde
     then every order at that lr (more seeds on order 1); OP, BWT and general-PPL change with intervals over test rows
     and seeds, beside the published rows (results.json/md, R matrices, OP against BWT)."""
     code_fingerprint(), git_commit()
-    from forgetless.continual.study import check_study, loaded, parse_grid, plan_study, run_study, study_defaults
+    from forgetless.continual.study import (check_study, fit_budget, loaded, parse_budget, parse_grid, plan_study,
+                                            run_study, study_defaults)
     from forgetless.data.streams import DEFAULT_METHODS, pick_orders, stream_orders
     from forgetless.methods.base import parse_method_specs
     from forgetless.presets import build_config
@@ -513,6 +519,7 @@ def study(stream: str = typer.Argument("standard", help="standard (O-LoRA's orde
     seed_list = list(range(seed_start, seed_start + seeds))
     order1_list = list(range(seed_start, seed_start + order1_seeds))
     check_study(cfg, specs, grid, seed_list, order1_list, paired_with)
+    seconds = parse_budget(budget) if budget is not None else None
     out = out or Path("runs") / f"study-{stream if ',' not in stream else 'tasks'}-{preset}"
     if plan:
         lm, tokenizer, cfg, _ = loaded(model, device, cfg)
@@ -522,6 +529,12 @@ def study(stream: str = typer.Argument("standard", help="standard (O-LoRA's orde
     with claim(out, force, study=stream, orders=list(chosen_orders), preset=preset, model=model,
                methods=[s.label for s in specs], lr_grid=lr_grid, config=cfg.to_dict()) as out:
         lm, tokenizer, cfg, made_by = loaded(model, device, cfg)
+        if seconds is not None:
+            os.nice(19 - os.nice(0))  # the lowest priority: a study shares the machine for hours
+            estimate = plan_study(lm, tokenizer, cfg, specs, chosen_orders, grid_order, seed_list, order1_list, grid,
+                                  out, model)
+            order1_list, line = fit_budget(estimate, seconds, seed_list, order1_list)
+            typer.echo(plan_markdown(estimate) + "\n" + line)
         results = run_study(lm, tokenizer, cfg, specs, stream, chosen_orders, grid_order, seed_list, order1_list,
                             grid, out, preset, model, resamples, paired_with).with_keys(**made_by)
     files = write_report(results, out)

@@ -191,6 +191,7 @@ def train(model: nn.Module, params: list[tuple[str, nn.Parameter]], sampler: Sam
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     history, start = History(), 0
     distributed.broadcast_parameters(params)
+    frozen = frozen_versions(model, params)  # before a resume: what it loads counts as changed
     if ckpt_path is not None and Path(ckpt_path).exists():
         start, history = resume(model, opt, sampler, ckpt_path, run_config, hooks)
     elif evaluate is not None:
@@ -200,7 +201,7 @@ def train(model: nn.Module, params: list[tuple[str, nn.Parameter]], sampler: Sam
         if ckpt_path is None:
             return
         optim, groups = optimizer_tensors(opt)
-        tensors = {**{f"model.{k}": v for k, v in model.state_dict().items()}, **optim,
+        tensors = {**{f"model.{k}": v for k, v in changed_state(model, frozen).items()}, **optim,
                    **{f"hooks.{k}": v for k, v in hooks.hook_state().items()},
                    "rng.torch": torch.get_rng_state(), "rng.sampler": sampler.get_state(),
                    **({"rng.cuda": torch.cuda.get_rng_state(device)} if device.type == "cuda" else {})}
@@ -245,6 +246,28 @@ def train(model: nn.Module, params: list[tuple[str, nn.Parameter]], sampler: Sam
     return history
 
 
+def frozen_versions(model: nn.Module, params: list[tuple[str, nn.Parameter]]) -> dict[str, tuple] | None:
+    """{state_dict key: (storage, in-place version)} of the model's parameters that are not trained (a frozen base);
+    None under FSDP (its checkpoints hold the whole state)."""
+    if distributed.sharded(params):
+        return None
+    trained = {id(p) for _, p in params}
+    return {k: (v.data_ptr(), v._version) for k, v in model.state_dict(keep_vars=True).items()
+            if isinstance(v, nn.Parameter) and id(v) not in trained}
+
+
+def changed_state(model: nn.Module, frozen: dict[str, tuple] | None) -> dict[str, torch.Tensor]:
+    """What a training checkpoint keeps of the model: its state without the frozen parameters that are as they were
+    at the start (`frozen_versions`): the trained parameters, buffers, and any frozen one changed in place or
+    replaced since (so a LoRA checkpoint is its adapters, never a copy of the base). The whole state when `frozen`
+    is None."""
+    state = model.state_dict()
+    if frozen is None:
+        return state
+    now = model.state_dict(keep_vars=True)
+    return {k: v for k, v in state.items() if k not in frozen or frozen[k] != (now[k].data_ptr(), now[k]._version)}
+
+
 def steps_for_seconds(seconds: float, model: nn.Module, sampler, cfg: TrainConfig, loss_fn: LossFn,
                       probe_steps: int = 10, warmup_steps: int = 2) -> int:
     """Training steps of `model` that fill `seconds` of process CPU time, timed on throwaway copies of the
@@ -274,7 +297,12 @@ def resume(model, opt, sampler, ckpt_path, run_config, hooks: StepHooks) -> tupl
             "use a new output directory, or run again with the same config")
     own = model.state_dict()  # under FSDP, each rank's shards
     saved = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
-    model.load_state_dict({k: distributed.shard_as(v, own.get(k)) for k, v in saved.items()})
+    unknown = sorted(set(saved) - set(own))
+    if unknown:
+        raise ForgetlessError(f"checkpoint {ckpt_path} holds tensors this model lacks ({', '.join(unknown[:3])}); use a "
+                              "new output directory, or run again with the same model and method")
+    # the frozen parameters it leaves out are the model's own, as at the start of the run (`changed_state`)
+    model.load_state_dict({k: distributed.shard_as(v, own.get(k)) for k, v in saved.items()}, strict=False)
     load_optimizer(opt, tensors, meta["optim_groups"])
     torch.set_rng_state(tensors["rng.torch"])
     if "rng.cuda" in tensors:

@@ -288,12 +288,35 @@ def bases_summary(paths: list[Path]) -> dict:
 
 
 def saved_arm(arm_path: Path, run_config: dict) -> dict | None:
-    """The arm's saved result when its config matches `run_config`, else None."""
+    """The arm's saved result when its config matches `run_config`, else None. It matches when equal, or when
+    `run_config` differs only by keys the saved config does not have (config fields and method options added to
+    the code after the arm was saved: the arm ran without them); `config_added` lists those."""
     if arm_path.exists():
         saved = json.loads(arm_path.read_text())
         if saved.get("config_hash") == stable_hash(run_config):
             return saved
+        if "run_config" in saved:
+            added = sorted(added_keys(saved["run_config"], run_config))
+            if added and stable_hash(without(run_config, saved["run_config"])) == saved["config_hash"]:
+                return {**saved, "config_added": added}
     return None
+
+
+def added_keys(old: dict, new: dict, prefix: str = "") -> list[str]:
+    """Dotted keys of `new` that `old` lacks (at any depth of nested dicts)."""
+    out = []
+    for key, value in new.items():
+        if key not in old:
+            out.append(f"{prefix}{key}")
+        elif isinstance(value, dict) and isinstance(old[key], dict):
+            out += added_keys(old[key], value, f"{prefix}{key}.")
+    return out
+
+
+def without(new: dict, old: dict) -> dict:
+    """`new` without the keys `old` lacks (at any depth)."""
+    return {k: without(v, old[k]) if isinstance(v, dict) and isinstance(old[k], dict) else v
+            for k, v in new.items() if k in old}
 
 
 def run_or_reuse_arm(arm_path: Path, run_config: dict, run) -> dict:
@@ -301,9 +324,12 @@ def run_or_reuse_arm(arm_path: Path, run_config: dict, run) -> dict:
     saved = saved_arm(arm_path, run_config)
     if saved is not None:
         warn_if_other_code(saved.get("code"), f"arm {arm_path}", "delete it to run the arm again")
+        if saved.get("config_added"):
+            console.print(f"arm {arm_path} reused: saved before {', '.join(saved['config_added'])} existed (delete it "
+                          "to run it again)", highlight=False, soft_wrap=True)
         return saved
     result = run(arm_path.parent)
-    result["config_hash"] = stable_hash(run_config)
+    result["config_hash"], result["run_config"] = stable_hash(run_config), json.loads(json.dumps(run_config))
     result["code"] = code_fingerprint()
     write_json(arm_path, result)
     return result

@@ -47,50 +47,51 @@ def label_scores(model: nn.Module, tokenizer, prompts: list[str], labels: list[s
     tokens and of the eos that ends it (the eos keeps a label that is a prefix of another from winning
     for free); normalize=True divides by that token count.
 
-    Each batch of prompts runs once, left-padded; its KV cache is repeated for the K labels (the cache's
-    own `batch_repeat_interleave`), which then run in one forward pass over their own tokens only.
+    Prompts run in batches of similar length (`by_length`: little padding), left-padded, once each; on their KV
+    cache each label then runs over its own tokens only (no padding to the longest label, no copy of the cache:
+    the cache is cut back to the prompts after each label) and the head's log-softmax is taken at those positions.
     """
     check_causal_lm(model)
     if not labels:
         raise ForgetlessError("label scoring needs at least one label")
     pad = pad_of(tokenizer)
-    cands = [text_ids(tokenizer, label) + [tokenizer.eos_id] for label in labels]
-    K, Lc = len(cands), max(len(c) for c in cands)
-    cand = torch.full((K, Lc), pad, dtype=torch.long)                   # (K, Lc) right-padded labels
-    for k, c in enumerate(cands):
-        cand[k, :len(c)] = torch.tensor(c)
-    cand_mask = torch.arange(Lc)[None, :] < torch.tensor([len(c) for c in cands])[:, None]  # (K, Lc)
-    room = prompt_room(model, Lc - 1)
+    cands = [torch.tensor(text_ids(tokenizer, label) + [tokenizer.eos_id]) for label in labels]  # K x (Lk,)
+    room = prompt_room(model, max(len(c) for c in cands) - 1)
     bos = getattr(tokenizer, "bos_id", None)
     device = next(model.parameters()).device
-    out = [torch.zeros(0, K)]
+    rows = [keep_end(prompt_ids(tokenizer, p), room, bos) for p in prompts]
+    out = torch.zeros(len(prompts), len(cands))
     with inference(model):
-        for start in range(0, len(prompts), batch_size):
-            rows = [keep_end(prompt_ids(tokenizer, p), room, bos) for p in prompts[start:start + batch_size]]
-            ids, mask = left_padded(rows, pad)                           # (b, P)
-            b = len(rows)
-            first = model(input_ids=ids.to(device), attention_mask=mask.to(device),
-                          position_ids=positions(mask).to(device), use_cache=True, **last_logits_only(model))
-            logits = first.logits[:, -1:].float().repeat_interleave(K, 0)  # (b*K, 1, V): each label's first token
-            if Lc > 1:
-                cache = first.past_key_values
-                if not hasattr(cache, "batch_repeat_interleave"):
-                    raise ForgetlessError(f"{type(model).__name__} returned a legacy KV cache (tuples); label scoring "
-                                          "needs a transformers version whose models return Cache objects")
-                cache.batch_repeat_interleave(K)                         # (b*K) rows, prompt i's K rows together
-                attn = torch.cat([mask.repeat_interleave(K, 0), cand_mask[:, :-1].repeat(b, 1).long()], 1)
-                pos = mask.sum(1).repeat_interleave(K)[:, None] + torch.arange(Lc - 1)  # (b*K, Lc-1)
-                rest = model(input_ids=cand[:, :-1].repeat(b, 1).to(device), attention_mask=attn.to(device),
-                             position_ids=pos.to(device), past_key_values=cache, use_cache=True)
-                logits = torch.cat([logits, rest.logits.float()], 1)     # (b*K, Lc, V)
-            targets = cand.repeat(b, 1).to(device)                       # (b*K, Lc)
-            token_lp = logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)  # (b*K, Lc)
-            scored = cand_mask.repeat(b, 1).to(device)
-            total = token_lp.masked_fill(~scored, 0.0).sum(-1)           # (b*K,)
-            if normalize:
-                total = total / scored.sum(-1)
-            out.append(total.view(b, K).cpu())
-    return torch.cat(out)
+        for batch in by_length(rows, batch_size):
+            ids, mask = left_padded([rows[i] for i in batch], pad)      # (b, P)
+            ids, mask = ids.to(device), mask.to(device)
+            first = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=True,
+                          **last_logits_only(model))
+            cache, lengths, b = first.past_key_values, mask.sum(1), len(batch)
+            if not hasattr(cache, "crop"):
+                raise ForgetlessError(f"{type(model).__name__} returned a legacy KV cache (tuples); label scoring "
+                                      "needs a transformers version whose models return Cache objects")
+            first_lp = first.logits[:, -1].float().log_softmax(-1)      # (b, V): every label's first token
+            for k, cand in enumerate(cands):
+                token_lp = first_lp[:, cand[0]]                          # (b,)
+                if len(cand) > 1:
+                    rest = cand[:-1].to(device).expand(b, -1)            # (b, Lk-1): the label's inputs
+                    attn = torch.cat([mask, torch.ones_like(rest)], 1)
+                    pos = lengths[:, None] + torch.arange(len(cand) - 1, device=device)  # (b, Lk-1)
+                    logits = model(input_ids=rest, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                                   use_cache=True).logits.float()        # (b, Lk-1, V)
+                    cache.crop(1 - len(cand))  # drop the label's tokens: the prompts' cache again
+                    lp = logits.gather(-1, cand[1:].to(device).expand(b, -1)[..., None]).squeeze(-1) \
+                        - logits.logsumexp(-1)                           # (b, Lk-1)
+                    token_lp = token_lp + lp.sum(-1)
+                out[batch, k] = (token_lp / len(cand) if normalize else token_lp).cpu()
+    return out
+
+
+def by_length(rows: list[list[int]], batch_size: int) -> list[list[int]]:
+    """Indices of `rows` in batches of `batch_size`, longest rows first (each batch pads to similar lengths)."""
+    order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
+    return [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
 
 
 # ---- exact match -----------------------------------------------------------------------------
@@ -127,10 +128,11 @@ def greedy_answers(model: nn.Module, tokenizer, prompts: list[str], max_new_toke
     pad, eos, bos = pad_of(tokenizer), tokenizer.eos_id, getattr(tokenizer, "bos_id", None)
     room = prompt_room(model, max_new_tokens - 1)
     device = next(model.parameters()).device
-    answers = []
+    prompt_rows = [keep_end(prompt_ids(tokenizer, p), room, bos) for p in prompts]
+    answers = [""] * len(prompts)
     with inference(model):
-        for start in range(0, len(prompts), batch_size):
-            rows = [keep_end(prompt_ids(tokenizer, p), room, bos) for p in prompts[start:start + batch_size]]
+        for batch in by_length(prompt_rows, batch_size):
+            rows = [prompt_rows[i] for i in batch]
             ids, mask = left_padded(rows, pad)                           # (b, P)
             ids, mask = ids.to(device), mask.to(device)
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=True,
@@ -147,8 +149,8 @@ def greedy_answers(model: nn.Module, tokenizer, prompts: list[str], max_new_toke
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
                 out = model(input_ids=token[:, None], attention_mask=mask, position_ids=(lengths + s)[:, None],
                             past_key_values=out.past_key_values, use_cache=True)
-            for row in torch.stack(steps, 1).tolist():                   # (b, steps)
-                answers.append(tokenizer.decode(row[:row.index(eos)] if eos in row else row))
+            for i, row in zip(batch, torch.stack(steps, 1).tolist()):   # (b, steps)
+                answers[i] = tokenizer.decode(row[:row.index(eos)] if eos in row else row)
     return answers
 
 

@@ -20,6 +20,7 @@ import dataclasses
 import datetime
 import functools
 import gc
+import re
 import statistics
 import time
 from fractions import Fraction
@@ -37,6 +38,7 @@ from forgetless.errors import ForgetlessError
 from forgetless.methods import MethodSpec
 from forgetless.device import resolve_device
 from forgetless.presets import RunConfig, settle_precision
+from forgetless.progress import duration
 from forgetless.report.results import RunResult
 from forgetless.stats import mean_nested
 from forgetless.train import StepHooks
@@ -117,6 +119,13 @@ def order_seeds(orders: dict, seeds: list[int], order1_seeds: list[int]) -> dict
     return {k: order1_seeds if k == "1" else seeds for k in orders}
 
 
+def run_order(orders: dict, seeds: list[int], order1_seeds: list[int]) -> list[tuple[str, list[int]]]:
+    """(order, its seeds) in the order a study runs them: every order at `seeds` first, then order 1 again at all of
+    `order1_seeds` (its arms at `seeds` reused), so a stopped study has the three orders before order 1's extra seeds."""
+    first = [(k, seeds) for k in orders]
+    return first + [(k, s) for k, s in order_seeds(orders, seeds, order1_seeds).items() if s != seeds]
+
+
 def check_study(cfg: RunConfig, specs: list[MethodSpec], grid, seeds: list[int], order1_seeds: list[int],
                 paired_with: str | None = None):
     """One-line errors before any work."""
@@ -157,7 +166,7 @@ def run_study(lm, tokenizer, cfg: RunConfig, specs: list[MethodSpec], stream: st
             grids[label] = [{"lr": lr, "arm": p.label, "chosen": lr == pick,
                              **{f"{m}_dev": arms[p.label][0][m] for m in bootstrap.METRICS}} for lr, p in ps]
     per_order = {}
-    for k, seeds_k in order_seeds(orders, seeds, order1_seeds).items():
+    for k, seeds_k in run_order(orders, seeds, order1_seeds):
         cfg_k = with_tasks(cfg, orders[k])
         built, arms = run_arms_on(lm, tokenizer, cfg_k, list(chosen.values()), seeds_k, out / f"order{k}", model, "test")
         write_report(sequence_results(cfg_k, built, arms, seeds_k, preset, "test"), out / f"order{k}", False)
@@ -281,13 +290,49 @@ def method_seconds(lm, stream, cfg: RunConfig, method, timed_steps: int) -> tupl
     attach_s = time.perf_counter() - t0
     timer = StepTimes()
     short = dataclasses.replace(cfg, adapt=dataclasses.replace(cfg.adapt, steps=timed_steps + 1, warmup=0))
+    # the start of the task on a few windows of old data (a method's start, e.g. EWC's Fisher, timed, not run in full)
+    few = dataclasses.replace(stream, general=dataclasses.replace(
+        stream.general, train=stream.general.train[:START_WINDOWS * (cfg.model.block_size + 1)]))
     t0 = time.perf_counter()
-    learn_task(adapted, 1, joined(stream.train), stream, short, 0, timer)
+    learn_task(adapted, 1, joined(stream.train), few, short, 0, timer)
     wall = time.perf_counter() - t0
     step_s = (timer.ends[-1] - timer.ends[0]) / timed_steps
     del adapted, model
     gc.collect()  # the copy and the method's tensors (reference cycles through hooks) go before the next method's
     return step_s, max(0.0, wall - (timed_steps + 1) * step_s), attach_s
+
+
+START_WINDOWS = 16  # windows of old data the compute plan starts a task on
+
+
+# ---- a wall-clock budget ------------------------------------------------------------------------------
+def parse_budget(text: str) -> float:
+    """'6h', '90m', '1h30m', '45s' -> seconds."""
+    parts = re.fullmatch(r"\s*(?:(\d+(?:\.\d+)?)h)?\s*(?:(\d+(?:\.\d+)?)m)?\s*(?:(\d+(?:\.\d+)?)s)?\s*", text or "")
+    if not parts or not any(parts.groups()) or not (seconds := sum(float(v or 0) * unit for v, unit in
+                                                                  zip(parts.groups(), (3600, 60, 1)))) > 0:
+        raise ForgetlessError(f"--budget {text!r}: give a wall-clock time such as 6h, 90m or 1h30m")
+    return seconds
+
+
+def fit_budget(plan: dict, seconds: float, seeds: list[int], order1_seeds: list[int]) -> tuple[list[int], str]:
+    """(order 1's seeds that fit `seconds`, a line saying what runs and its estimate). The minimum always runs: the
+    lr grid on order 1 and every order at `seeds`; order 1's extra seeds (each priced at every method's test arm,
+    saved arms free) are added while the estimate stays within the budget."""
+    extra = [s for s in order1_seeds if s not in seeds]
+    per_seed = [r["extra seeds"][1] / max(1, r["extra seeds"][0]) * r["arm_min"]["test"] for r in plan["rows"]]
+    seed_min = sum(per_seed)  # minutes of one extra seed on order 1, all methods (the part of it still to run)
+    minimum = plan["total_min"] - seed_min * len(extra)
+    fits = [s for i, s in enumerate(extra) if minimum + (i + 1) * seed_min <= seconds / 60]
+    total = minimum + seed_min * len(fits)
+    line = (f"budget {duration(seconds)}: the lr grid on order 1 and orders {', '.join(plan['orders'])} at seed(s) "
+            f"{seeds} (about {duration(60 * minimum)} left)" +
+            (f" and order 1 at seed(s) {fits} too (about {duration(60 * seed_min)} each)" if fits else "") +
+            f": about {duration(60 * total)} left in all" +
+            (f"; {len(extra) - len(fits)} more seed(s) on order 1 would not fit" if len(fits) < len(extra) else "") +
+            (f". The minimum alone is over the budget: it runs anyway, arm by arm; stop it at any time and run the "
+             "same command to resume" if minimum > seconds / 60 else ""))
+    return sorted(seeds + fits), line
 
 
 def scoring_seconds(lm, tokenizer, stream, cfg: RunConfig, rows: int = 8) -> dict[str, float]:

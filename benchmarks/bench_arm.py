@@ -1,0 +1,173 @@
+"""One instruction-stream arm, old code against new, in one process: wall time (training, and the rest: scoring,
+general PPL, saving) and the metrics' change in units of their sampling error.
+
+The arm is `forgetless study`'s: the `real` preset (4 tasks of 256 training rows, 32 steps of batch 8 each, 50 test
+rows per task and the held-out FOMC, 32 general-text windows), one `lora` arm, seed 0; options cut it down for a
+loaded machine. "old" is the arm with the scoring of `--old-rev` (default: the commit before the lean scoring, read
+from git: `git show REV:src/forgetless/continual/scoring.py`, loaded in place of today's), "new" today's code.
+Per precision (`--precisions fp32,bf16`; bf16 only where the CPU runs it natively, unless given), old and new
+alternate `--repeats` times (old, new, old, new ...), so machine load hits both; the medians are compared. The metric
+check compares new's first run with old's first run (bench_precision.metric_check: R cells and general PPL after
+each task, in sampling errors).
+
+    python benchmarks/bench_arm.py [--precisions fp32,bf16] [--repeats 1] [--tasks dbpedia,amazon,yahoo,agnews]
+        [--steps 32] [--train-examples 256] [--test-rows 50] [--held-out FOMC] [--threads N] [--quick]
+
+`--scoring-rows N`: label scoring alone (N test rows of the first task), old and new alternating, no arm.
+`--quick`: the tests' tiny Llama and one task (seconds; the test of this script).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+from _timing import provenance
+from bench_precision import load, metric_check
+
+from forgetless.continual import instruct, scoring
+from forgetless.adapted import resolve_device
+from forgetless.continual.evaluate import evaluate
+from forgetless.continual.instruct import load_stream, run_on
+from forgetless.data.instructions import load_task
+from forgetless.presets import build_config
+from forgetless.train import autocast, cpu_bf16
+
+ROOT = Path(__file__).resolve().parents[1]
+OLD_REV = "ec11510"  # the commit before the lean scoring (label scores on a cropped cache, length-sorted batches)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m", help="smollm2-135m, hf:PATH, PATH.gguf or random")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
+    parser.add_argument("--precisions", default=None, help="fp32,bf16 [default: bf16 too where the CPU has it]")
+    parser.add_argument("--repeats", type=int, default=1, help="old/new pairs per precision")
+    parser.add_argument("--tasks", default="dbpedia,amazon,yahoo,agnews", help="the stream's tasks, in order")
+    parser.add_argument("--held-out", default="FOMC", help="held-out tasks ('' for none)")
+    parser.add_argument("--steps", type=int, default=32, help="training steps per task")
+    parser.add_argument("--train-examples", type=int, default=256, help="training rows per task")
+    parser.add_argument("--test-rows", type=int, default=50, help="test rows per task")
+    parser.add_argument("--old-rev", default=OLD_REV, help="the git revision whose scoring is 'old'")
+    parser.add_argument("--scoring-rows", type=int, default=0, help="time label scoring alone: this many test rows of "
+                        "the first task, old and new alternating --repeats times per precision (no arm)")
+    parser.add_argument("--quick", action="store_true", help="the tests' tiny Llama, one task: seconds")
+    args = parser.parse_args()
+    if min(args.threads, args.repeats, args.steps, args.train_examples, args.test_rows) < 1:
+        parser.error("--threads, --repeats, --steps, --train-examples and --test-rows must be at least 1")
+    return args
+
+
+def old_scoring(rev: str):
+    """The module continual/scoring.py as it was at `rev`."""
+    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:src/forgetless/continual/scoring.py"],
+                            capture_output=True, text=True, check=True).stdout
+    path = Path(tempfile.mkdtemp()) / "old_scoring.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("forgetless.continual.old_scoring", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def overrides(args) -> dict:
+    if args.quick:
+        return {"model": {"block_size": 128}, "data": {"tasks": ["dbpedia"], "held_out_tasks": [], "train_examples": 16,
+                                                      "test_rows": 8, "eval_windows": 4},
+                "adapt": {"steps": 2, "batch_size": 4}}
+    return {"data": {"tasks": args.tasks.split(","), "held_out_tasks": [t for t in args.held_out.split(",") if t],
+                     "train_examples": args.train_examples, "test_rows": args.test_rows},
+            "adapt": {"steps": args.steps}}
+
+
+def run_arm(lm, tokenizer, settings: dict, precision: str, out: Path, about: str, scoring=None) -> tuple[dict, float]:
+    """One `lora` arm: (results, wall seconds); `scoring`: a scoring module used in place of today's."""
+    cfg = build_config("real", {**settings, "adapt": {**settings["adapt"], "precision": precision}})
+    patch = mock.patch.object(instruct, "task_hits", scoring.task_hits) if scoring else mock.patch.dict({})
+    with patch:
+        t0 = time.perf_counter()
+        results = run_on(lm, tokenizer, cfg, ["lora"], [0], out, "real", about)
+        return results, time.perf_counter() - t0
+
+
+def main():
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    device = resolve_device("cpu")
+    precisions = args.precisions.split(",") if args.precisions else ["fp32", *(["bf16"] if cpu_bf16() else [])]
+    lm, tokenizer, about = load(argparse.Namespace(quick=args.quick, model=args.model), device)
+    old = old_scoring(args.old_rev)
+    settings = overrides(args)
+    load_avg = os.getloadavg()
+    print(f"{about}, {args.threads} thread(s), load {load_avg[0]:.1f} on {os.cpu_count()} CPUs; old = scoring of "
+          f"{args.old_rev}", flush=True)
+    if args.scoring_rows:
+        return scoring_only(lm, tokenizer, old, args, precisions, device)
+    timed, first = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for precision in precisions:
+            for r in range(args.repeats):
+                for name, scoring in (("old", old), ("new", None)):
+                    results, wall = run_arm(lm, tokenizer, settings, precision, Path(tmp) / f"{precision}-{name}-{r}",
+                                            about, scoring)
+                    train_s = results.methods["lora"].wall_s["mean"]
+                    timed.setdefault((precision, name), []).append({"wall_s": round(wall, 1),
+                                                                    "train_s": round(train_s, 1),
+                                                                    "rest_s": round(wall - train_s, 1)})
+                    first.setdefault((precision, name), results.to_json())
+                    print(f"{precision} {name} #{r}: {wall:.1f} s ({train_s:.1f} s training, {wall - train_s:.1f} s "
+                          f"scoring and the rest), load {os.getloadavg()[0]:.1f}", flush=True)
+    cfg = build_config("real", settings)
+    stream = load_stream(cfg, tokenizer)
+    general = stream.general.windows
+    losses = [evaluate(lm, general[i:i + 1])["loss"] for i in range(len(general))]
+    tested = [len(t.test[:cfg.data.test_rows or None]) for t in stream.tasks]
+    median = {k: statistics.median(run["wall_s"] for run in v) for k, v in timed.items()}
+    out = {"bench": "arm", "precisions": {}, "config": {**vars(args), "settings": settings, "model": about},
+           "load_at_start": load_avg, "load_at_end": os.getloadavg(), "provenance": provenance(transformers="transformers")}
+    for precision in precisions:
+        check = metric_check(first[precision, "old"], first[precision, "new"], losses, tested,
+                             general.numel() - len(general), ("old", "new"))
+        speedup = median[precision, "old"] / median[precision, "new"]
+        out["precisions"][precision] = {"old": timed[precision, "old"], "new": timed[precision, "new"],
+                                        "speedup": round(speedup, 3), "metric_check": check}
+        print(f"{precision}: old {median[precision, 'old']:.1f} s, new {median[precision, 'new']:.1f} s: "
+              f"{speedup:.2f}x; metrics: {check['cells']} values, largest change {check['max_z']:.2f} sampling "
+              f"errors, {check['cells_beyond_one_se']} at or beyond one", flush=True)
+    if {"fp32", "bf16"} <= set(precisions):
+        out["new_bf16_vs_old_fp32"] = round(median["fp32", "old"] / median["bf16", "new"], 3)
+        print(f"new bf16 against old fp32: {out['new_bf16_vs_old_fp32']:.2f}x", flush=True)
+    print(json.dumps(out))
+
+
+def scoring_only(lm, tokenizer, old, args, precisions: list[str], device):
+    """Label scoring of `--scoring-rows` rows of the first task, old and new alternating: seconds, and whether the
+    same label wins on every row."""
+    task = load_task(args.tasks.split(",")[0])
+    prompts = [ex.prompt for ex in task.test[:args.scoring_rows]]
+    for precision in precisions:
+        runs, scores = {"old": [], "new": []}, {}
+        for r in range(args.repeats):
+            for name, module in (("old", old), ("new", scoring)):
+                with autocast(device, precision):
+                    t0 = time.perf_counter()
+                    scores[name] = module.label_scores(lm, tokenizer, prompts, task.labels, 8)  # (N, K)
+                    runs[name].append(round(time.perf_counter() - t0, 1))
+                print(f"{precision} {name} #{r}: {runs[name][-1]} s, load {os.getloadavg()[0]:.1f}", flush=True)
+        agree = (scores["old"].argmax(1) == scores["new"].argmax(1)).float().mean().item()
+        print(json.dumps({"bench": "arm scoring", "precision": precision, "rows": len(prompts), **runs,
+                          "ratios": [round(a / b, 2) for a, b in zip(runs["old"], runs["new"])], "argmax_agree": agree,
+                          "max_abs_diff": (scores["old"] - scores["new"]).abs().max().item()}), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
