@@ -297,7 +297,7 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
     from forgetless.continual.protocol import refuse_joint
     from forgetless.continual.user_adapt import adapt_on_data
     from forgetless.guide import advice_for
-    from forgetless.methods.base import METHODS, as_specs
+    from forgetless.methods.base import as_specs, method_class
     from forgetless.models.hf import load_model
     from forgetless.presets import settle_precision
 
@@ -311,7 +311,7 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
         method = advice.method
         out_console.print(f"method {method} ({advice.situation}: `forgetless methods`)", highlight=False)
     (spec,) = as_specs([method])
-    on_pretrained = METHODS[spec.name].pretrained_options() if spec.name in METHODS else {}  # unknown: build says
+    on_pretrained = cls.pretrained_options() if (cls := method_class(spec.name)) else {}  # unknown: build says
     options = {**on_pretrained, **cfg.methods.get(spec.name, {})}
     m = spec.build(options)
     refuse_joint(spec.label, m, "choose another --method (`forgetless methods`)")
@@ -523,7 +523,7 @@ def methods():
     from forgetless.continual.base_model import base_label
     from forgetless.guide import GUIDE, RESULTS
     from forgetless.methods import METHODS, build_method, method_names
-    from forgetless.methods.base import traits_text
+    from forgetless.methods.base import TERMS, traits_text
     from forgetless.models.gpt import GPTConfig
 
     table = Table()
@@ -543,8 +543,17 @@ def methods():
         guide.add_column(head, overflow="fold", ratio=share)
     for a in GUIDE:
         guide.add_row(*map(escape, (a.situation, a.method, a.data, f"{a.evidence} ({RESULTS}#{a.anchor})")))
+    terms = Table(title=escape("Terms: add to any method that takes them, e.g. lora+ewc, lora[r=16]+distill[beta=0.5]"),
+                  title_justify="left")
+    for head in ("term", "options (default)", "needs", "about"):
+        terms.add_column(head, overflow="fold")
+    for name, cls in TERMS.items():
+        opts = ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(cls.Config))
+        needs = cls.needs_previous and "the previous task's rows (--retain)" or cls.reads_retained and "mixed old rows"
+        terms.add_row(name, opts, needs or "", (cls.__doc__ or "").strip().splitlines()[0])
     out_console.print(guide)
     out_console.print(table)
+    out_console.print(terms)
 
 
 def serve_sections():

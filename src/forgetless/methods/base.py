@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 import torch
 import torch.nn as nn
 
-from forgetless.config import from_dict
+from forgetless.config import as_saved, from_dict
 from forgetless.data.splits import Batch
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPT, GPTConfig, ffn_signature
@@ -52,6 +52,7 @@ class MethodConfig:
 
 
 METHODS: dict[str, type["Method"]] = {}
+TERMS: dict[str, type["Term"]] = {}  # protecting terms that compose with a method: `lora+ewc[lam=1e3]` (compose.py)
 ALL_LINEAR = "all-linear"
 ALL, WEIGHTS, MODULES = "all", "weights", "modules"  # what a method trains (Method.trains)
 PEFT = "peft"  # Method.export_form of a method export writes as a PEFT adapter (LoRA)
@@ -63,6 +64,15 @@ def register_method(name: str):
     def wrap(cls):
         cls.name = name
         METHODS[name] = cls
+        return cls
+    return wrap
+
+
+def register_term(name: str):
+    """Class decorator: make a Term available as `METHOD+name` in method specs."""
+    def wrap(cls):
+        cls.name = name
+        TERMS[name] = cls
         return cls
     return wrap
 
@@ -85,6 +95,10 @@ def traits_text(cls: type["Method"]) -> str:
 
 
 def build_method(name: str, options: dict | None = None) -> "Method":
+    """A Method by registered `name`, or a composition `METHOD+TERM+...` (options of a term prefixed 'TERM.')."""
+    if "+" in name:
+        from forgetless.methods.compose import compose
+        return compose(name, options or {})
     if name not in METHODS:
         raise ForgetlessError(f"unknown method {name!r}; valid: {', '.join(method_names())}")
     cls = METHODS[name]
@@ -108,21 +122,45 @@ class MethodSpec:
         return build_method(self.name, {**(defaults or {}), **self.options})
 
 
+PART = r"[^,\[\]+]+(?:\[[^\]]*\])?"  # NAME or NAME[OPTION=VALUE;...]
+
+
 def parse_method_specs(text: str) -> list[MethodSpec]:
-    """'full,lora[r=16;alpha=32]' -> MethodSpecs: bracketed options make an arm of their own (labelled
-    by the spec's text), e.g. for ablations of one method's knobs. Called once, where the text comes in."""
+    """'full,lora[r=16;alpha=32],lora[r=16]+ewc[lam=1e3]' -> MethodSpecs: bracketed options make an arm of their
+    own (labelled by the spec's text), e.g. for ablations of one method's knobs; `+TERM[...]` adds a protecting
+    term to the method (its options prefixed 'TERM.' in the spec's options). Called once, where the text comes in."""
     out = []
-    for spec in re.findall(r"[^,\[\]]+(?:\[[^\]]*\])?", text):
-        spec = spec.strip()
-        name, _, rest = spec.partition("[")
-        options = {}
-        for item in filter(None, rest.rstrip("]").split(";")):
-            key, eq, value = item.partition("=")
-            if not eq or "=" in value:
-                raise ForgetlessError(f"method spec {spec!r}: write NAME[OPTION=VALUE;...], options separated by ';', "
-                                      "e.g. lora[r=16;lr=3e-4]")
-            options[key.strip()] = value.strip()
-        out.append(MethodSpec(name.strip(), options, spec))
+    for spec in re.findall(rf"{PART}(?:\+{PART})*", text):
+        spec, names, options = spec.strip(), [], {}
+        for i, part in enumerate(re.findall(PART, spec)):
+            name, _, rest = part.strip().partition("[")
+            names.append(name.strip())
+            for item in filter(None, rest.rstrip("]").split(";")):
+                key, eq, value = item.partition("=")
+                if not eq or "=" in value:
+                    raise ForgetlessError(f"method spec {spec!r}: write NAME[OPTION=VALUE;...], options separated by "
+                                          "';', e.g. lora[r=16;lr=3e-4] or lora[r=16]+ewc[lam=1e3]")
+                options[f"{names[-1]}.{key.strip()}" if i else key.strip()] = value.strip()
+        out.append(MethodSpec("+".join(names), options, spec))
+    return out
+
+
+def method_class(name: str) -> type["Method"] | None:
+    """The registered class of `name`, or of the method a composition `METHOD+TERM` starts from (None: unknown)."""
+    return METHODS.get(name.split("+")[0])
+
+
+def saved_options(name: str, options: dict) -> dict:
+    """`options` read from a save of method `name` (a composition's per part), with `as_saved`'s values for
+    options added after the save was written."""
+    parts = name.split("+")
+    classes = [METHODS.get(parts[0]), *(TERMS.get(t) for t in parts[1:])]
+    out = dict(options)
+    for i, cls in enumerate(classes):
+        if cls is not None:
+            prefix = f"{parts[i]}." if i else ""
+            own = {k[len(prefix):]: v for k, v in options.items() if k.startswith(prefix) and (i or "." not in k)}
+            out.update({f"{prefix}{k}": v for k, v in as_saved(cls.Config, own).items()})
     return out
 
 
@@ -191,6 +229,7 @@ class Method(StepHooks):
     # token_weights(logits (B, T, V), batch) -> (B, T) weights of each token's LM loss (None: all 1), e.g. to gate
     # updates by entropy; a method that defines it gets every position's logits (None here: only scored ones)
     token_weights = None
+    takes_terms = True  # `METHOD+TERM` composes protecting terms with it (False: it anchors itself, e.g. ewc)
     attach_rounding = 0.0  # attach and start_task(1) change no logit bit for bit (the protocols reuse the base's
     # scores for the attached model's first point); > 0: by up to this much (tests/test_contract.py checks either)
 
@@ -294,6 +333,33 @@ class Method(StepHooks):
         it existed keep their cache keys."""
         return {f.name: getattr(self.cfg, f.name) for f in fields(self.cfg)
                 if f.name != "joint" or getattr(self.cfg, f.name) != f.default}
+
+
+class Term:
+    """A protecting term over the parameters a method trains, composed with it as `METHOD+NAME[OPTION=VALUE;...]`
+    (compose.py): it may take what it needs from the previous task's rows (`remember`, e.g. EWC's Fisher), read
+    the weights the trainable parameters had at the task's start (`Composed.start`: EWC's anchor, distillation's
+    teacher) and add a loss."""
+    name = "term"
+    Config: type = object  # a dataclass of its options
+    needs_previous = False  # needs the data learned last (Method.needs_previous)
+    reads_retained = ""  # acts on the batch's retained rows (Method.reads_retained)
+    default_mix: float | None = None  # the composition's mix where the method sets none (rows for the term to read)
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def remember(self, method: "Method", model: nn.Module, data):
+        """At the task's start, after the method's own start: `data` is what the model learned last."""
+
+    def loss(self, method: "Method", model: nn.Module, batch: Batch) -> torch.Tensor | None:
+        return None
+
+    def hook_state(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_hook_state(self, tensors: dict[str, torch.Tensor]):
+        pass
 
 
 def copy_weights(model: nn.Module) -> dict[str, torch.Tensor]:
