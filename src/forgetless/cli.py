@@ -523,13 +523,13 @@ def methods():
     from forgetless.continual.base_model import base_label
     from forgetless.guide import GUIDE, RESULTS
     from forgetless.methods import METHODS, build_method, method_names
-    from forgetless.methods.base import TERMS, traits_text
+    from forgetless.methods.base import TERMS, memory_text, traits_text
     from forgetless.models.gpt import GPTConfig
 
     table = Table()
     for head in ("method", "base"):  # short names stay whole in a narrow terminal; long words in the others fold
         table.add_column(head, no_wrap=True)
-    for head in ("in `all` of", "traits", "options (default)", "about"):
+    for head in ("in `all` of", "traits", "memory (fp32, AdamW)", "options (default)", "about"):
         table.add_column(head, overflow="fold")
     for name in method_names():
         cls = METHODS[name]
@@ -537,7 +537,7 @@ def methods():
                          for f in dataclasses.fields(cls.Config))
         about = (cls.__doc__ or "").strip().splitlines()[:1]
         table.add_row(name, base_label(build_method(name).base_config(GPTConfig())), ", ".join(cls.default_for),
-                      traits_text(cls), opts, *about or [""])
+                      traits_text(cls), memory_text(cls), opts, *about or [""])
     guide = Table(title="Which method, when", title_justify="left", expand=True)
     for head, share in (("you have", 2), ("method", 2), ("batches", 2), ("evidence", 5)):  # the evidence is longest
         guide.add_column(head, overflow="fold", ratio=share)
@@ -545,12 +545,13 @@ def methods():
         guide.add_row(*map(escape, (a.situation, a.method, a.data, f"{a.evidence} ({RESULTS}#{a.anchor})")))
     terms = Table(title=escape("Terms: add to any method that takes them, e.g. lora+ewc, lora[r=16]+distill[beta=0.5]"),
                   title_justify="left")
-    for head in ("term", "options (default)", "needs", "about"):
+    for head in ("term", "options (default)", "needs", "memory", "about"):
         terms.add_column(head, overflow="fold")
     for name, cls in TERMS.items():
         opts = ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(cls.Config))
         needs = cls.needs_previous and "the previous task's rows (--retain)" or cls.reads_retained and "mixed old rows"
-        terms.add_row(name, opts, needs or "", (cls.__doc__ or "").strip().splitlines()[0])
+        memory = f"+{4 * (cls.copies + 1)} B per trained param (fp32; one start copy shared by the terms)"
+        terms.add_row(name, opts, needs or "", memory, (cls.__doc__ or "").strip().splitlines()[0])
     out_console.print(guide)
     out_console.print(table)
     out_console.print(terms)

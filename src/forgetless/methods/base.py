@@ -94,6 +94,16 @@ def traits_text(cls: type["Method"]) -> str:
     return ", ".join([trains, *(text for on, text in flags if on), *([f"lr {lr:g} on a pretrained model"] if lr else [])])
 
 
+def memory_text(method) -> str:
+    """A method's (class or instance) memory per parameter in fp32 with AdamW: 4 B per weight of the model, and per
+    trained parameter 16 B (its gradient 4, AdamW's two moments 8, itself 4 where a module adds it) plus 4 B per
+    copy it keeps (`copies`). Activations and logits come on top (benchmarks/bench_memory.py measures them)."""
+    per_trained = 12 + 4 * method.copies
+    if method.trains == ALL:
+        return f"{4 + per_trained} B/param"
+    return f"4 B/param + {per_trained + 4 * (method.trains == MODULES)} per trained"
+
+
 def build_method(name: str, options: dict | None = None) -> "Method":
     """A Method by registered `name`, or a composition `METHOD+TERM+...` (options of a term prefixed 'TERM.')."""
     if "+" in name:
@@ -229,6 +239,7 @@ class Method(StepHooks):
     # token_weights(logits (B, T, V), batch) -> (B, T) weights of each token's LM loss (None: all 1), e.g. to gate
     # updates by entropy; a method that defines it gets every position's logits (None here: only scored ones)
     token_weights = None
+    copies = 0  # copies of the trained parameters it keeps as state (EWC: Fisher and anchor, 2): memory_text
     takes_terms = True  # `METHOD+TERM` composes protecting terms with it (False: it anchors itself, e.g. ewc)
     attach_rounding = 0.0  # attach and start_task(1) change no logit bit for bit (the protocols reuse the base's
     # scores for the attached model's first point); > 0: by up to this much (tests/test_contract.py checks either)
@@ -344,6 +355,7 @@ class Term:
     Config: type = object  # a dataclass of its options
     needs_previous = False  # needs the data learned last (Method.needs_previous)
     reads_retained = ""  # acts on the batch's retained rows (Method.reads_retained)
+    copies = 0  # copies of the trained parameters it keeps besides the composition's one start copy (EWC: Fisher)
     default_mix: float | None = None  # the composition's mix where the method sets none (rows for the term to read)
 
     def __init__(self, cfg):

@@ -33,6 +33,7 @@ class Composed(Method):
                           "token_weights", "attach_rounding", "pretrained_lr", "default_for"):
                 setattr(self, trait, label if trait == "name" else getattr(base, trait))
             self.shardable, self.takes_terms = False, False
+            self.copies = base.copies + 1 + sum(t.copies for t in terms)  # + the start copy
             self.needs_previous = base.needs_previous or any(t.needs_previous for t in terms)
             self.reads_retained = " and ".join(filter(None, [base.reads_retained, *(t.reads_retained for t in terms)]))
             self.start_copies = () if base.injects else ("start.",)  # at task 1 the base's (from_pretrained has them)

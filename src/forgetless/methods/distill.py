@@ -125,7 +125,7 @@ def kl_rows(student: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor,
 class Distill(Composed):
     """Full fine-tuning plus a KL term to the task's starting model on the mixed-in original rows."""
     Config = DistillConfig
-    order, trains, injects, takes_terms = 91, ALL, False, False
+    order, trains, injects, takes_terms, copies = 91, ALL, False, False, 1
     start_copies = ("start.",)  # copies of the weights at the task's start
     default_for = ()  # named only: `--methods all` (and the tables it reproduces) stay as they were
     reads_retained = DistillTerm.reads_retained

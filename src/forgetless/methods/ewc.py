@@ -47,7 +47,7 @@ class EWCConfig(EWCTermConfig, MethodConfig):
 class EWCTerm(Term):
     """A diagonal-Fisher penalty pulling the trainable parameters back to where the task started."""
     Config = EWCTermConfig
-    needs_previous = True
+    needs_previous, copies = True, 1
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -94,7 +94,7 @@ class Pull(torch.autograd.Function):
 class EWC(Composed):
     """Full fine-tuning plus a diagonal-Fisher penalty towards the weights of the learned domains."""
     Config = EWCConfig
-    order, trains, injects, takes_terms = 90, ALL, False, False
+    order, trains, injects, takes_terms, copies = 90, ALL, False, False, 2
     start_copies = ("start.",)  # copies of the weights at the task's start
     needs_previous = True
 
