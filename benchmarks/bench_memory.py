@@ -26,11 +26,15 @@ from pathlib import Path
 
 import torch
 
-SHAPES = {  # LlamaConfig fields; 1b is Llama-3.2-1B's
+SHAPES = {  # LlamaConfig fields; 1b is Llama-3.2-1B's; xs for the tests
+    "xs": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=512),
     "s": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
               num_key_value_heads=4, vocab_size=32000),
     "m": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
               num_key_value_heads=4, vocab_size=32000),
+    "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),  # SmolLM2-135M's
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True),
 }
@@ -44,7 +48,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--shapes", default="s,m", help=f"comma-separated of {', '.join(SHAPES)}")
-    ap.add_argument("--dtypes", default="fp32", help="fp32 (fp32 weights, bf16 autocast), bf16 (bf16 weights)")
+    ap.add_argument("--dtypes", default="fp32", help="fp32 (fp32 weights, bf16 autocast), fp32-noamp (fp32 "
+                    "weights and compute), bf16 (bf16 weights)")
     ap.add_argument("--losses", default="answer,full", help="answer (last quarter scored) and/or full sequence")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=256)
@@ -141,7 +146,7 @@ def measure(method: str, shape: str, dtype: str, loss: str, batch: int, tokens: 
     opt = torch.optim.AdamW(trainable, lr=1e-4)
     adapted.train()
     for _ in range(2):
-        with torch.autocast(device.split(":")[0], torch.bfloat16, enabled=dtype == "fp32"):
+        with torch.autocast(device.split(":")[0], torch.bfloat16, enabled=dtype == "fp32"):  # fp32-noamp: none
             out = adapted(input_ids=ids, labels=labels, **({} if method == "peft-lora" else {"retained": retained}))
         out.loss.backward()
         held["step2"] = held_bytes() - held0  # gradients present, before the step frees them

@@ -126,3 +126,16 @@ def test_bench_precision_skips_the_arm_where_bf16_is_emulated(monkeypatch, capsy
     assert line["config"]["repeats"] == 2 and line["config"]["iters"] == 1  # few calls where bf16 is emulated
     assert "emulated" in line["arm"]["skipped"] and line["metric_check"] == line["arm"]
     assert "arm and metric check skipped: bf16 is emulated" in out and "auto picks fp32 here" in out
+
+
+def test_bench_memory_counts_the_terms_state_over_what_trains(tmp_path):
+    """EWC-distill's start holds a Fisher and one anchor (= teacher) of every weight; lora+ewc's only of LoRA's."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_memory.py"), "--methods",
+                          "peft-lora,lora+ewc,ewc-distill", "--shapes", "xs", "--losses", "answer", "--batch", "2",
+                          "--tokens", "16", "--json", str(tmp_path / "m.json")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = {r["method"]: r for r in json.loads((tmp_path / "m.json").read_text())}
+    weights = 4 * rows["peft-lora"]["params"]  # fp32
+    grown = {m: r["held"]["start"] - r["held"]["attach"] for m, r in rows.items()}
+    assert grown["ewc-distill"] >= 2 * weights and grown["lora+ewc"] < 0.1 * weights
+    assert "| fp32 | answer | lora+ewc |" in run.stdout

@@ -59,22 +59,18 @@ PEFT = "peft"  # Method.export_form of a method export writes as a PEFT adapter 
 FINE_TUNING_LR = 5e-5  # transformers' Trainer default: a method training a pretrained model's own weights starts here
 
 
-def register_method(name: str):
-    """Class decorator: make a Method available by `name` on the CLI and in `build_method`."""
+def register_method(name: str, table: dict | None = None):
+    """Class decorator: make a Method available by `name` on the CLI and in `build_method` (or a Term in `table`)."""
     def wrap(cls):
         cls.name = name
-        METHODS[name] = cls
+        (METHODS if table is None else table)[name] = cls
         return cls
     return wrap
 
 
 def register_term(name: str):
     """Class decorator: make a Term available as `METHOD+name` in method specs."""
-    def wrap(cls):
-        cls.name = name
-        TERMS[name] = cls
-        return cls
-    return wrap
+    return register_method(name, TERMS)
 
 
 def method_names(protocol: str | None = None) -> list[str]:
