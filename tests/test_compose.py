@@ -157,3 +157,11 @@ def test_adapt_and_trainer_run_a_composition(user_files, tmp_path, tok):  # noqa
                       callbacks=[forgetless.ForgetlessCallback(adapted)])
     trainer.train()
     assert adapted.method.start and all("lora_" in n for n in adapted.method.start)
+
+
+def test_a_study_arm_at_another_lr_keeps_a_spec_that_parses_back():
+    """`forgetless study` sets each arm's lr (at_lr): the lr goes to the method, the label parses back to the arm."""
+    from forgetless.continual.study import at_lr
+    arm = at_lr(parse_method_specs("lora[r=16]+ewc[lam=1e3]")[0], 1e-3)
+    assert arm.label == "lora[r=16;lr=0.001]+ewc[lam=1e3]" and parse_method_specs(arm.label) == [arm]
+    assert arm.build().cfg.lr == 1e-3 and arm.build().terms[0].cfg.lam == 1e3

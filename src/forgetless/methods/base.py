@@ -119,9 +119,14 @@ class MethodSpec:
     label: str = ""
 
     def __post_init__(self):
-        if not self.label:
-            text = ";".join(f"{k}={v}" for k, v in self.options.items())
-            object.__setattr__(self, "label", f"{self.name}[{text}]" if text else self.name)
+        if not self.label:  # a composition's term options go in the term's brackets: lora[lr=1e-3]+ewc[lam=1e3]
+            parts = []
+            for i, part in enumerate(self.name.split("+")):
+                prefix = f"{part}." if i else ""
+                text = ";".join(f"{k[len(prefix):]}={v}" for k, v in self.options.items()
+                                if (k.startswith(prefix) if i else "." not in k))
+                parts.append(f"{part}[{text}]" if text else part)
+            object.__setattr__(self, "label", "+".join(parts))
 
     def build(self, defaults: dict | None = None) -> "Method":
         """A fresh Method: `defaults` (e.g. the config's methods.NAME section), then this spec's options."""
