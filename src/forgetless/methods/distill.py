@@ -4,7 +4,7 @@ distribution on those rows where it was when the task started.
 
     loss = LM loss + beta * KL(p_start(. | x) || p(. | x)),   averaged over the scored tokens of the mixed rows
 
-The term composes with any method (`lora+distill`, compose.py): the teacher is the model run with the
+The term composes with any method (`lora+distill`, methods/base.py Composed): the teacher is the model run with the
 trainable parameters' values at the task's start (`torch.func.functional_call`), a copy of every weight
 for full fine-tuning, of the adapters' few weights for LoRA-style methods. The KL runs a chunk of positions
 at a time in fp32 and only at positions some mixed row scores; its backward recomputes the softmaxes, so no
@@ -24,8 +24,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import ALL, MethodConfig, Term, register_method, register_term
-from forgetless.methods.compose import Composed
+from forgetless.methods.base import ALL, Composed, MethodConfig, Term, register_method, register_term
 from forgetless.methods.full import Full
 from forgetless.models.gpt import logits_of, takes_logits_to_keep
 

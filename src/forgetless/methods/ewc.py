@@ -17,8 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import ALL, MethodConfig, Term, register_method, register_term
-from forgetless.methods.compose import Composed
+from forgetless.methods.base import ALL, Composed, MethodConfig, Term, register_method, register_term
 from forgetless.methods.full import Full
 from forgetless.progress import progress_task
 from forgetless.models.gpt import logits_of

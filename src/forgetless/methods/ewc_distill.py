@@ -1,5 +1,5 @@
 """EWC with distillation on replayed rows: full fine-tuning on the new data mixed with rows of the
-original domain, plus both of the anchors the two methods use alone (full+ewc+distill, compose.py;
+original domain, plus both of the anchors the two methods use alone (full+ewc+distill, base.py Composed;
 the Fisher penalty's anchor and the KL's teacher are one copy of the weights at the task's start).
 
     loss = LM loss + beta * KL(p_start || p) on the mixed rows + lam / 2 * sum_j F_j (theta_j - theta*_j)^2
@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from forgetless.methods.base import ALL, register_method
-from forgetless.methods.compose import Composed
+from forgetless.methods.base import ALL, Composed, register_method
 from forgetless.methods.distill import DistillConfig, DistillTerm
 from forgetless.methods.ewc import EWCConfig, EWCTerm
 from forgetless.methods.full import Full
