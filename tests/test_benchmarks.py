@@ -136,3 +136,16 @@ def test_bench_arm_quick_times_old_and_new_and_checks_the_metrics():
     fp32 = line["precisions"]["fp32"]
     assert [len(fp32["old"]), len(fp32["new"])] == [1, 1] and fp32["old"][0]["wall_s"] > 0 and fp32["speedup"] > 0
     assert fp32["metric_check"]["cells"] > 0 and fp32["metric_check"]["max_z"] < 1  # the same label wins per row
+
+
+def test_bench_memory_counts_the_terms_state_over_what_trains(tmp_path):
+    """EWC-distill's start holds a Fisher and one anchor (= teacher) of every weight; lora+ewc's only of LoRA's."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_memory.py"), "--methods",
+                          "peft-lora,lora+ewc,ewc-distill", "--shapes", "xs", "--losses", "answer", "--batch", "2",
+                          "--tokens", "16", "--json", str(tmp_path / "m.json")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = {r["method"]: r for r in json.loads((tmp_path / "m.json").read_text())}
+    weights = 4 * rows["peft-lora"]["params"]  # fp32
+    grown = {m: r["held"]["start"] - r["held"]["attach"] for m, r in rows.items()}
+    assert grown["ewc-distill"] >= 2 * weights and grown["lora+ewc"] < 0.1 * weights
+    assert "| fp32 | answer | lora+ewc |" in run.stdout

@@ -120,7 +120,7 @@ def test_ewc_penalty_zero_at_the_anchor_and_positive_away():
     attach(model, method).start_task(1, previous=learned)
     b = batch([False, False])
     assert method.extra_loss(model, b).item() == 0.0
-    assert all((f >= 0).all() for f in method.fisher.values()) and any(f.sum() > 0 for f in method.fisher.values())
+    assert all((f >= 0).all() for f in method.terms[0].fisher.values()) and any(f.sum() > 0 for f in method.terms[0].fisher.values())
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.01 * torch.randn_like(p))

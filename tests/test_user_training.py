@@ -473,7 +473,7 @@ def test_start_copies_are_saved_when_the_task_started_on_trained_weights(tmp_pat
     adapted.save_pretrained(tmp_path / "saved")
     from safetensors import safe_open
     with safe_open(str(tmp_path / "saved" / "adapter_model.safetensors"), "pt") as f:
-        assert any(k.startswith("hooks.anchor.") for k in f.keys())
+        assert any(k.startswith("hooks.start.") for k in f.keys())
 
 
 @pytest.mark.slow
@@ -518,7 +518,7 @@ def test_trl_sft_trainer_trains_the_method(tmp_path, tok, user_data):
     with warnings.catch_warnings():
         warnings.simplefilter("error", forgetless.ForgetlessWarning)
         trainer.train()
-    assert adapted.method.teacher and any(not torch.equal(w, before[n]) for n, w in weights(adapted).items())
+    assert adapted.method.start and any(not torch.equal(w, before[n]) for n, w in weights(adapted).items())
 
 
 def test_trainer_says_a_methods_own_lr_does_not_act(tmp_path, tok, user_data):

@@ -24,14 +24,13 @@ import torch.nn as nn
 
 from forgetless import __version__, distributed
 from forgetless.checkpoint import load_checkpoint, save_checkpoint, shared, writable_dir, write_json
-from forgetless.config import as_saved
 from forgetless.loss import loss_terms, training_loss
 from forgetless.data.splits import Batch
 from forgetless.device import resolve_device  # noqa: F401 (its home before device.py; bench scripts import it here)
 from forgetless.errors import ForgetlessError
 from forgetless.export import check_empty, export_adapted
 from forgetless.methods import Method, build_method
-from forgetless.methods.base import METHODS, MODULES, MethodSpec, parse_method_specs
+from forgetless.methods.base import MODULES, MethodSpec, parse_method_specs, saved_options
 from forgetless.models.gpt import GPT
 
 WEIGHTS, CONFIG = "adapter_model.safetensors", "forgetless_config.json"
@@ -326,8 +325,7 @@ def from_pretrained(model: nn.Module, folder: str | Path) -> Adapted:
         raise ForgetlessError(f"{folder} was saved on a {config['base']['class']} base of another architecture "
                               f"(fingerprint {config['base']['hash']}, this {have['class']}: {have['hash']}); "
                               "load it onto the model it was trained on")
-    saved = as_saved(METHODS[config["method"]].Config, config["options"]) if config["method"] in METHODS else {}
-    adapted = attach(model, build_method(config["method"], saved))
+    adapted = attach(model, build_method(config["method"], saved_options(config["method"], config["options"])))
     for task in range(2, config["task"] + 1):  # grow what grows per task (MoRAM atoms, MoE-LoRA experts)
         with torch.device(adapted.device):
             adapted.method.on_task_start(adapted.model, task)

@@ -328,7 +328,7 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
     from forgetless.continual.protocol import refuse_joint
     from forgetless.continual.user_adapt import MIN_HELD_OUT, adapt_on_data
     from forgetless.guide import advice_for
-    from forgetless.methods.base import METHODS, as_specs
+    from forgetless.methods.base import as_specs, method_class
     from forgetless.models.hf import load_model
     from forgetless.presets import settle_precision
 
@@ -347,7 +347,7 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
         method = advice.method
         out_console.print(f"method {method} ({advice.situation}: `forgetless methods`)", highlight=False)
     (spec,) = as_specs([method])
-    on_pretrained = METHODS[spec.name].pretrained_options() if spec.name in METHODS else {}  # unknown: build says
+    on_pretrained = cls.pretrained_options() if (cls := method_class(spec.name)) else {}  # unknown: build says
     options = {**on_pretrained, **cfg.methods.get(spec.name, {})}
     m = spec.build(options)
     refuse_joint(spec.label, m, "choose another --method (`forgetless methods`)")
@@ -575,13 +575,13 @@ def methods():
     from forgetless.continual.base_model import base_label
     from forgetless.guide import GUIDE, RESULTS
     from forgetless.methods import METHODS, build_method, method_names
-    from forgetless.methods.base import traits_text
+    from forgetless.methods.base import TERMS, memory_text, traits_text
     from forgetless.models.gpt import GPTConfig
 
     table = Table()
     for head in ("method", "base"):  # short names stay whole in a narrow terminal; long words in the others fold
         table.add_column(head, no_wrap=True)
-    for head in ("in `all` of", "traits", "options (default)", "about"):
+    for head in ("in `all` of", "traits", "memory (fp32, AdamW)", "options (default)", "about"):
         table.add_column(head, overflow="fold")
     for name in method_names():
         cls = METHODS[name]
@@ -589,14 +589,24 @@ def methods():
                          for f in dataclasses.fields(cls.Config))
         about = (cls.__doc__ or "").strip().splitlines()[:1]
         table.add_row(name, base_label(build_method(name).base_config(GPTConfig())), ", ".join(cls.default_for),
-                      traits_text(cls), opts, *about or [""])
+                      traits_text(cls), memory_text(cls), opts, *about or [""])
     guide = Table(title="Which method, when", title_justify="left", expand=True)
     for head, share in (("you have", 2), ("method", 2), ("batches", 2), ("evidence", 5)):  # the evidence is longest
         guide.add_column(head, overflow="fold", ratio=share)
     for a in GUIDE:
         guide.add_row(*map(escape, (a.situation, a.method, a.data, f"{a.evidence} ({RESULTS}#{a.anchor})")))
+    terms = Table(title=escape("Terms: add to any method that takes them, e.g. lora+ewc, lora[r=16]+distill[beta=0.5]"),
+                  title_justify="left")
+    for head in ("term", "options (default)", "needs", "memory", "about"):
+        terms.add_column(head, overflow="fold")
+    for name, cls in TERMS.items():
+        opts = ", ".join(f"{f.name}={f.default}" for f in dataclasses.fields(cls.Config))
+        needs = cls.needs_previous and "the previous task's rows (--retain)" or cls.reads_retained and "mixed old rows"
+        memory = f"+{4 * (cls.copies + 1)} B per trained param (fp32; one start copy shared by the terms)"
+        terms.add_row(name, opts, needs or "", memory, (cls.__doc__ or "").strip().splitlines()[0])
     out_console.print(guide)
     out_console.print(table)
+    out_console.print(terms)
 
 
 def serve_sections():

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 import torch
 import torch.nn as nn
 
-from forgetless.config import from_dict
+from forgetless.config import as_saved, from_dict
 from forgetless.data.splits import Batch
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPT, GPTConfig, ffn_signature
@@ -52,19 +52,25 @@ class MethodConfig:
 
 
 METHODS: dict[str, type["Method"]] = {}
+TERMS: dict[str, type["Term"]] = {}  # protecting terms that compose with a method: `lora+ewc[lam=1e3]` (Composed)
 ALL_LINEAR = "all-linear"
 ALL, WEIGHTS, MODULES = "all", "weights", "modules"  # what a method trains (Method.trains)
 PEFT = "peft"  # Method.export_form of a method export writes as a PEFT adapter (LoRA)
 FINE_TUNING_LR = 5e-5  # transformers' Trainer default: a method training a pretrained model's own weights starts here
 
 
-def register_method(name: str):
-    """Class decorator: make a Method available by `name` on the CLI and in `build_method`."""
+def register_method(name: str, table: dict | None = None):
+    """Class decorator: make a Method available by `name` on the CLI and in `build_method` (or a Term in `table`)."""
     def wrap(cls):
         cls.name = name
-        METHODS[name] = cls
+        (METHODS if table is None else table)[name] = cls
         return cls
     return wrap
+
+
+def register_term(name: str):
+    """Class decorator: make a Term available as `METHOD+name` in method specs."""
+    return register_method(name, TERMS)
 
 
 def method_names(protocol: str | None = None) -> list[str]:
@@ -84,7 +90,20 @@ def traits_text(cls: type["Method"]) -> str:
     return ", ".join([trains, *(text for on, text in flags if on), *([f"lr {lr:g} on a pretrained model"] if lr else [])])
 
 
+def memory_text(method) -> str:
+    """A method's (class or instance) memory per parameter in fp32 with AdamW: 4 B per weight of the model, and per
+    trained parameter 16 B (its gradient 4, AdamW's two moments 8, itself 4 where a module adds it) plus 4 B per
+    copy it keeps (`copies`). Activations and logits come on top (benchmarks/bench_memory.py measures them)."""
+    per_trained = 12 + 4 * method.copies
+    if method.trains == ALL:
+        return f"{4 + per_trained} B/param"
+    return f"4 B/param + {per_trained + 4 * (method.trains == MODULES)} per trained"
+
+
 def build_method(name: str, options: dict | None = None) -> "Method":
+    """A Method by registered `name`, or a composition `METHOD+TERM+...` (options of a term prefixed 'TERM.')."""
+    if "+" in name:
+        return compose(name, options or {})
     if name not in METHODS:
         raise ForgetlessError(f"unknown method {name!r}; valid: {', '.join(method_names())}")
     cls = METHODS[name]
@@ -99,30 +118,59 @@ class MethodSpec:
     label: str = ""
 
     def __post_init__(self):
-        if not self.label:
-            text = ";".join(f"{k}={v}" for k, v in self.options.items())
-            object.__setattr__(self, "label", f"{self.name}[{text}]" if text else self.name)
+        if not self.label:  # a composition's term options go in the term's brackets: lora[lr=1e-3]+ewc[lam=1e3]
+            parts = []
+            for i, part in enumerate(self.name.split("+")):
+                prefix = f"{part}." if i else ""
+                text = ";".join(f"{k[len(prefix):]}={v}" for k, v in self.options.items()
+                                if (k.startswith(prefix) if i else "." not in k))
+                parts.append(f"{part}[{text}]" if text else part)
+            object.__setattr__(self, "label", "+".join(parts))
 
     def build(self, defaults: dict | None = None) -> "Method":
         """A fresh Method: `defaults` (e.g. the config's methods.NAME section), then this spec's options."""
         return build_method(self.name, {**(defaults or {}), **self.options})
 
 
+PART = r"[^,\[\]+]+(?:\[[^\]]*\])?"  # NAME or NAME[OPTION=VALUE;...]
+
+
 def parse_method_specs(text: str) -> list[MethodSpec]:
-    """'full,lora[r=16;alpha=32]' -> MethodSpecs: bracketed options make an arm of their own (labelled
-    by the spec's text), e.g. for ablations of one method's knobs. Called once, where the text comes in."""
+    """'full,lora[r=16;alpha=32],lora[r=16]+ewc[lam=1e3]' -> MethodSpecs: bracketed options make an arm of their
+    own (labelled by the spec's text), e.g. for ablations of one method's knobs; `+TERM[...]` adds a protecting
+    term to the method (its options prefixed 'TERM.' in the spec's options). Called once, where the text comes in."""
     out = []
-    for spec in re.findall(r"[^,\[\]]+(?:\[[^\]]*\])?", text):
-        spec = spec.strip()
-        name, _, rest = spec.partition("[")
-        options = {}
-        for item in filter(None, rest.rstrip("]").split(";")):
-            key, eq, value = item.partition("=")
-            if not eq or "=" in value:
-                raise ForgetlessError(f"method spec {spec!r}: write NAME[OPTION=VALUE;...], options separated by ';', "
-                                      "e.g. lora[r=16;lr=3e-4]")
-            options[key.strip()] = value.strip()
-        out.append(MethodSpec(name.strip(), options, spec))
+    for spec in re.findall(rf"{PART}(?:\+{PART})*", text):
+        spec, names, options = spec.strip(), [], {}
+        for i, part in enumerate(re.findall(PART, spec)):
+            name, _, rest = part.strip().partition("[")
+            names.append(name.strip())
+            for item in filter(None, rest.rstrip("]").split(";")):
+                key, eq, value = item.partition("=")
+                if not eq or "=" in value:
+                    raise ForgetlessError(f"method spec {spec!r}: write NAME[OPTION=VALUE;...], options separated by "
+                                          "';', e.g. lora[r=16;lr=3e-4] or lora[r=16]+ewc[lam=1e3]")
+                options[f"{names[-1]}.{key.strip()}" if i else key.strip()] = value.strip()
+        out.append(MethodSpec("+".join(names), options, spec))
+    return out
+
+
+def method_class(name: str) -> type["Method"] | None:
+    """The registered class of `name`, or of the method a composition `METHOD+TERM` starts from (None: unknown)."""
+    return METHODS.get(name.split("+")[0])
+
+
+def saved_options(name: str, options: dict) -> dict:
+    """`options` read from a save of method `name` (a composition's per part), with `as_saved`'s values for
+    options added after the save was written."""
+    parts = name.split("+")
+    classes = [METHODS.get(parts[0]), *(TERMS.get(t) for t in parts[1:])]
+    out = dict(options)
+    for i, cls in enumerate(classes):
+        if cls is not None:
+            prefix = f"{parts[i]}." if i else ""
+            own = {k[len(prefix):]: v for k, v in options.items() if k.startswith(prefix) and (i or "." not in k)}
+            out.update({f"{prefix}{k}": v for k, v in as_saved(cls.Config, own).items()})
     return out
 
 
@@ -191,6 +239,8 @@ class Method(StepHooks):
     # token_weights(logits (B, T, V), batch) -> (B, T) weights of each token's LM loss (None: all 1), e.g. to gate
     # updates by entropy; a method that defines it gets every position's logits (None here: only scored ones)
     token_weights = None
+    copies = 0  # copies of the trained parameters it keeps as state (EWC: Fisher and anchor, 2): memory_text
+    takes_terms = True  # `METHOD+TERM` composes protecting terms with it (False: it anchors itself, e.g. ewc)
     attach_rounding = 0.0  # attach and start_task(1) change no logit bit for bit (the protocols reuse the base's
     # scores for the attached model's first point); > 0: by up to this much (tests/test_contract.py checks either)
 
@@ -312,6 +362,172 @@ def quantized(model: nn.Module) -> str | None:
         if type(m).__module__.startswith("bitsandbytes"):
             return "4bit" if "4bit" in type(m).__name__ else "8bit"
     return None
+
+
+class Term:
+    """A protecting term over the parameters a method trains, composed with it as `METHOD+NAME[OPTION=VALUE;...]`
+    (Composed): it may take what it needs from the previous task's rows (`remember`, e.g. EWC's Fisher), read
+    the weights the trainable parameters had at the task's start (`Composed.start`: EWC's anchor, distillation's
+    teacher) and add a loss."""
+    name = "term"
+    Config: type = object  # a dataclass of its options
+    needs_previous = False  # needs the data learned last (Method.needs_previous)
+    reads_retained = ""  # acts on the batch's retained rows (Method.reads_retained)
+    copies = 0  # copies of the trained parameters it keeps besides the composition's one start copy (EWC: Fisher)
+    default_mix: float | None = None  # the composition's mix where the method sets none (rows for the term to read)
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def remember(self, method: "Method", model: nn.Module, data):
+        """At the task's start, after the method's own start: `data` is what the model learned last."""
+
+    def loss(self, method: "Method", model: nn.Module, batch: Batch) -> torch.Tensor | None:
+        return None
+
+    def hook_state(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_hook_state(self, tensors: dict[str, torch.Tensor]):
+        pass
+
+
+# ---- terms composed with a method --------------------------------------------------------------------------------
+class Composed(Method):
+    """A method plus protecting terms: `lora+ewc`, `lora[r=16]+distill[beta=0.5]`, `neutral+distill`, `moram+ewc`.
+
+    The method chooses what trains (its modules, or the model's own weights); each term (EWC's Fisher penalty,
+    distillation's KL to the task's starting model) acts on exactly that set. State lives only over the trainable
+    parameters: at every task's start the composition keeps one copy of them (`start`, in the model's dtype), which
+    is EWC's anchor and, run through the model's own forward with `torch.func.functional_call`, distillation's
+    teacher. For a method that injects modules (LoRA, adapters, atoms) that copy is the modules' few weights, so the
+    teacher is the model at the task's start without a copy of the base (at task 1 the base itself: LoRA's B is 0);
+    for full fine-tuning it is a copy of every weight, as in `ewc` and `distill`, which are full+ewc and full+distill.
+
+    `base` gives what trains, its modules and hooks; `terms` add to its loss; traits are the base's, plus the
+    terms' need for old rows."""
+
+    def __init__(self, cfg, base: Method, terms: list, label: str | None = None):
+        super().__init__(cfg)
+        self.base, self.terms, self.label = base, terms, label
+        self.start: dict[str, torch.Tensor] = {}  # the trainable parameters at the task's start
+        self.previous = None  # rows of the task learned last, for the terms at on_task_start
+        if label:  # `METHOD+TERM`: the method's traits, and the terms' needs (a registered one declares its own)
+            for trait in ("name", "order", "trains", "injects", "merges", "export_form", "grows", "mixes_original",
+                          "token_weights", "attach_rounding", "pretrained_lr", "default_for"):
+                setattr(self, trait, label if trait == "name" else getattr(base, trait))
+            self.shardable, self.takes_terms = False, False
+            self.copies = base.copies + 1 + sum(t.copies for t in terms)  # + the start copy
+            self.needs_previous = base.needs_previous or any(t.needs_previous for t in terms)
+            self.reads_retained = " and ".join(filter(None, [base.reads_retained, *(t.reads_retained for t in terms)]))
+            self.start_copies = () if base.injects else ("start.",)  # at task 1 the base's (from_pretrained has them)
+
+    # ---- what trains: the base's ----------------------------------------------------------
+    def base_config(self, model_cfg):
+        return self.base.base_config(model_cfg)
+
+    def check_base(self, model):
+        self.base.check_base(model)
+
+    def attach(self, model):
+        return self.base.attach(model)
+
+    def trainable_parameters(self, model):
+        return self.base.trainable_parameters(model)
+
+    def state_dict(self, model, injected):
+        return self.base.state_dict(model, injected)
+
+    def load_state_dict(self, model, tensors):
+        self.base.load_state_dict(model, tensors)
+
+    def merge(self, model):
+        return self.base.merge(model)
+
+    def report(self, model, windows_a, windows_b):
+        return self.base.report(model, windows_a, windows_b)
+
+    def task_report(self, model, windows):
+        return self.base.task_report(model, windows)
+
+    def make_optimizer(self, params, cfg):
+        return self.base.make_optimizer(params, cfg)
+
+    def before_step(self, model, optimizer, step, last):
+        self.base.before_step(model, optimizer, step, last)
+
+    def after_step(self, model, optimizer, step, last):
+        self.base.after_step(model, optimizer, step, last)
+
+    # ---- tasks and the terms ------------------------------------------------------------------
+    def remember(self, model, data):
+        self.base.remember(model, data)
+        self.previous = data  # the terms take it at on_task_start, once the base has set up the task's parameters
+
+    def on_task_start(self, model, task):
+        self.base.on_task_start(model, task)  # e.g. LoRA merges and restarts, MoRAM grows atoms
+        self.start = {n: p.detach().clone() for n, p in self.trainable_parameters(model)}
+        if self.previous is not None:
+            for term in self.terms:
+                term.remember(self, model, self.previous)
+        self.previous = None
+
+    def on_task_end(self, model, task):
+        self.base.on_task_end(model, task)
+
+    def extra_loss(self, model, batch):
+        parts = [t for t in (self.base.extra_loss(model, batch), *(term.loss(self, model, batch) for term in self.terms))
+                 if t is not None]
+        return sum(parts) if parts else None
+
+    def hook_state(self):
+        return {**{f"base.{k}": v for k, v in self.base.hook_state().items()},
+                **{k: v for term in self.terms for k, v in term.hook_state().items()},
+                **{f"start.{n}": t for n, t in self.start.items()}}
+
+    def load_hook_state(self, tensors):
+        self.base.load_hook_state({k[len("base."):]: v for k, v in tensors.items() if k.startswith("base.")})
+        for term in self.terms:
+            term.load_hook_state(tensors)
+        for old in ("start.", "anchor.", "teacher."):  # anchor., teacher.: ewc's and distill's saves before compose
+            self.start = self.start or {k[len(old):]: v for k, v in tensors.items() if k.startswith(old)}
+
+    def options(self):
+        """A registered composition (ewc): its config's fields; `METHOD+TERM`: the method's, then each term's
+        prefixed 'TERM.' (build_method takes them back)."""
+        if not self.label:
+            return super().options()
+        return {**super().options(), **{f"{t.name}.{f.name}": getattr(t.cfg, f.name)
+                                          for t in self.terms for f in dataclasses.fields(t.cfg)}}
+
+
+def compose(name: str, options: dict) -> Composed:
+    """The Composed method `name` ('lora+ewc'): options without a prefix go to the method, 'TERM.OPTION' to a term."""
+    method, *terms = name.split("+")
+    takes = ", ".join(n for n, cls in METHODS.items() if cls.takes_terms)
+    if method not in METHODS:
+        raise ForgetlessError(f"unknown method {method!r} in {name!r}; a term follows a method, e.g. lora+ewc "
+                              f"(methods that take terms: {takes})")
+    if not METHODS[method].takes_terms:
+        raise ForgetlessError(f"{name}: {method} cannot take terms (it has its own anchor); use one of {takes}, "
+                              "e.g. full+ewc+distill for ewc-distill's pair")
+    for term in terms:
+        if term not in TERMS:
+            raise ForgetlessError(f"unknown term {term!r} in {name!r}; valid terms: {', '.join(TERMS)}")
+    if len(set(terms)) != len(terms):
+        raise ForgetlessError(f"{name}: each term once; set its options in one bracket, e.g. lora+ewc[lam=1e3]")
+    stray = [k for k in options if "." in k and k.split(".")[0] not in terms]
+    if stray:
+        raise ForgetlessError(f"{name}: option {stray[0]!r} names no term of it; write TERM[OPTION=VALUE], e.g. "
+                              f"{method}+{terms[0]}[...]")
+    built = build_method(method, {k: v for k, v in options.items() if "." not in k})
+    parts = [TERMS[t](from_dict(TERMS[t].Config, {k[len(t) + 1:]: v for k, v in options.items()
+                                                   if k.startswith(f"{t}.")}, f"methods.{name}.{t}")) for t in terms]
+    mixes = [t.default_mix for t in parts if t.default_mix is not None]
+    cfg = built.cfg if built.cfg.mix is not None or not mixes else dataclasses.replace(built.cfg, mix=max(mixes))
+    if cfg.mix == 0 and (reads := [t.name for t in parts if t.reads_retained]):
+        raise ForgetlessError(f"{name}: mix=0 leaves {reads[0]} no rows of old data to act on; use mix > 0 or drop it")
+    return Composed(cfg, built, parts, name)
 
 
 def copy_weights(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -31,7 +31,7 @@ class DynamicEvalConfig(MethodConfig):
 class DynamicEval(Method):
     """Dynamic evaluation: SGD on every weight, decaying toward the original weights."""
     Config = DynamicEvalConfig
-    order, trains, injects = 110, ALL, False
+    order, trains, injects, takes_terms, copies = 110, ALL, False, False, 1  # it anchors itself (its decay to the origin)
     start_copies = ("origin.",)  # copies of the weights at the task's start
     default_for = ()
 

@@ -17,63 +17,88 @@ import torch
 import torch.nn.functional as F
 
 from forgetless.errors import ForgetlessError
-from forgetless.methods.base import ALL, Method, MethodConfig, register_method
+from forgetless.methods.base import ALL, Composed, MethodConfig, Term, register_method, register_term
+from forgetless.methods.full import Full
 from forgetless.progress import progress_task
 from forgetless.models.gpt import logits_of
 
 
 @dataclass
-class EWCConfig(MethodConfig):
+class EWCTermConfig:
     lam: float = field(default=1e4, metadata={
         "help": "penalty strength lambda (the knee of a one-seed sweep on the quick two-domain pair; its "
                 "frontier's validation windows chose 1e3 there, docs/RESULTS.md)"})
     fisher_samples: int = field(default=64, metadata={"help": "windows of the learned domain for the Fisher"})
 
     def __post_init__(self):
-        super().__post_init__()
         if self.lam < 0 or self.fisher_samples <= 0:
             raise ForgetlessError("ewc: lam must not be negative and fisher_samples must be positive")
+        if post := getattr(super(), "__post_init__", None):
+            post()
 
 
-@register_method("ewc")
-class EWC(Method):
-    """Full fine-tuning plus a diagonal-Fisher penalty towards the weights of the learned domains."""
-    Config = EWCConfig
-    order, trains, injects = 90, ALL, False
-    start_copies = ("anchor.",)  # copies of the weights at the task's start
+@dataclass
+class EWCConfig(EWCTermConfig, MethodConfig):
+    pass
 
-    needs_previous = True
+
+@register_term("ewc")
+class EWCTerm(Term):
+    """A diagonal-Fisher penalty pulling the trainable parameters back to where the task started."""
+    Config = EWCTermConfig
+    needs_previous, copies = True, 1
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        self.fisher: dict[str, torch.Tensor] = {}
-        self.anchor: dict[str, torch.Tensor] = {}
+        self.fisher: dict[str, torch.Tensor] = {}  # over the trainable parameters, in their dtype
 
-    def trainable_parameters(self, model):
-        return list(model.named_parameters())
-
-    def remember(self, model, data):
+    def remember(self, method, model, data):
         """Add the Fisher of `data` (rows of old data: examples with input_ids and labels, (N, T+1) token
-        windows, or a Domain) at the current weights and anchor the penalty there."""
-        params = dict(model.named_parameters())
-        fisher = empirical_fisher(model, fisher_rows(data, self.cfg.fisher_samples))
+        windows, or a Domain) at the current weights; the penalty's anchor is the task's start (method.start)."""
+        fisher = empirical_fisher(model, fisher_rows(data, self.cfg.fisher_samples), method.trainable_parameters(model))
         for name, f in fisher.items():
             self.fisher[name] = self.fisher.get(name, 0) + f
-        self.anchor = {name: params[name].detach().clone() for name in fisher}
 
-    def extra_loss(self, model, batch):
+    def loss(self, method, model, batch):
         if not self.fisher or self.cfg.lam == 0:
             return None
-        params = dict(model.named_parameters())
-        penalty = sum((f * (params[n] - self.anchor[n]).square()).sum() for n, f in self.fisher.items())
+        penalty = sum(Pull.apply(p, self.fisher[n], method.start[n]) for n, p in method.trainable_parameters(model)
+                      if n in self.fisher)
         return 0.5 * self.cfg.lam * penalty
 
     def hook_state(self):
-        return {**{f"fisher.{n}": f for n, f in self.fisher.items()}, **{f"anchor.{n}": a for n, a in self.anchor.items()}}
+        return {f"fisher.{n}": f for n, f in self.fisher.items()}
 
     def load_hook_state(self, tensors):
         self.fisher = {k[len("fisher."):]: v for k, v in tensors.items() if k.startswith("fisher.")}
-        self.anchor = {k[len("anchor."):]: v for k, v in tensors.items() if k.startswith("anchor.")}
+
+
+class Pull(torch.autograd.Function):
+    """sum_j F_j (p_j - a_j)^2 of one parameter p, its Fisher F and anchor a; the backward computes
+    2 F (p - a) again from them, so nothing of the size of p is kept from the forward to the backward
+    (autograd's own graph would keep p - a and its square). Exactly autograd's gradient (tested)."""
+
+    @staticmethod
+    def forward(ctx, p, f, a):
+        ctx.save_for_backward(p, f, a)
+        return (f * (p - a).square()).sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        p, f, a = ctx.saved_tensors
+        return (grad * f) * (2 * (p - a)), None, None
+
+
+@register_method("ewc")
+class EWC(Composed):
+    """Full fine-tuning plus a diagonal-Fisher penalty towards the weights of the learned domains."""
+    Config = EWCConfig
+    order, trains, injects, takes_terms, copies = 90, ALL, False, False, 2
+    start_copies = ("start.",)  # copies of the weights at the task's start
+    needs_previous = True
+
+    def __init__(self, cfg):
+        super().__init__(cfg, Full(cfg), [EWCTerm(cfg)])
 
 
 def random_windows(tokens: torch.Tensor, block_size: int, samples: int, seed: int = 0) -> torch.Tensor:
@@ -107,26 +132,28 @@ def fisher_rows(data, samples: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return rows
 
 
-def empirical_fisher(model, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Mean over `rows` (inputs (T,), targets (T,), -100 not scored) of the squared gradient of each row's LM loss."""
-    params = {n: p for n, p in model.named_parameters()}
+def empirical_fisher(model, rows: list[tuple[torch.Tensor, torch.Tensor]],
+                     params: list[tuple[str, torch.nn.Parameter]] | None = None) -> dict[str, torch.Tensor]:
+    """Mean over `rows` (inputs (T,), targets (T,), -100 not scored) of the squared gradient of each row's LM loss,
+    for `params` (default: every parameter); accumulated in fp32, returned in each parameter's dtype."""
+    params = dict(params if params is not None else model.named_parameters())
     flags = {n: p.requires_grad for n, p in params.items()}
     for p in params.values():
         p.requires_grad_(True)
     was_training = model.training
     model.eval()
-    fisher = {n: torch.zeros_like(p) for n, p in params.items()}
+    fisher = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in params.items()}
     device = next(iter(params.values())).device
     with progress_task("EWC Fisher (rows)", len(rows)) as advance:  # minutes on a 100M+ model on a CPU
         for x, y in rows:
             x, y = x.to(device)[None], y.to(device)                            # (1, T), (T,)
-            loss = F.cross_entropy(logits_of(model, x)[0], y, ignore_index=-100)
+            loss = F.cross_entropy(logits_of(model, x)[0].float(), y, ignore_index=-100)
             grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
             for (n, _), grad in zip(params.items(), grads):
                 if grad is not None:
-                    fisher[n] += grad.square() / len(rows)
+                    fisher[n] += grad.float().square() / len(rows)
             advance()
     model.train(was_training)
     for n, p in params.items():
         p.requires_grad_(flags[n])
-    return fisher
+    return {n: f.to(params[n].dtype) for n, f in fisher.items()}

@@ -1,5 +1,6 @@
 """EWC with distillation on replayed rows: full fine-tuning on the new data mixed with rows of the
-original domain, plus both of the anchors the two methods use alone.
+original domain, plus both of the anchors the two methods use alone (full+ewc+distill, base.py Composed;
+the Fisher penalty's anchor and the KL's teacher are one copy of the weights at the task's start).
 
     loss = LM loss + beta * KL(p_start || p) on the mixed rows + lam / 2 * sum_j F_j (theta_j - theta*_j)^2
 
@@ -12,9 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from forgetless.methods.base import register_method
-from forgetless.methods.distill import Distill, DistillConfig
-from forgetless.methods.ewc import EWC, EWCConfig
+from forgetless.methods.base import ALL, Composed, register_method
+from forgetless.methods.distill import DistillConfig, DistillTerm
+from forgetless.methods.ewc import EWCConfig, EWCTerm
+from forgetless.methods.full import Full
 
 
 @dataclass
@@ -25,20 +27,13 @@ class EWCDistillConfig(DistillConfig, EWCConfig):
 
 
 @register_method("ewc-distill")
-class EWCDistill(EWC, Distill):
+class EWCDistill(Composed):
     """Full fine-tuning plus a KL term on mixed-in original rows and a diagonal-Fisher penalty."""
     Config = EWCDistillConfig
-    order = 93
+    order, trains, injects, takes_terms, copies = 93, ALL, False, False, 2  # Fisher, one anchor = teacher
     default_for = ()  # named only, like distill
-    start_copies = (*EWC.start_copies, *Distill.start_copies)
+    start_copies = ("start.",)  # copies of the weights at the task's start
+    needs_previous, reads_retained = True, DistillTerm.reads_retained
 
-    def extra_loss(self, model, batch):
-        terms = [t for t in (EWC.extra_loss(self, model, batch), Distill.extra_loss(self, model, batch)) if t is not None]
-        return sum(terms) if terms else None
-
-    def hook_state(self):
-        return {**EWC.hook_state(self), **Distill.hook_state(self)}
-
-    def load_hook_state(self, tensors):
-        EWC.load_hook_state(self, tensors)
-        Distill.load_hook_state(self, tensors)
+    def __init__(self, cfg):
+        super().__init__(cfg, Full(cfg), [EWCTerm(cfg), DistillTerm(cfg)])
