@@ -116,10 +116,12 @@ def per_parameter(at: dict, shapes: list[str], method: str) -> float | None:
 
 def measure(method: str, shape: str, dtype: str, loss: str, batch: int, tokens: int, device: str) -> dict:
     """One method's run in this process: tensor bytes held after each phase and peak RSS by its end (both above
-    the process before the model was built)."""
+    the process before the model was built, with peft and every method's module already imported)."""
+    import peft  # noqa: F401 (imported before the baseline: every arm, PEFT's and ours, then pays for it alike)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import forgetless
+    import forgetless.methods  # noqa: F401 (every method's module, for the same reason)
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     vocab = SHAPES[shape]["vocab_size"]

@@ -87,7 +87,9 @@ def test_a_joint_arm_refuses_or_warns_where_it_cannot_act(tmp_path):
     from tiny_models import ours
     with pytest.warns(ForgetlessWarning, match="joint"):
         forgetless.attach(ours(), "mtl")
-    result = CliRunner().invoke(app, ["adapt", "--model", "smollm2-135m", "--data", str(tmp_path / "new.jsonl"),
+    data = tmp_path / "new.jsonl"  # valid data: the refusal is the method's, not the data check's
+    data.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(4)))
+    result = CliRunner().invoke(app, ["adapt", "--model", "smollm2-135m", "--data", str(data),
                                       "--method", "mtl", "--out", str(tmp_path / "out")])
     assert result.exit_code != 0 and "task-sequence protocol" in result.output
     assert not (tmp_path / "out").exists()
