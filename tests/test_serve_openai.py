@@ -163,3 +163,25 @@ def test_a_log_record_of_an_unknown_format_is_refused_and_old_records_have_none(
     bad = {"seq": 1, "text": "x", "format": "audio"}
     with pytest.raises(ValueError, match="format"):
         wal.parse(json.dumps({**bad, "crc": wal.checksum(bad)}).encode(), False)
+
+
+OPENAI_FIELDS = {"/v1/completions": {"prompt": "ROMEO:", "max_tokens": 2, "temperature": 0.5, "top_p": 0.9, "seed": 1,
+                                     "n": 2, "stop": ["\n"], "stream": False, "model": "forgetless"},
+                 "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                 "/v1/feedback": {"id": "cmpl-x", "answer": "an answer", "key": "k"},
+                 "/v1/learn": {"prompt": "NURSE: ", "answer": "O speak."}}
+
+
+def test_every_field_of_the_new_endpoints_with_any_value_is_a_one_line_answer_without_a_5xx(trained, tmp_path):
+    from test_serve import VALUES
+    e = engine(trained, tmp_path / "state", max_new_tokens=3, max_doc_bytes=200, learn_per_minute=0)
+    c = local(make_app(e, TOKEN))
+    for path, good in OPENAI_FIELDS.items():
+        for field, value in [(f, v) for f in [*good, "other"] for v in VALUES] + [(None, None)]:
+            body = json.dumps(good if field is None else {**good, field: value})
+            r = c.post(path, content=body, headers={**AUTH, "Content-Type": "application/json"})
+            assert r.status_code < 500, (path, field, value, r.status_code, r.text)
+            if r.status_code >= 400:
+                error = r.json()["error"]
+                message = error if path == "/v1/learn" else error["message"]
+                assert message and "\n" not in message, (path, field, value, r.text)

@@ -386,7 +386,8 @@ def make_app(engine: Engine, token: str | None, allowed_hosts: tuple[str, ...] =
         usages = [{} for _ in range(body.n)]
 
         def choice(i: int):
-            pieces = engine.generate(prompt, max_tokens, body.temperature, seed + i, body.top_p, usages[i])
+            pieces = engine.generate(prompt, max_tokens, body.temperature, (seed + i) % 2 ** 64, body.top_p,
+                                     usages[i])
             return until_stop(pieces, body.stops(), usages[i])
 
         if not body.stream:

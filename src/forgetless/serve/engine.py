@@ -693,6 +693,7 @@ def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:  # (1, V) -> (1,
         return probs
     sorted_probs, order = probs.sort(-1, descending=True)                      # (1, V)
     drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p                     # (1, V): mass before it reached
+    drop[:, 0] = False  # the most likely token stays (a top_p below float32's least number is 0 there)
     return probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0))
 
 
