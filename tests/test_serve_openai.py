@@ -74,6 +74,8 @@ def test_the_openai_client_lists_completes_streams_and_a_corrected_chat_is_learn
             chunks = list(stream)
             streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
             assert streamed == texts[0] and chunks[-1].usage.completion_tokens * 2 == chat.usage.completion_tokens
+            assert chat.object == "chat.completion" and {c.object for c in chunks} == {"chat.completion.chunk"}
+            assert chunks[0].choices[0].delta.role == "assistant" and {c.id for c in chunks} != {chat.id}
             assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == chat.choices[0].finish_reason
             sampled = client.completions.create(model="tiny-chat", prompt="The capital", max_tokens=8, seed=3,
                                                 temperature=1.0, top_p=0.9)
@@ -151,6 +153,8 @@ def test_plain_http_completions_chat_refusal_and_prompt_answer_learning_on_the_b
         r = c.post("/v1/learn", json=bad, headers=AUTH)
         assert 400 <= r.status_code < 500 and "\n" not in r.json()["error"], (bad, r.text)
     assert e.seq == 1
+    r = c.post("/v1/learn", json={"prompt": "NURSE: ", "answer": "z" * 9}, headers=AUTH)  # screened as text is
+    assert r.status_code == 422 and r.json()["reason"] == "repetitive" and e.seq == 1 and len(e.wal.records) == 1
     done = c.post("/v1/completions", json={"prompt": "NURSE:", "max_tokens": 2}).json()
     r = c.post("/v1/feedback", json={"id": done["id"], "answer": "O speak again."}, headers=AUTH)
     assert r.status_code == 200 and e.wal.records[-1]["format"] == "prompt", r.text

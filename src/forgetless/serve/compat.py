@@ -96,9 +96,10 @@ class Completions:
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
 
-    def head(self, choices: list[dict], **extra) -> dict:
-        return {"id": self.id, "object": self.object + (".chunk" if self.chat and "usage" not in extra else ""),
-                "created": self.created, "model": self.model, "choices": choices, **extra}
+    def head(self, choices: list[dict], chunk: bool, **extra) -> dict:
+        kind = self.object + ".chunk" if chunk and self.chat else self.object  # completions' chunks: text_completion
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
+                **extra}
 
     def choice(self, index: int, text: str, finish: str | None, stream: bool) -> dict:
         if not self.chat:
@@ -107,18 +108,19 @@ class Completions:
         return {"index": index, "delta" if stream else "message": body, "finish_reason": finish}
 
     def response(self, texts: list[str], usages: list[dict]) -> dict:
-        return {**self.head([self.choice(i, t, u["finish_reason"], False) for i, (t, u) in enumerate(zip(texts, usages))],
-                            usage=total(usages)), "object": self.object}
+        return self.head([self.choice(i, t, u["finish_reason"], False) for i, (t, u) in enumerate(zip(texts, usages))],
+                         False, usage=total(usages))
 
     def chunk(self, index: int, text: str, finish: str | None = None) -> str:
-        return sse(self.head([self.choice(index, text, finish, True)]))
+        return sse(self.head([self.choice(index, text, finish, True)], True))
 
     def opening(self, index: int) -> str:
         """A chat stream's first chunk of a choice: the assistant's role."""
-        return sse(self.head([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]))
+        return sse(self.head([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+                             True))
 
     def usage_chunk(self, usages: list[dict]) -> str:
-        return sse({**self.head([], usage=total(usages)), "object": self.object + ".chunk" if self.chat else self.object})
+        return sse(self.head([], True, usage=total(usages)))
 
 
 def total(usages: list[dict]) -> dict:
