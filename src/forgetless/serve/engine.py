@@ -61,7 +61,6 @@ from forgetless.train import TrainConfig, TrainingDiverged
 log = logging.getLogger("forgetless.serve")
 WAL = "wal.jsonl"
 __all__ = ["KEPT", "SNAPSHOT", "WAL", "Engine", "ServeConfig", "Unavailable", "kept_name"]
-FORMATS = ("text", "prompt", "chat")  # a document: plain text; {"prompt", "answer"}; {"messages": [...]}
 HISTORY = 2000  # points of each dashboard curve kept (the latest)
 KEYS = 1000  # idempotency keys remembered (the latest), with their first answers
 
@@ -341,9 +340,9 @@ class Engine:
 
     # ---- learning --------------------------------------------------------------------------------
     def learn(self, text: str, key: str | None = None, form: str = "text") -> dict:
-        """Screen document `text` of `form` (FORMATS; Screened when refused), log it (fsync), learn it, check the
-        canary when due; returns what happened. A `key` seen before returns the first answer instead (KeyReused
-        when it came with another text)."""
+        """Screen document `text` of `form` (text; prompt or chat: `text` is the record's JSON; Screened when
+        refused), log it (fsync), learn it, check the canary when due; returns what happened. A `key` seen before
+        returns the first answer instead (KeyReused when it came with another text)."""
         windows = self.example(text, form)
         with self.lock:
             if key is not None and key in self.answers:
