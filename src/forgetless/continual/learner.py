@@ -61,8 +61,8 @@ class Learner:
         return Batch(torch.cat([batch.x, other.x]), torch.cat([batch.y, other.y]), from_other)
 
     def learn(self, windows, steps: int = 1) -> float:
-        """`steps` updates on the windows (W, T+1) of one chunk (or a Batch); returns the last step's LM loss. A non-finite
-        loss raises TrainingDiverged before any weight moves."""
+        """`steps` updates on the windows (W, T+1) of one chunk (or a Batch); returns the last step's LM loss. A
+        non-finite loss raises TrainingDiverged before any weight moves."""
         lm = float("nan")
         for _ in range(steps):
             self.model.train()
