@@ -409,7 +409,7 @@ def test_a_damaged_line_stops_the_start_naming_it_and_repair_keeps_every_good_li
 
 
 @pytest.mark.parametrize("line, reason", [
-    (b'{"text": "no seq"}\n', "not a {seq, text, key} record"),
+    (b'{"text": "no seq"}\n', "not a {seq, text, key, format} record"),
     (b'{"seq": 3, "text": "no checksum"}\n', "no checksum"),
     (b'{"seq": 2, "text": "again", "crc": "%s"}\n' % wal.checksum({"seq": 2, "text": "again"}).encode(),
      "sequence number 2 after 7"),

@@ -685,7 +685,8 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
                       f"document {engine.seq}, {engine.counters['replayed']} replayed from the log; "
                       f"{'learning on' if token else 'learning OFF: no --token-file or $FORGETLESS_SERVE_TOKEN'})",
                       highlight=False)
-    uvicorn.Server(uvicorn.Config(make_app(engine, token, hosts), log_level="warning")).run(sockets=[sock])
+    app = make_app(engine, token, hosts, str(model or "forgetless"))
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
 
 
 def allowed(host: str, names: str | None) -> tuple[str, ...]:

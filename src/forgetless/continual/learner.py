@@ -47,21 +47,22 @@ class Learner:
         self.device = self.params[0][1].device
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.cfg.precision == "fp16")
 
-    def batch(self, windows: torch.Tensor) -> Batch:
-        """The chunk's windows (W, T+1), plus round(mix * W) (at least one) rows of the original domain."""
-        batch = Batch.of(windows.to(self.device))
+    def batch(self, windows) -> Batch:
+        """The chunk's windows (W, T+1) (or a Batch), plus round(mix * W) (at least one) rows of the original
+        domain."""
+        batch = Batch.of(windows).to(self.device)
         if self.mix <= 0:
             return batch
-        n, T = max(1, round(self.mix * len(windows))), windows.shape[1] - 1
+        n, T = max(1, round(self.mix * len(batch.x))), batch.x.shape[1]
         if self.sampler is None or (self.sampler.batch_size, self.sampler.block_size) != (n, T):
             self.sampler = Sampler(self.mix_from, n, T, self.seed)
         other = self.sampler.next().to(self.device)
         from_other = torch.cat([batch.from_other, torch.ones_like(other.from_other)])  # (W + n,)
         return Batch(torch.cat([batch.x, other.x]), torch.cat([batch.y, other.y]), from_other)
 
-    def learn(self, windows: torch.Tensor, steps: int = 1) -> float:
-        """`steps` updates on the windows (W, T+1) of one chunk; returns the last step's LM loss. A non-finite
-        loss raises TrainingDiverged before any weight moves."""
+    def learn(self, windows, steps: int = 1) -> float:
+        """`steps` updates on the windows (W, T+1) of one chunk (or a Batch); returns the last step's LM loss. A
+        non-finite loss raises TrainingDiverged before any weight moves."""
         lm = float("nan")
         for _ in range(steps):
             self.model.train()

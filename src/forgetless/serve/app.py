@@ -16,8 +16,10 @@ import asyncio
 import collections
 import contextlib
 import hmac
+import json
 import math
 import re
+import secrets
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +32,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
 from forgetless.errors import ForgetlessError
+from forgetless.serve import compat
+from forgetless.serve.compat import ChatIn, CompletionIn, Completions, FeedbackIn, Message, Remembered, until_stop
 from forgetless.serve.engine import Engine, KeyReused, Screened
 from forgetless.serve.wal import Unavailable
 
@@ -79,8 +83,33 @@ class TextIn(Strict):
 
 
 class LearnIn(Strict):
-    text: str
+    """One document: {"text"}, {"prompt", "answer"} (or "completion") or {"messages": [...]}."""
+    text: str | None = None
+    prompt: str | None = None
+    answer: str | None = None
+    completion: str | None = None
+    messages: list[Message] | None = None
     key: str | None = Field(default=None, min_length=1, max_length=200)
+
+    def document(self) -> tuple[str, str]:
+        """(format, text): the text, or the record's JSON."""
+        answer = self.answer if self.answer is not None else self.completion
+        given = [name for name, v in (("text", self.text), ("prompt", self.prompt), ("messages", self.messages)) if
+                 v is not None]
+        forms = "{\"text\"}, {\"prompt\", \"answer\"} or {\"messages\": [...]}"
+        if not given and answer is None:
+            raise Refused(422, f"missing field 'text'; send one document: {forms}")
+        if len(given) != 1 or (self.prompt is None) != (answer is None) or self.answer is not None and self.completion:
+            raise Refused(422, f"send one document, not parts of several: {forms}")
+        if self.text is not None:
+            return "text", self.text
+        if self.prompt is not None:
+            return "prompt", record({"prompt": self.prompt, "answer": answer})
+        return "chat", record({"messages": [m.model_dump() for m in self.messages]})
+
+
+def record(fields: dict) -> str:
+    return json.dumps(fields, ensure_ascii=False, sort_keys=True)
 
 
 class GenerateIn(Strict):
@@ -131,7 +160,7 @@ class Guard:
                 error = (415, f"the body must be JSON (Content-Type: application/json), not "
                               f"{headers.get('content-type') or 'undeclared'}")
             if error:
-                return await JSONResponse({"error": error[1]}, error[0])(scope, receive, send)
+                return await JSONResponse(shaped(scope["path"], *error), error[0])(scope, receive, send)
         await self.app(scope, receive, send)
 
 
@@ -156,9 +185,16 @@ class Learner:
                 self.waiting -= 1
 
 
-def make_app(engine: Engine, token: str | None, allowed_hosts: tuple[str, ...] = LOCAL_HOSTS) -> FastAPI:
-    """The app around `engine`; `token` guards /v1/learn, /v1/snapshot and /v1/rollback (None: they are refused);
-    requests must name one of `allowed_hosts` in their Host header ("*": any)."""
+def shaped(path: str, status: int, message: str) -> dict:
+    """An error body: OpenAI's shape on the OpenAI-compatible paths, else {"error": message}."""
+    return compat.error(status, message) if path in compat.PATHS else {"error": message}
+
+
+def make_app(engine: Engine, token: str | None, allowed_hosts: tuple[str, ...] = LOCAL_HOSTS,
+             model_name: str = "forgetless") -> FastAPI:
+    """The app around `engine`; `token` guards /v1/learn, /v1/feedback, /v1/snapshot and /v1/rollback (None: they
+    are refused); requests must name one of `allowed_hosts` in their Host header ("*": any). The OpenAI-compatible
+    endpoints serve the model as `model_name`."""
     app = FastAPI(title="forgetless serve", docs_url=None, redoc_url=None)
     app.add_middleware(Guard, allowed=tuple(allowed_hosts))
     learner = Learner(engine.cfg.max_queued)
@@ -231,21 +267,23 @@ def make_app(engine: Engine, token: str | None, allowed_hosts: tuple[str, ...] =
 
     @app.exception_handler(Refused)
     async def refused(request: Request, e: Refused):
-        return JSONResponse({"error": e.reason}, e.status, headers=e.headers)
+        return JSONResponse(shaped(request.url.path, e.status, e.reason), e.status, headers=e.headers)
 
     @app.exception_handler(Unavailable)
     async def unavailable(request: Request, e: Unavailable):
         engine.rejected["unavailable"] = engine.rejected.get("unavailable", 0) + 1
-        return JSONResponse({"error": str(e)}, 503, headers={"Retry-After": "60"})
+        return JSONResponse(shaped(request.url.path, 503, str(e)), 503, headers={"Retry-After": "60"})
 
     @app.exception_handler(ForgetlessError)
     async def bad_input(request: Request, e: ForgetlessError):
+        status = 409 if isinstance(e, KeyReused) else 422
         reason = {"reason": e.reason} if isinstance(e, Screened) else {}  # the screen's refusals name their rule
-        return JSONResponse({"error": str(e), **reason}, 409 if isinstance(e, KeyReused) else 422)
+        return JSONResponse({**shaped(request.url.path, status, str(e)), **reason}, status)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException):
-        return JSONResponse({"error": str(e.detail)}, e.status_code, headers=getattr(e, "headers", None))
+        return JSONResponse(shaped(request.url.path, e.status_code, str(e.detail)), e.status_code,
+                            headers=getattr(e, "headers", None))
 
     # ---- reads: on the event loop, no lock ---------------------------------------------------------
     @app.get("/v1/health")
@@ -291,9 +329,83 @@ def make_app(engine: Engine, token: str | None, allowed_hosts: tuple[str, ...] =
     async def learn(request: Request):
         authorize(request, "learning")  # before the body is read
         body = await parsed(request, LearnIn, counted=True)
-        text = checked(body.text, "text", counted=True)
+        form, text = body.document()
+        return await learned(text, body.key, form)
+
+    async def learned(text: str, key: str | None, form: str) -> dict:
+        text = checked(text, "text" if form == "text" else "the document", counted=True)
         with rate_slot():
-            return await learner.run(engine.learn, text, body.key)
+            return await learner.run(engine.learn, text, key, form)
+
+    @app.post("/v1/feedback")
+    async def feedback(request: Request):
+        authorize(request, "feedback")
+        body = await parsed(request, FeedbackIn, counted=True)
+        start = remembered.get(body.id)
+        if start is None:
+            refuse(404, f"completion {body.id!r} is not among the last {compat.REMEMBERED} served since the server "
+                        "started; send the document to /v1/learn instead")
+        if "messages" in start:
+            form, doc = "chat", {"messages": [*start["messages"], {"role": "assistant", "content": body.answer}]}
+        else:
+            form, doc = "prompt", {**start, "answer": body.answer}
+        return await learned(record(doc), body.key, form)
+
+    # ---- OpenAI-compatible reads: the same generation, requests threads ----------------------------
+    remembered = Remembered()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(engine.started),
+                                            "owned_by": "forgetless"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await parsed(request, CompletionIn)
+        return await complete(body, checked(body.prompt, "prompt"), {"prompt": body.prompt}, body.max_tokens or 16)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await parsed(request, ChatIn)
+        messages = [m.model_dump() for m in body.messages]
+        try:
+            ids = await run_in_threadpool(engine.chat_prompt, messages)
+        except ForgetlessError as e:  # no chat template, or one that refuses these messages
+            refuse(400, str(e))
+        return await complete(body, ids, {"messages": messages},
+                              body.max_completion_tokens or body.max_tokens or engine.cfg.max_new_tokens)
+
+    async def complete(body, prompt, start: dict, max_tokens: int):
+        """The n choices of one request, whole or streamed; its id is remembered for /v1/feedback."""
+        if body.model not in (None, model_name):
+            refuse(404, f"model {body.model!r} is not served here; GET /v1/models names {model_name!r}")
+        shapes, seed = Completions("messages" in start, model_name), body.seed
+        if seed is None:
+            seed = secrets.randbits(63)
+        remembered.add(shapes.id, start)
+        usages = [{} for _ in range(body.n)]
+
+        def choice(i: int):
+            pieces = engine.generate(prompt, max_tokens, body.temperature, (seed + i) % 2 ** 64, body.top_p,
+                                     usages[i])
+            return until_stop(pieces, body.stops(), usages[i])
+
+        if not body.stream:
+            texts = await run_in_threadpool(lambda: ["".join(choice(i)) for i in range(body.n)])
+            return shapes.response(texts, usages)
+
+        def events():
+            for i in range(body.n):
+                if shapes.chat:
+                    yield shapes.opening(i)
+                for piece in choice(i):
+                    yield shapes.chunk(i, piece)
+                yield shapes.chunk(i, "", usages[i]["finish_reason"])
+            if body.stream_options and body.stream_options.include_usage:
+                yield shapes.usage_chunk(usages)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/snapshot")
     async def snapshot(request: Request):

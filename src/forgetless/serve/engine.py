@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import json
 import logging
 import math
 import statistics
@@ -47,7 +48,8 @@ import torch.nn.functional as F
 from forgetless.checkpoint import load_optimizer, optimizer_tensors
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.learner import Learner, chunk_windows
-from forgetless.data.splits import Sampler
+from forgetless.data.splits import Batch, Sampler
+from forgetless.data.user import chat_rows, prompt_rows, render
 from forgetless.errors import ForgetlessError
 from forgetless.methods.base import as_specs
 from forgetless.models.gpt import logits_of
@@ -201,7 +203,7 @@ class Engine:
                 if record["n"] > self.ops:
                     self.operate(record["op"], record.get("to"), record["n"])
                 continue
-            self.apply(record["seq"], record["text"], record.get("key"))
+            self.apply(record["seq"], record["text"], record.get("key"), form=record.get("format", "text"))
             self.counters["replayed"] += 1
         if self.recovered:
             self.write_snapshot(keep=False)
@@ -247,6 +249,51 @@ class Engine:
             raise ForgetlessError("the text needs at least 2 tokens; send a longer text")
         return chunk_windows(ids, min(self.block_size, len(ids) - 1))
 
+    @property
+    def hf(self):
+        """The transformers tokenizer of a pretrained base (None for a forgetless GPT's byte tokenizer)."""
+        return getattr(getattr(self.tokenizer, "text", None), "hf", None)
+
+    def template(self):
+        """The transformers tokenizer when it has a chat template, else a one-line ForgetlessError."""
+        if not getattr(self.hf, "chat_template", None):
+            raise ForgetlessError("this base has no chat template (a forgetless GPT or a tokenizer without one); use "
+                                  "/v1/completions with a plain prompt, or serve a model whose tokenizer has one")
+        return self.hf
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """The ids of `messages` through the tokenizer's chat template, with the assistant's turn opened."""
+        return render(self.template(), messages, add_generation_prompt=True)
+
+    def example(self, text: str, form: str = "text"):
+        """What a document trains: (W, T+1) windows of a text, or a Batch (1, T) of a prompt/answer or chat
+        record (`text`: its JSON) with the prompt's labels -100 (answer-only loss; forgetless.data's readers)."""
+        if form == "text":
+            return self.windows(text)
+        record, hf, room = json.loads(text), self.hf, self.block_size  # a row's tokens, all read by the model
+        if form == "chat":
+            rows = chat_rows([record["messages"]], self.template(), room)
+            if not rows:
+                raise ForgetlessError(f"the conversation has no assistant turn within its first {room} tokens (the "
+                                      "context); end it with the answer, or shorten it")
+        elif hf is not None:
+            rows = prompt_rows([record["prompt"]], [record["answer"]], hf, room)
+        else:  # the byte tokenizer: the rule of data.instructions.encode (the prompt keeps half a long row)
+            prompt, answer = self.encode(record["prompt"]).tolist(), self.encode(record["answer"]).tolist()
+            if not prompt or not answer:
+                raise ForgetlessError("the prompt and the answer must not be empty; send some text in each")
+            answer = answer[:room - min(len(prompt), room // 2)]
+            prompt = prompt[len(prompt) + len(answer) - room:] if len(prompt) + len(answer) > room else prompt
+            rows = [{"input_ids": prompt + answer, "labels": [-100] * len(prompt) + answer}]
+        row = rows[0]
+        return Batch.of({"input_ids": torch.tensor([row["input_ids"]]), "labels": torch.tensor([row["labels"]])})
+
+    def example_loss(self, model, example) -> float:
+        """Loss (nats/token) of `model` on a document's trained tokens."""
+        if torch.is_tensor(example):
+            return evaluate(model, example)["loss"]
+        return answer_loss(model, example.to(self.device))
+
     def score(self, text: str) -> dict:
         """Loss (nats/token) of `text` under the weights published when the call starts."""
         version, model = self.serving
@@ -255,14 +302,21 @@ class Engine:
         return {"loss": result["loss"], "ppl": result["ppl"], "tokens": len(self.encode(text)), "version": version}
 
     @torch.no_grad()
-    def generate(self, prompt: str, max_tokens: int, temperature: float, seed: int):
-        """Yield the text of up to `max_tokens` sampled tokens (greedy at temperature 0), one piece per token
-        that completes a character, all from one published set of weights."""
+    def generate(self, prompt: str | list[int], max_tokens: int, temperature: float, seed: int, top_p: float = 1.0,
+                 usage: dict | None = None):
+        """Yield the text of up to `max_tokens` sampled tokens (greedy at temperature 0; nucleus sampling
+        below `top_p`), one piece per token that completes a character, all from one published set of weights.
+        `prompt`: text, or token ids. With `usage` (a dict), also stop at the end-of-text token and count
+        there the prompt and completion tokens and why it ended ("length" or "stop")."""
         version, model = self.serving
         self.counters["generate"] += 1
-        ids = self.encode(prompt).to(self.device)[None]  # (1, n)
+        ids = (self.encode(prompt) if isinstance(prompt, str) else torch.tensor(prompt, dtype=torch.long))
+        ids = ids.to(self.device)[None]  # (1, n)
         if ids.shape[1] == 0:
             raise ForgetlessError("the prompt is empty; send at least one character")
+        eos = getattr(getattr(self.tokenizer, "text", None), "eos_id", None) if usage is not None else None
+        if usage is not None:
+            usage.update(prompt_tokens=ids.shape[1], completion_tokens=0, finish_reason="length")
         generator = torch.Generator(device=self.device).manual_seed(seed)
         new, sent = [], ""
         for _ in range(min(max_tokens, self.cfg.max_new_tokens)):
@@ -271,7 +325,12 @@ class Engine:
             if temperature == 0 or not torch.isfinite(scaled).all():  # a temperature so small it is greedy
                 token = logits.argmax(-1, keepdim=True)                           # (1, 1)
             else:
-                token = torch.multinomial(F.softmax(scaled, -1), 1, generator=generator)
+                token = torch.multinomial(nucleus(F.softmax(scaled, -1), top_p), 1, generator=generator)
+            if usage is not None:
+                usage["completion_tokens"] += 1
+                if eos is not None and int(token) == eos:
+                    usage["finish_reason"] = "stop"
+                    return
             ids = torch.cat([ids, token], 1)
             new.append(int(token))
             text = self.tokenizer.decode(new)
@@ -280,18 +339,18 @@ class Engine:
                 sent = text
 
     # ---- learning --------------------------------------------------------------------------------
-    def learn(self, text: str, key: str | None = None) -> dict:
-        """Screen `text` (Screened when refused), log it (fsync), learn it, check the canary when due; returns
-        what happened. A `key` seen before returns the first answer instead (KeyReused when it came with another
-        text)."""
-        windows = self.windows(text)
+    def learn(self, text: str, key: str | None = None, form: str = "text") -> dict:
+        """Screen document `text` of `form` (text; prompt or chat: `text` is the record's JSON; Screened when
+        refused), log it (fsync), learn it, check the canary when due; returns what happened. A `key` seen before
+        returns the first answer instead (KeyReused when it came with another text)."""
+        windows = self.example(text, form)
         with self.lock:
             if key is not None and key in self.answers:
                 return self.answered(key, text)
-            prequential = self.screen(text, windows)
+            prequential = self.screen(text if form == "text" else self.tokenizer.decode(windows.x[0]), windows)
             seq = self.seq + 1
-            self.wal.append(seq, text, key)
-            result = self.apply(seq, text, key, windows, prequential)
+            self.wal.append(seq, text, key, form)
+            result = self.apply(seq, text, key, windows, prequential, form)
             self.publish()
         return result
 
@@ -302,14 +361,15 @@ class Engine:
             raise KeyReused(f"key {key!r} was already sent with another text; send a new key for each document")
         return answer
 
-    def screen(self, text: str, windows: torch.Tensor) -> float:
-        """The document's loss under the current weights, or Screened (logged and counted by reason) when its bytes
-        are mostly one symbol or nearly constant, or its loss is an outlier against the last accepted ones."""
+    def screen(self, text: str, windows) -> float:
+        """The document's loss under the current weights (of its trained tokens), or Screened (logged and counted
+        by reason) when the bytes of `text` (what the model reads) are mostly one symbol or nearly constant, or its
+        loss is an outlier against the last accepted ones."""
         cfg = self.cfg
         refusal = byte_screen(text.encode(), cfg)
         loss = math.nan
         if refusal is None:
-            loss = evaluate(self.learner.model, windows)["loss"]
+            loss = self.example_loss(self.learner.model, windows)
             refusal = loss_screen(loss, list(self.recent), cfg)
         if refusal is not None:
             reason, why = refusal
@@ -324,18 +384,18 @@ class Engine:
             while len(self.answers) > KEYS:
                 self.answers.popitem(last=False)
 
-    def apply(self, seq: int, text: str, key: str | None = None, windows: torch.Tensor | None = None,
-              prequential: float | None = None) -> dict:
+    def apply(self, seq: int, text: str, key: str | None = None, windows=None, prequential: float | None = None,
+              form: str = "text") -> dict:
         """Learn document `seq` (also on replay): prequential loss (given when the screen measured it: the same
         number), updates, the canary when due; remember the answer under `key`, then write the snapshot when one
         is due (so it holds this document's answer: a restart from it answers a retry of the document, which the
         log after the snapshot no longer holds)."""
-        windows = self.windows(text) if windows is None else windows
+        windows = self.example(text, form) if windows is None else windows
         if prequential is None:
-            prequential = evaluate(self.learner.model, windows)["loss"]  # before it is learned
+            prequential = self.example_loss(self.learner.model, windows)  # before it is learned
         if math.isfinite(prequential):
             self.recent.append(prequential)
-        if self.routed:
+        if self.routed and torch.is_tensor(windows):
             self.usage = patch_usage(self.learner.model, windows)
         self.seq = seq
         self.counters["accepted"] += 1
@@ -624,6 +684,27 @@ def loss_screen(loss: float, recent: list[float], cfg: ServeConfig) -> tuple[str
                              "(text the model already knows, or repeated); if it is good data, raise "
                              "--serve-screen-low-k (0: off)")
     return None
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:  # (1, V) -> (1, V)
+    """`probs` kept on the fewest most likely tokens whose mass reaches `top_p` (the rest 0)."""
+    if top_p >= 1:
+        return probs
+    sorted_probs, order = probs.sort(-1, descending=True)                      # (1, V)
+    drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p                     # (1, V): mass before it reached
+    drop[:, 0] = False  # the most likely token stays (a top_p below float32's least number is 0 there)
+    return probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0))
+
+
+@torch.no_grad()
+def answer_loss(model, batch: Batch) -> float:
+    """Mean cross-entropy (nats/token) of `model` on the tokens of `batch` whose labels are not -100."""
+    was_training = model.training
+    model.eval()
+    logits = logits_of(model, batch.x).float()                                   # (B, T, V)
+    loss = F.cross_entropy(logits.flatten(0, 1), batch.y.flatten(), ignore_index=-100).item()
+    model.train(was_training)
+    return loss
 
 
 def text_checksum(text: str) -> str:

@@ -84,8 +84,9 @@ def parse(line: bytes, legacy: bool) -> tuple[dict, bool]:
             raise ValueError("not an {op, at, n, to} record")
         legacy = False
     elif type(record.get("seq")) is not int or not isinstance(record.get("text"), str) or \
-            not set(record) <= {"seq", "text", "key"} or not isinstance(record.get("key", ""), str):
-        raise ValueError("not a {seq, text, key} record")
+            not set(record) <= {"seq", "text", "key", "format"} or not isinstance(record.get("key", ""), str) or \
+            record.get("format", "prompt") not in ("prompt", "chat"):
+        raise ValueError("not a {seq, text, key, format} record")
     if crc is None and not legacy:
         raise ValueError("no checksum")
     try:
@@ -183,10 +184,11 @@ class WriteAheadLog:
         self.identity, self.size = (stat.st_dev, stat.st_ino), stat.st_size
 
     # ---- appending -------------------------------------------------------------------------------
-    def append(self, seq: int, text: str, key: str | None = None) -> int:
-        """Write one document and fsync it: when this returns, it survives a crash. Returns the log's size
-        before it (`undo`)."""
-        return self.write({"seq": seq, "text": text, **({"key": key} if key is not None else {})})
+    def append(self, seq: int, text: str, key: str | None = None, form: str = "text") -> int:
+        """Write one document (of `form`: text, or prompt / chat with `text` its JSON record) and fsync it: when
+        this returns, it survives a crash. Returns the log's size before it (`undo`)."""
+        return self.write({"seq": seq, "text": text, **({"key": key} if key is not None else {}),
+                           **({"format": form} if form != "text" else {})})
 
     def append_op(self, op: str, at: int, n: int, to: int | None = None) -> int:
         """Write one operation (a rollback to `to`, or the last good state; a check) after document `at`."""

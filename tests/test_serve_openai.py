@@ -1,0 +1,191 @@
+"""`forgetless serve`'s OpenAI-compatible endpoints and feedback in the formats users hold: the official
+`openai` client against a live server (a tiny random Llama with a chat template), a plain HTTP client against
+the byte-GPT smoke base, prompt/answer and chat documents with answer-only loss, and a chat completion corrected
+by its id that is learned and survives a restart."""
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi", reason="forgetless serve needs FastAPI (bash scripts/setup.sh dev or serve)")
+
+from forgetless.continual.learner import chunk_windows  # noqa: E402
+from forgetless.data.tokenizers import PretrainedCorpusTokenizer  # noqa: E402
+from forgetless.models.hf import TextTokenizer  # noqa: E402
+from forgetless.serve import wal  # noqa: E402
+from forgetless.serve.app import make_app, record  # noqa: E402
+from forgetless.serve.engine import WAL, Engine, ServeConfig  # noqa: E402
+from test_serve import AUTH, TOKEN, engine, local, served, trained  # noqa: E402,F401
+from tiny_models import SENTENCES, bpe_tokenizer, gguf_llama  # noqa: E402
+
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+QUESTION = [{"role": "user", "content": "The capital of France is?"}]
+ANSWER = "Paris."
+LEARN = {"method": "full", "lr": 1e-2, "steps_per_doc": 4, "max_canary_rise": 100, "learn_per_minute": 0,
+         "screen_k": 0, "screen_low_k": 0}  # the gate open: this test is about the format, not the screen
+
+
+def chat_engine(state_dir) -> Engine:
+    """A tiny random Llama (context 64) whose BPE tokenizer has a chat template."""
+    hf = bpe_tokenizer()
+    hf.chat_template = TEMPLATE
+    tokenizer = PretrainedCorpusTokenizer(TextTokenizer(hf, "tiny"))
+    canary = chunk_windows(tokenizer.encode(" ".join(SENTENCES * 8).encode()), 64)[:4]
+    return Engine(gguf_llama(len(hf)), tokenizer, canary, 64, ServeConfig(**LEARN), state_dir)
+
+
+def answer_loss(e: Engine, messages: list[dict]) -> float:
+    return e.example_loss(e.learner.model, e.example(record({"messages": messages}), "chat"))
+
+
+def events(text: str) -> list:
+    """The data of a server-sent-event stream, "[DONE]" as itself."""
+    lines = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
+    return [line if line == "[DONE]" else json.loads(line) for line in lines]
+
+
+def one_line_openai_error(r, status: int) -> str:
+    error = r.json()["error"]
+    assert r.status_code == status and set(error) == {"message", "type", "param", "code"}, (r.status_code, r.text)
+    assert error["message"] and "\n" not in error["message"]
+    return error["message"]
+
+
+def test_the_openai_client_lists_completes_streams_and_a_corrected_chat_is_learned_and_survives_a_restart(tmp_path):
+    openai = pytest.importorskip("openai", reason="the OpenAI-compatible test uses the official openai client "
+                                                  "(pip install openai; in the dev extra)")
+    import httpx
+    state = tmp_path / "state"
+    e = chat_engine(state)
+    try:
+        with served(make_app(e, TOKEN, model_name="tiny-chat")) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="not-checked-on-reads", timeout=30, max_retries=0)
+            assert [m.id for m in client.models.list()] == ["tiny-chat"]
+            chat = client.chat.completions.create(model="tiny-chat", messages=QUESTION, max_tokens=6, temperature=0,
+                                                  n=2)
+            texts = [c.message.content for c in chat.choices]
+            assert len(texts) == 2 and texts[0] == texts[1] and chat.choices[0].message.role == "assistant"
+            prompt_tokens = len(e.chat_prompt(QUESTION))
+            assert chat.usage.prompt_tokens == prompt_tokens and 2 <= chat.usage.completion_tokens <= 12
+            assert chat.usage.total_tokens == prompt_tokens + chat.usage.completion_tokens
+            stream = client.chat.completions.create(model="tiny-chat", messages=QUESTION, max_tokens=6, temperature=0,
+                                                    stream=True, stream_options={"include_usage": True})
+            chunks = list(stream)
+            streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert streamed == texts[0] and chunks[-1].usage.completion_tokens * 2 == chat.usage.completion_tokens
+            assert chat.object == "chat.completion" and {c.object for c in chunks} == {"chat.completion.chunk"}
+            assert chunks[0].choices[0].delta.role == "assistant" and {c.id for c in chunks} != {chat.id}
+            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == chat.choices[0].finish_reason
+            sampled = client.completions.create(model="tiny-chat", prompt="The capital", max_tokens=8, seed=3,
+                                                temperature=1.0, top_p=0.9)
+            again = client.completions.create(model="tiny-chat", prompt="The capital", max_tokens=8, seed=3,
+                                              temperature=1.0, top_p=0.9, stream=True)
+            assert "".join(c.choices[0].text for c in again) == sampled.choices[0].text  # the seed fixes the sample
+            assert len(sampled.choices[0].text) > 3, sampled  # 8 tokens (a random model rarely ends early)
+            text = sampled.choices[0].text
+            stop = next(text[k:k + 2] for k in range(2, len(text) - 1) if text.find(text[k:k + 2]) == k)
+            cut = client.completions.create(model="tiny-chat", prompt="The capital", max_tokens=8, seed=3,
+                                            temperature=1.0, top_p=0.9, stop=[stop, "never in it"])
+            assert cut.choices[0].text == sampled.choices[0].text.split(stop)[0] and len(cut.choices[0].text) >= 2
+            assert cut.choices[0].finish_reason == "stop"
+            with pytest.raises(openai.NotFoundError, match="is not served here"):
+                client.chat.completions.create(model="gpt-4o", messages=QUESTION, max_tokens=2)
+
+            corrected = [*QUESTION, {"role": "assistant", "content": ANSWER}]
+            before = answer_loss(e, corrected)
+            post = httpx.Client(base_url=url, timeout=30).post
+            assert post("/v1/feedback", json={"id": chat.id, "answer": ANSWER}).status_code == 401
+            assert "not among the last" in one_line_openai_error(
+                post("/v1/feedback", json={"id": "chatcmpl-unknown", "answer": ANSWER}, headers=AUTH), 404)
+            r = post("/v1/feedback", json={"id": chat.id, "answer": ANSWER}, headers=AUTH)
+            assert r.status_code == 200 and r.json()["seq"] == 1 and not r.json()["rolled_back"], r.text
+        after = answer_loss(e, corrected)
+        assert after < before - 0.5, (before, after)  # the answer was learned
+    finally:
+        e.close()
+    (line,) = [json.loads(x) for x in (state / WAL).read_text().splitlines()]
+    assert line["format"] == "chat" and json.loads(line["text"])["messages"] == corrected
+    restarted = chat_engine(state)  # replays the chat record
+    try:
+        assert restarted.seq == 1 and restarted.counters["replayed"] == 1
+        assert answer_loss(restarted, corrected) == pytest.approx(after, abs=1e-6)
+    finally:
+        restarted.close()
+
+
+def test_plain_http_completions_chat_refusal_and_prompt_answer_learning_on_the_byte_base(trained, tmp_path):
+    e = engine(trained, tmp_path / "state", max_canary_rise=100, screen_k=0, screen_low_k=0)
+    c = local(make_app(e, TOKEN))
+    body = {"prompt": "ROMEO:", "max_tokens": 12, "temperature": 0.8, "seed": 5, "n": 2}
+    whole = c.post("/v1/completions", json=body).json()
+    assert whole["object"] == "text_completion" and [ch["index"] for ch in whole["choices"]] == [0, 1]
+    assert whole["usage"]["prompt_tokens"] == 6 and whole["usage"]["completion_tokens"] == 24  # bytes: no end token
+    assert all(ch["finish_reason"] == "length" for ch in whole["choices"])
+    r = c.post("/v1/completions", json={**body, "stream": True})
+    assert r.headers["content-type"].startswith("text/event-stream")
+    chunks = events(r.text)
+    assert chunks[-1] == "[DONE]" and all(ch["object"] == "text_completion" for ch in chunks[:-1])
+    for i in range(2):
+        text = "".join(ch["choices"][0]["text"] for ch in chunks[:-1] if ch["choices"][0]["index"] == i)
+        assert text == whole["choices"][i]["text"]
+    assert "no chat template" in one_line_openai_error(
+        c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}), 400)
+    for bad in ({**body, "n": 0}, {**body, "temperature": 3}, {**body, "top_p": 0}, {**body, "logit_bias": {}},
+                {"max_tokens": 2}, {**body, "stop": 5}, {**body, "model": "other"}):
+        one_line_openai_error(c.post("/v1/completions", json=bad), 404 if "model" in bad else 422)
+    assert "is not served here" in one_line_openai_error(
+        c.post("/v1/completions", json=body, headers={"Host": "evil.example"}), 400)  # the Guard, OpenAI's shape
+
+    doc = {"prompt": "NURSE: ", "answer": "O speak."}  # 15 bytes: within the context of 16
+    ex = e.example(record(doc), "prompt")
+    assert ex.y.tolist() == [[-100] * 6 + list(b"O speak.") + [-100]]  # answer-only: the prompt's targets -100
+    long = e.example(record({"prompt": "P" * 40, "answer": "A" * 40}), "prompt")  # the prompt keeps half the row
+    assert long.x.tolist() == [[ord("P")] * 8 + [ord("A")] * 8] and (long.y == ord("A")).sum() == 8
+    before = e.example_loss(e.learner.model, ex)
+    r = c.post("/v1/learn", json=doc, headers=AUTH)
+    assert r.status_code == 200 and r.json()["prequential_loss"] == pytest.approx(before), r.text
+    assert e.example_loss(e.learner.model, ex) < before
+    assert json.loads(e.wal.records[-1]["text"]) == doc and e.wal.records[-1]["format"] == "prompt"
+    for bad in ({"prompt": "only a prompt"}, {"text": "a text", "prompt": "p", "answer": "a"},
+                {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]},
+                {"messages": [{"role": "robot", "content": "hi"}]}):
+        r = c.post("/v1/learn", json=bad, headers=AUTH)
+        assert 400 <= r.status_code < 500 and "\n" not in r.json()["error"], (bad, r.text)
+    assert e.seq == 1
+    r = c.post("/v1/learn", json={"prompt": "NURSE: ", "answer": "z" * 9}, headers=AUTH)  # screened as text is
+    assert r.status_code == 422 and r.json()["reason"] == "repetitive" and e.seq == 1 and len(e.wal.records) == 1
+    done = c.post("/v1/completions", json={"prompt": "NURSE:", "max_tokens": 2}).json()
+    r = c.post("/v1/feedback", json={"id": done["id"], "answer": "O speak again."}, headers=AUTH)
+    assert r.status_code == 200 and e.wal.records[-1]["format"] == "prompt", r.text
+    assert json.loads(e.wal.records[-1]["text"]) == {"prompt": "NURSE:", "answer": "O speak again."}
+
+
+def test_a_log_record_of_an_unknown_format_is_refused_and_old_records_have_none():
+    good = {"seq": 1, "text": "old"}
+    assert wal.parse(json.dumps({**good, "crc": wal.checksum(good)}).encode(), False)[0] == good
+    bad = {"seq": 1, "text": "x", "format": "audio"}
+    with pytest.raises(ValueError, match="format"):
+        wal.parse(json.dumps({**bad, "crc": wal.checksum(bad)}).encode(), False)
+
+
+OPENAI_FIELDS = {"/v1/completions": {"prompt": "ROMEO:", "max_tokens": 2, "temperature": 0.5, "top_p": 0.9, "seed": 1,
+                                     "n": 2, "stop": ["\n"], "stream": False, "model": "forgetless"},
+                 "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+                 "/v1/feedback": {"id": "cmpl-x", "answer": "an answer", "key": "k"},
+                 "/v1/learn": {"prompt": "NURSE: ", "answer": "O speak."}}
+
+
+def test_every_field_of_the_new_endpoints_with_any_value_is_a_one_line_answer_without_a_5xx(trained, tmp_path):
+    from test_serve import VALUES
+    e = engine(trained, tmp_path / "state", max_new_tokens=3, max_doc_bytes=200, learn_per_minute=0)
+    c = local(make_app(e, TOKEN))
+    for path, good in OPENAI_FIELDS.items():
+        for field, value in [(f, v) for f in [*good, "other"] for v in VALUES] + [(None, None)]:
+            body = json.dumps(good if field is None else {**good, field: value})
+            r = c.post(path, content=body, headers={**AUTH, "Content-Type": "application/json"})
+            assert r.status_code < 500, (path, field, value, r.status_code, r.text)
+            if r.status_code >= 400:
+                error = r.json()["error"]
+                message = error if path == "/v1/learn" else error["message"]
+                assert message and "\n" not in message, (path, field, value, r.text)
