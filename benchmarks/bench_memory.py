@@ -89,7 +89,8 @@ def table(rows: list[dict]) -> str:
     keys = sorted({(r["dtype"], r["loss"]) for r in rows})
     shapes = sorted({r["shape"] for r in rows}, key=lambda s: min(r["params"] for r in rows if r["shape"] == s))
     out = ["| dtype | loss | method | " + " | ".join(f"peak MiB ({s}) | x PEFT LoRA ({s})" for s in shapes)
-           + " | held MiB at step 2 (" + shapes[-1] + ") | bytes/param | at 8 B (GiB) |", "|" + "---|" * (6 + 2 * len(shapes))]
+           + " | held MiB at step 2 (" + shapes[-1] + ") | bytes/param | 8 B, linear extrapolation (GiB, overstates) |",
+           "|" + "---|" * (6 + 2 * len(shapes))]
     for dtype, loss in keys:
         at = {(r["shape"], r["method"]): r for r in rows if (r["dtype"], r["loss"]) == (dtype, loss)}
         for method in dict.fromkeys(r["method"] for r in rows):
