@@ -8,6 +8,7 @@ import pytest
 from rich.console import Console
 
 from forgetless import attach
+from forgetless.continual import instruct
 from forgetless.continual.instruct import load_stream, run_on, scores
 from forgetless.data.instructions import load_task
 from forgetless.errors import ForgetlessError
@@ -60,6 +61,20 @@ def test_instruction_sequence_scores_every_task_after_every_task(tmp_path, capsy
     run(tmp_path, ["full"])
     assert (tmp_path / "arms" / "full" / "seed0.json").stat().st_mtime == arm  # reused, not run again
     assert "plan: run 0 of 1 arm (1 saved)" in capsys.readouterr().err
+
+
+def test_the_scores_before_training_are_saved_and_reused_by_a_later_run(tmp_path, monkeypatch):
+    """A run with one more method (a study growing, or resumed) does not score the untrained model again."""
+    first = run(tmp_path, ["lora"])["methods"]["lora"]
+    calls = []
+    monkeypatch.setattr(instruct, "scores", lambda *a, **k: calls.append(1) or scores(*a, **k))
+    second = run(tmp_path, ["lora", "lora[r=2]"])["methods"]
+    assert len(calls) == 2  # after each of the 2 tasks of the new arm; the saved before.json gave row 0
+    assert second["lora[r=2]"]["r_matrix"][0] == first["r_matrix"][0] == second["lora"]["r_matrix"][0]
+    assert second["lora[r=2]"]["general_ppl"][0] == first["general_ppl"][0]
+    (tmp_path / "before.json").unlink()
+    run(tmp_path, ["lora", "lora[r=2]", "lora[r=3]"])
+    assert len(calls) == 2 + 3  # without it, the untrained model is scored again
 
 
 def test_the_shared_scores_before_training_are_each_methods_own():

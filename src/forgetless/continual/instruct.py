@@ -107,8 +107,9 @@ def run_arms_on(lm: nn.Module, tokenizer, cfg: RunConfig, methods, seeds: list[i
     built = build_arms(cfg, methods, sequence=True)
     stream = scored_on(load_stream(cfg, tokenizer), scored)
     arms: dict[str, list[dict]] = {label: [] for label in built}
-    before = functools.cache(lambda: scores(lm, tokenizer, stream, cfg))  # shared: attach is output-neutral
     todo = arm_jobs(lm, cfg, built, stream, seeds, out, model, scored)
+    before = functools.cache(lambda: saved_scores(out / "before.json", base_config(lm, cfg, stream, model, scored),
+                                                  lambda: scores(lm, tokenizer, stream, cfg)))  # attach is output-neutral
     Plan([Job("arm", f"{label} seed {seed}", 0.0, saved_arm(path, config) is not None)
           for seed, label, _, path, config in todo], calibrated=False).show()
     with progress_task("bench arms", total=len(todo)) as advance:
@@ -125,11 +126,23 @@ def arm_jobs(lm: nn.Module, cfg: RunConfig, built: dict, stream: Stream, seeds: 
              scored: str = "both") -> list[tuple]:
     """(seed, label, method, arm file, arm config) of every arm: the config decides whether a saved arm is
     reused (`plan.saved_arm`)."""
+    base = base_config(lm, cfg, stream, model, scored)
     return [(seed, label, method, out / "arms" / label / f"seed{seed}.json",
-             {"protocol": "instructions", "config": cfg.to_dict(), "method": method.name, "options": method.options(),
-              "model": [model, architecture_fingerprint(lm)], "stream": stream.fingerprint(),
-              **({"scored": scored} if scored != "both" else {})})
+             {"protocol": "instructions", "config": base["config"], "method": method.name, "options": method.options(),
+              **{k: v for k, v in base.items() if k not in ("protocol", "config")}})
             for seed, (label, method) in itertools.product(seeds, built.items())]
+
+
+def base_config(lm: nn.Module, cfg: RunConfig, stream: Stream, model: str, scored: str) -> dict:
+    """What the scores of the untrained model depend on (an arm's config adds its method)."""
+    return {"protocol": "instructions", "config": cfg.to_dict(), "model": [model, architecture_fingerprint(lm)],
+            "stream": stream.fingerprint(), **({"scored": scored} if scored != "both" else {})}
+
+
+def saved_scores(path: Path, config: dict, compute) -> Scored:
+    """The untrained model's `scores`, saved at `path` and reused while `config` matches: a study run again
+    (resumed, or with more methods) does not score the base again."""
+    return Scored(*run_or_reuse_arm(path, config, lambda _: {"scores": list(compute())})["scores"])
 
 
 def sequence_results(cfg: RunConfig, built: dict, arms: dict[str, list[dict]], seeds: list[int], preset: str,
