@@ -165,13 +165,15 @@ def run_arm(lm, tokenizer, overrides: dict, precision: str, out: Path, model: st
 
 def metric_check(fp32: dict, bf16: dict, window_losses: list[float], test_rows: list[int], windows: int,
                  names: tuple[str, str] = ("fp32", "bf16"), method: str = "lora") -> dict:
-    """Every R cell and the general PPL after each task, the second run (`bf16`) minus the first (`fp32`), in units
-    of their sampling error; `names` label the two in the output."""
+    """Every R cell and the general PPL after each task that both runs scored (data.r_cells), the second run
+    (`bf16`) minus the first (`fp32`), in units of their sampling error; `names` label the two in the output."""
     cells = []
     R32, R16 = fp32["methods"][method]["r_matrix"], bf16["methods"][method]["r_matrix"]
     rows = [windows] + test_rows  # column 0: next-token accuracy over the general windows' tokens
     for t, (row32, row16) in enumerate(zip(R32, R16)):
         for i, (a, b) in enumerate(zip(row32, row16)):
+            if a is None or b is None:
+                continue
             n = rows[i]
             p = (a / 100 * n + 0.5) / (n + 1)
             se = 100 * math.sqrt(p * (1 - p) / n)
@@ -180,7 +182,8 @@ def metric_check(fp32: dict, bf16: dict, window_losses: list[float], test_rows: 
     se_loss = statistics.stdev(window_losses) / math.sqrt(len(window_losses))
     ppl32, ppl16 = fp32["methods"][method]["general_ppl"], bf16["methods"][method]["general_ppl"]
     ppl = [{"after_task": t, names[0]: round(a, 4), names[1]: round(b, 4), "se_log": round(se_loss, 5),
-            "z": round(abs(math.log(b) - math.log(a)) / se_loss, 3)} for t, (a, b) in enumerate(zip(ppl32, ppl16))]
+            "z": round(abs(math.log(b) - math.log(a)) / se_loss, 3)} for t, (a, b) in enumerate(zip(ppl32, ppl16))
+           if a is not None and b is not None]
     worst = max(c["z"] for c in cells + ppl)
     return {"r_cells": cells, "general_ppl": ppl, "max_z": worst, "within_one_se": worst < 1.0,
             "cells_beyond_one_se": sum(c["z"] >= 1.0 for c in cells + ppl), "cells": len(cells) + len(ppl)}

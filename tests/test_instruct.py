@@ -8,7 +8,7 @@ import pytest
 from rich.console import Console
 
 from forgetless import attach
-from forgetless.continual import instruct
+from forgetless.continual import bootstrap, instruct
 from forgetless.continual.instruct import load_stream, run_on, scores
 from forgetless.data.instructions import load_task
 from forgetless.errors import ForgetlessError
@@ -77,6 +77,38 @@ def test_the_scores_before_training_are_saved_and_reused_by_a_later_run(tmp_path
     assert len(calls) == 2 + 3  # without it, the untrained model is scored again
 
 
+def test_lean_r_cells_score_the_diagonal_and_the_last_row_with_the_same_metrics(tmp_path):
+    """data.r_cells "metrics": between tasks only the task just learned is scored; the cells scored are the
+    full run's bit for bit, and so are OP, BWT, LA, the general-PPL change and their bootstrap intervals."""
+    tok, lm = tiny_tokenizer(), None
+    three = {**SMALL, "data": {**SMALL["data"], "tasks": ["dbpedia", "agnews", "yahoo"]}}
+    runs = {}
+    for cells in ("all", "metrics"):
+        cfg = build_config("real", {**three, "data": {**three["data"], "r_cells": cells}})
+        lm = tiny_llama(tok.vocab_size)
+        runs[cells] = run_on(lm, tok, cfg, ["lora", "mtl"], [0], tmp_path / cells, "real", "tiny-llama", "test")
+    whole, lean = runs["all"]["methods"]["lora"], runs["metrics"]["methods"]["lora"]
+    R, L = whole["r_matrix"], lean["r_matrix"]
+    for t in range(4):
+        for i in range(4):
+            scored = t in (0, 3) or i == t
+            assert (L[t][i] == R[t][i]) if scored else L[t][i] is None, (t, i)
+    assert lean["held_out"][1] == [None] and lean["held_out"][3] == whole["held_out"][3]
+    assert lean["general_ppl"][1] is None and lean["general_ppl"][3] == whole["general_ppl"][3]
+    for m in ("op_tasks", "bwt_tasks", "la", "general_ppl_change"):
+        assert lean[m] == whole[m], m
+    assert lean["forgetting_tasks"]["mean"] is None and whole["forgetting_tasks"]["mean"] is not None
+    assert runs["metrics"]["methods"]["mtl"]["r_matrix"] == runs["all"]["methods"]["mtl"]["r_matrix"]  # one phase
+    arms = {c: json.loads((tmp_path / c / "arms" / "lora" / "seed0.json").read_text()) for c in runs}
+    groups = {c: {"1": bootstrap.Runs.of([arms[c]], three["data"]["tasks"])} for c in runs}
+    assert bootstrap.intervals(groups["metrics"], bootstrap.Draws(200)) == \
+        bootstrap.intervals(groups["all"], bootstrap.Draws(200))
+    write_report(runs["metrics"], tmp_path / "metrics")
+    assert "| 1 | – | " in (tmp_path / "metrics" / "results.md").read_text()
+    with pytest.raises(ForgetlessError, match="data.r_cells"):
+        build_config("real", {"data": {"r_cells": "some"}})
+
+
 def test_the_shared_scores_before_training_are_each_methods_own():
     """Every arm's row 0 is scored once on the bare model: attaching any method changes no score."""
     tok = tiny_tokenizer()
@@ -133,7 +165,7 @@ def test_instruction_errors_are_one_line(tmp_path):
 def test_neutral_mixes_general_text_without_targets_and_replay_mixes_earlier_tasks(tmp_path, monkeypatch):
     """Neutral's l1 term silences its adapters on the mixed rows, so they are general-text windows (no LM
     targets), never earlier tasks; a replay arm (lora with mix) draws earlier tasks' rows from task 2 on."""
-    from forgetless.continual import instruct
+    from forgetless.continual import bootstrap, instruct
     seen = []
 
     class Recording(instruct.InstructionSampler):

@@ -14,6 +14,7 @@ from forgetless.progress import console
 from forgetless.train import PretrainConfig, TrainConfig, autocast, emulated_bf16, resolve_precision
 
 
+R_CELLS = ("all", "metrics")  # data.r_cells: which R cells an instruction arm scores after each task
 DEFAULT_TASKS = ("shakespeare-folio", "shakespeare-poems", "renamed:shakespeare-modern", "python-stdlib")
 
 
@@ -37,6 +38,10 @@ class DataConfig:
     dev_rows: int = field(default=0, metadata={
         "help": "instruction tasks: validation rows per task, the last ones of its training file (never trained on), "
                 "scored after every task for choices (lr, knobs): the *_dev metrics; 0: none"})
+    r_cells: str = field(default="all", metadata={
+        "help": "instruction tasks: the R cells scored after each task: all (every task, held-out task and general "
+                "text) or metrics (after task t < T task t alone: the cells OP, BWT, LA and the general-PPL change "
+                "use; forgetting and FWT are then undefined)"})
     mix_from: str = field(default="earlier", metadata={
         "help": "sequence protocol: where mixed-in rows come from: earlier (the tasks before; on a corpus "
                 "sequence from task 0, the base's domain, on) or one task, e.g. Lima or a corpus of the sequence"})
@@ -48,6 +53,8 @@ class DataConfig:
             raise ForgetlessError(f"data.eval_windows must be positive, got {self.eval_windows}")
         if self.train_examples < 0 or self.test_rows < 0 or self.dev_rows < 0:
             raise ForgetlessError("data.train_examples, data.test_rows and data.dev_rows must not be negative (0: all/none)")
+        if self.r_cells not in R_CELLS:
+            raise ForgetlessError(f"unknown data.r_cells {self.r_cells!r}; valid: {', '.join(R_CELLS)}")
 
 
 @dataclass

@@ -37,10 +37,10 @@ def band(per_step: list[tuple[float, ...]]) -> dict:
 
 
 def mean_nested(items: list):
-    """Elementwise mean over seeds of numbers, lists and dicts of them."""
+    """Elementwise mean over seeds of numbers, lists and dicts of them; None (not measured) where any is None."""
     first = items[0]
     if isinstance(first, dict):
         return {k: mean_nested([i[k] for i in items]) for k in first}
     if isinstance(first, list):
         return [mean_nested(list(v)) for v in zip(*items)]
-    return statistics.fmean(items)
+    return None if any(i is None for i in items) else statistics.fmean(items)

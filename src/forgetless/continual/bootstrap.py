@@ -27,14 +27,18 @@ METRICS = ("op_tasks", "bwt_tasks", "la", "general_ppl_change")  # the field's: 
 class Runs:
     """One method on one order of the stream: its seeds' scored rows."""
     tasks: list[str]                # task names, in this order's training order (R's columns 1..T)
-    hits: list[np.ndarray]          # per task column: (S, T+1, n) bool, the rows' outcomes after each task
+    hits: list[np.ndarray]          # per task column: (S, T+1, n), the rows' outcomes (1/0, NaN: not scored) after each task
     before_loss: np.ndarray         # (W,) general text's loss per window before training
     after_loss: np.ndarray          # (S, W) after the last task
 
     @classmethod
     def of(cls, arms: list[dict], tasks: list[str]) -> "Runs":
-        """From instruction arms (the seeds of one method on one order)."""
-        hits = [np.array([[[c == "1" for c in row[i]] for row in a["r_hits"]] for a in arms]) for i in range(len(tasks))]
+        """From instruction arms (the seeds of one method on one order); a row not scored after some task
+        (data.r_cells "metrics") is NaN there: the statistics read only the diagonal and the last row."""
+        def outcomes(row, i):
+            n = len(arms[0]["r_hits"][-1][i])
+            return [np.nan] * n if row is None or row[i] is None else [float(c == "1") for c in row[i]]
+        hits = [np.array([[outcomes(row, i) for row in a["r_hits"]] for a in arms]) for i in range(len(tasks))]
         return cls(list(tasks), hits, np.array(arms[0]["general_window_loss"][0]),
                    np.array([a["general_window_loss"][-1] for a in arms]))
 

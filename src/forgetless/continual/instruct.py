@@ -227,12 +227,13 @@ def instruction_arm(model: nn.Module, tokenizer, method: Method, stream: Stream,
     rows, held, general_ppl, dev_rows, hits, window_loss = kept
     wall, loss = 0.0, []
 
-    def score_all(now=None):
-        for values, value in zip(kept, now or scores(adapted.model, tokenizer, stream, cfg)):
+    def score_all(now=None, only=None):
+        for values, value in zip(kept, now or scores(adapted.model, tokenizer, stream, cfg, only)):
             values.append(copy.copy(value))
 
     score_all(before)
     T, joint = len(stream.tasks), method.cfg.joint
+    lean = cfg.data.r_cells == "metrics"
     phases = [(1, joined(stream.train), joint_config(cfg, T))] if joint else \
         [(t, rows_t, cfg) for t, rows_t in enumerate(stream.train, start=1)]
     with PeakRSS() as memory:
@@ -241,7 +242,7 @@ def instruction_arm(model: nn.Module, tokenizer, method: Method, stream: Stream,
             history, params = learn_task(adapted, t, rows_t, stream, task_cfg, seed)
             wall += time.perf_counter() - t0
             loss += [[t, s, v] for s, v in history.loss]
-            score_all()
+            score_all(only=t if lean and not joint and t < T else None)
     if joint:  # one state after all tasks: it is every row's "after task t" (metrics.sequence_metrics)
         for scored in kept:
             scored[2:] = scored[1:2] * (T - 1)
@@ -283,9 +284,17 @@ def learn_task(adapted, t: int, rows: Encoded, stream: Stream, cfg: RunConfig, s
     return history, params
 
 
-def scores(model: nn.Module, tokenizer, stream: Stream, cfg: RunConfig) -> Scored:
+def scores(model: nn.Module, tokenizer, stream: Stream, cfg: RunConfig, only: int | None = None) -> Scored:
     """Every task's score and scored rows, the held-out tasks', general text (accuracy, PPL, loss per window)
-    and, with validation rows, the R row on them; under the training's precision."""
+    and, with validation rows, the R row on them; under the training's precision. `only`: task `only` alone
+    (on test and validation rows), every other value None (data.r_cells "metrics" between tasks)."""
+    if only is not None:
+        T, (s, h) = len(stream.tasks), score(model, tokenizer, stream.tasks[only - 1], cfg)
+        dev = [None] * (T + 1) if stream.dev else []
+        if stream.dev:
+            dev[only] = score(model, tokenizer, stream.dev[only - 1], cfg)[0]
+        return Scored([s if i == only else None for i in range(T + 1)], [None] * len(stream.held_out), None, dev,
+                      [h if i == only else None for i in range(1, T + 1)], None)
     general = evaluate(model, stream.general.windows, precision=cfg.adapt.precision)
     dev = [100 * evaluate(model, stream.general.dev_windows, precision=cfg.adapt.precision)["acc"]] + \
         [score(model, tokenizer, t, cfg)[0] for t in stream.dev] if stream.dev else []

@@ -67,12 +67,16 @@ def sequence_metrics(R, joint: bool = False) -> dict:
     learning it" is that state). So OP and op_tasks are the joint model's scores, LA = op_tasks, and
     bwt_tasks, forgetting_tasks and bwt_drop_clipped are 0 by definition (nothing is learned after a
     task); column 0 keeps its real change (bwt, forgetting: the base's domain, never trained on). FWT
-    (a task's score before it is learned) does not exist for a joint arm: None."""
+    (a task's score before it is learned) does not exist for a joint arm: None.
+
+    Cells may be None (not scored: an instruction arm with data.r_cells "metrics" scores the diagonal and the
+    last row); forgetting and FWT, which need the others, are then None."""
     T, bwt = check(R), backward_transfer(R)
-    return {"op": overall_performance(R), "bwt": bwt, "bwt_drop": -bwt, "forgetting": forgetting(R),
-            "fwt": None if joint else forward_transfer(R), "la": learning_accuracy(R), "op_tasks": sum(R[T][1:]) / T,
-            "bwt_tasks": backward_transfer(R, 1), "forgetting_tasks": forgetting(R, 1),
-            "bwt_drop_clipped": clipped_drop(R, 1)}
+    whole = all(v is not None for row in R for v in row)  # else only the diagonal and the last row were scored
+    return {"op": overall_performance(R), "bwt": bwt, "bwt_drop": -bwt, "forgetting": forgetting(R) if whole else None,
+            "fwt": None if joint or not whole else forward_transfer(R), "la": learning_accuracy(R),
+            "op_tasks": sum(R[T][1:]) / T, "bwt_tasks": backward_transfer(R, 1),
+            "forgetting_tasks": forgetting(R, 1) if whole else None, "bwt_drop_clipped": clipped_drop(R, 1)}
 
 
 def dev_metrics(R) -> dict:

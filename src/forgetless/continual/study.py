@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from forgetless.continual import bootstrap
-from forgetless.continual.instruct import (arm_jobs, joined, learn_task, load_stream, run_arms_on, scored_on,
-                                           sequence_results)
+from forgetless.continual.instruct import (arm_jobs, base_config, joined, learn_task, load_stream, run_arms_on,
+                                           scored_on, sequence_results)
 from forgetless.continual.plan import saved_arm
 from forgetless.continual.protocol import build_arms, fresh, provenance
 from forgetless.data.streams import DEFAULT_GRID, HELD_OUT, LR_RULE
@@ -44,7 +44,8 @@ from forgetless.stats import mean_nested
 from forgetless.train import StepHooks
 
 TIE = 1e-9  # validation OPs this close are a tie (LR_RULE)
-STUDY_DATA = {"test_rows": 0, "dev_rows": 50}  # every test row; 50 validation rows per task carved from training
+# every test row; 50 validation rows per task carved from training; between tasks only the cells the metrics use
+STUDY_DATA = {"test_rows": 0, "dev_rows": 50, "r_cells": "metrics"}
 
 
 def study_defaults(stream: str) -> dict:
@@ -246,6 +247,11 @@ def plan_study(lm, tokenizer, cfg: RunConfig, specs: list[MethodSpec], orders: d
                         model, scored)
         return [saved_arm(path, config) for _, _, _, path, config in jobs]
 
+    def scored_before(tasks: list[str], scored: str, folder: str) -> bool:  # the base's scores saved (before.json)
+        c = with_tasks(cfg, tasks)
+        config = base_config(lm, c, streams(tuple(tasks), scored), model, scored)
+        return saved_arm(out / folder / "before.json", config) is not None
+
     scoring = scoring_seconds(lm, tokenizer, streams(tuple(grid_order), "both"), cfg)
     T, steps, rows, busy = len(grid_order), cfg.adapt.steps, [], set()  # busy: runs with an arm left to train
     for spec in specs:
@@ -253,7 +259,9 @@ def plan_study(lm, tokenizer, cfg: RunConfig, specs: list[MethodSpec], orders: d
         step_s, task_s, attach_s = method_seconds(lm, streams(tuple(grid_order), "both"), cfg, method, timed_steps)
         joint = method.cfg.joint
         train_s = attach_s + (task_s + T * steps * step_s if joint else T * (task_s + steps * step_s))
-        arm_s = {kind: train_s + (1 if joint else T) * scoring[kind] for kind in ("test", "validation")}
+        lean = cfg.data.r_cells == "metrics"  # between tasks: the task just learned alone
+        arm_s = {kind: train_s + scoring[kind] + (0 if joint else (T - 1) * scoring[f"{kind}_task" if lean else kind])
+                 for kind in ("test", "validation")}
         lrs = grid_lrs(grid, spec, cfg) if grid is not None else []
         found = saved(grid_order, [at_lr(spec, lr) for lr in lrs], seeds[:1], "grid", "validation") if lrs else []
         final = at_lr(spec, choose([(lr, f["op_tasks"]) for lr, f in zip(lrs, found)])) if lrs and all(found) \
@@ -272,7 +280,8 @@ def plan_study(lm, tokenizer, cfg: RunConfig, specs: list[MethodSpec], orders: d
         rows.append({"method": spec.label, "lrs": [lr_text(v) for v in lrs], "step_s": step_s, "task_s": task_s,
                      "attach_s": attach_s, "arm_min": {k: v / 60 for k, v in arm_s.items()}, **counts,
                      "minutes": minutes})
-    before_min = sum(scoring["validation" if run == "grid" else "test"] for run in busy) / 60  # once per run with work
+    runs = {"grid": (grid_order, "validation"), **{f"order{k}": (tasks, "test") for k, tasks in orders.items()}}
+    before_min = sum(scoring[runs[run][1]] for run in busy if not scored_before(*runs[run], run)) / 60  # once per run
     return {"rows": rows, "tasks": T, "steps_per_task": steps, "batch_size": cfg.adapt.batch_size,
             "precision": cfg.adapt.precision, "scoring_s": scoring, "before_min": before_min,
             "total_min": sum(r["minutes"] for r in rows) + before_min, "orders": {k: list(v) for k, v in orders.items()},
@@ -336,8 +345,9 @@ def fit_budget(plan: dict, seconds: float, seeds: list[int], order1_seeds: list[
 
 
 def scoring_seconds(lm, tokenizer, stream, cfg: RunConfig, rows: int = 8) -> dict[str, float]:
-    """Seconds of one scoring pass after a task, on test rows and on validation rows: a few rows of each task
-    and windows of the general text timed on the bare model, scaled to the rows each pass scores."""
+    """Seconds of one scoring pass after a task, on test rows and on validation rows, and of one task's rows
+    alone (`test_task`, `validation_task`: the mean over tasks; data.r_cells "metrics" between tasks): a few rows
+    of each task and windows of the general text timed on the bare model, scaled to the rows each pass scores."""
     from forgetless.continual.evaluate import evaluate
     from forgetless.continual.instruct import score
     per_row = {}
@@ -352,5 +362,8 @@ def scoring_seconds(lm, tokenizer, stream, cfg: RunConfig, rows: int = 8) -> dic
     limit = cfg.data.test_rows or None
     test = sum(per_row[t.name] * len(t.test[:limit]) for t in [*stream.tasks, *stream.held_out])
     dev = sum(per_row[t.name] * len(d.test[:limit]) for t, d in zip(stream.tasks, stream.dev))
+    T = len(stream.tasks)
     return {"test": test + window_s * len(stream.general.windows),
-            "validation": dev + window_s * len(stream.general.dev_windows)}
+            "validation": dev + window_s * len(stream.general.dev_windows),
+            "test_task": sum(per_row[t.name] * len(t.test[:limit]) for t in stream.tasks) / T,
+            "validation_task": dev / T}

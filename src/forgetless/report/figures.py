@@ -226,16 +226,18 @@ def r_heatmaps(methods: dict[str, list[list[float]]], path: Path, per_row: int =
     rows, cols = -(-len(methods) // per_row), min(per_row, len(methods))
     fig, axes = plt.subplots(rows, cols, figsize=(2.9 * cols + 1.2, 2.8 * rows), squeeze=False,
                              constrained_layout=True)
-    values = [v for r in methods.values() for row in r for v in row]
+    values = [v for r in methods.values() for row in r for v in row if v is not None]  # None: a cell not scored
     for k, ax in enumerate(axes.ravel()):
         if k >= len(methods):
             ax.axis("off")
             continue
         name, r = list(methods.items())[k]
-        image = ax.imshow(r, cmap="viridis", vmin=min(values), vmax=max(values))
+        image = ax.imshow([[float("nan") if v is None else v for v in row] for row in r], cmap="viridis",  # None: blank
+                          vmin=min(values), vmax=max(values))
         for t, row in enumerate(r):
             for i, v in enumerate(row):
-                ax.text(i, t, f"{v:.1f}", ha="center", va="center", fontsize=6, color="white")
+                if v is not None:
+                    ax.text(i, t, f"{v:.1f}", ha="center", va="center", fontsize=6, color="white")
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("task i", fontsize=8)
         if k % cols == 0:

@@ -180,7 +180,7 @@ def sequence_markdown(results: RunResult) -> str:
         r = m.stats["r_matrix"]
         lines += ["", f"R matrix of `{name}` ({rows}, column i = task i):", "",
                   "| after \\ task | " + " | ".join(str(i) for i in range(len(r))) + " |", "|" + "---|" * (len(r) + 1)]
-        lines += [f"| {t} | " + " | ".join(f"{v:.2f}" for v in row) + " |" for t, row in enumerate(r)]
+        lines += [f"| {t} | " + " | ".join("–" if v is None else f"{v:.2f}" for v in row) + " |" for t, row in enumerate(r)]
     return "\n".join(lines) + "\n"
 
 
