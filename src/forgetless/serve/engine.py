@@ -54,6 +54,7 @@ from forgetless.errors import ForgetlessError
 from forgetless.methods.base import as_specs
 from forgetless.models.gpt import logits_of
 from forgetless.nn.apn import APN, routing
+from forgetless.serve.publish import PUBLISH, detached, write_version
 from forgetless.serve.store import KEPT, SNAPSHOT, Damaged, Store, kept_name
 from forgetless.serve.wal import Unavailable, WriteAheadLog, lock_folder
 from forgetless.train import TrainConfig, TrainingDiverged
@@ -165,7 +166,8 @@ class Engine:
         self.learner = Learner(model, spec.build(), TrainConfig(lr=cfg.lr, warmup=0), canary, mix_from, cfg.seed)
         self.device = self.learner.device
         self.lock = threading.Lock()
-        self.seq, self.snapshot_seq, self.good, self.undone_to, self.ops = 0, 0, None, 0, 0
+        self.seq, self.snapshot_seq, self.good, self.ops = 0, 0, None, 0
+        self.undone: list[list[int]] = []  # [first, last] seq of the documents each rollback undid, in order
         self.recovered: str | None = None  # how a start from a damaged snapshot recovered, in words
         self.counters = {"accepted": 0, "rollbacks": 0, "undone": 0, "score": 0, "generate": 0, "replayed": 0}
         self.rejected: dict[str, int] = {}
@@ -437,13 +439,25 @@ class Engine:
         log.warning("rollback to document %d (%s; undone: %s)", self.good["meta"]["seq"], why, undone)
         self.restore(self.good, keep_seq=True)
         self.counters["rollbacks"] += 1
-        undone = self.seq - max(self.good["meta"]["seq"], self.undone_to)  # not counting those undone before
+        before = sum(b - a + 1 for a, b in self.undone)
+        self.undone = self.undone_ranges(self.good["meta"]["seq"])
+        undone = sum(b - a + 1 for a, b in self.undone) - before  # not counting those undone before
         self.counters["undone"] += undone
-        self.undone_to = self.seq
         self.history["rollbacks"].append((self.seq, undone))
         self.canary_last = self.canary_loss()
         self.history["canary"].append((self.seq, self.canary_last))
         return True
+
+    def undone_ranges(self, good_seq: int) -> list[list[int]]:
+        """The undone ranges after a rollback to the state of document `good_seq` now: those before, plus the
+        documents after it not undone already."""
+        new, start = [], good_seq + 1
+        for first, last in self.undone:  # in order, disjoint
+            if first > start:
+                new.append([start, min(first - 1, self.seq)])
+            start = max(start, last + 1)
+        new.append([start, self.seq])
+        return sorted([*self.undone, *(r for r in new if r[0] <= r[1])])
 
     def canary_loss(self) -> float:
         return evaluate(self.learner.model, self.canary)["loss"]
@@ -463,6 +477,15 @@ class Engine:
             p.requires_grad_(False)
             p.grad = None
         self.serving = (self.seq, model)
+
+    def release(self, name: str | None = None) -> dict:
+        """Publish the last good state as the next version under STATE_DIR/publish (serve/publish.py); `name`: the
+        base's, for the manifest. Returns the manifest."""
+        with self.lock:
+            good = self.good
+            twin = detached(self.learner.adapted, good["tensors"])
+        tokenizer = self.hf if self.hf is not None else self.tokenizer
+        return write_version(self.state_dir / PUBLISH, twin, good["meta"], tokenizer, None, name)
 
     # ---- manual snapshot and rollback ------------------------------------------------------------
     def snapshot(self) -> dict:
@@ -493,8 +516,8 @@ class Engine:
         self.ops, passed = n, True
         try:
             if op == "rollback":
-                self.write_snapshot({"tensors": state["tensors"], "meta": {**state["meta"], "seq": self.seq}},
-                                    keep=False)
+                self.write_snapshot({"tensors": state["tensors"], "meta": {
+                    **state["meta"], "seq": self.seq, "undone": self.undone_ranges(state["meta"]["seq"])}}, keep=False)
                 why = "asked for by /v1/rollback" if target is None else \
                     f"to the kept state of document {target}, asked for by /v1/rollback"
                 self.good = state
@@ -549,6 +572,7 @@ class Engine:
         tensors = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
         meta = {"kind": "serve", "seq": self.seq, "steps": learner.steps, "optim_groups": groups,
                 "reference": self.reference, "canary": self.canary_last, "method": self.cfg.method,
+                "undone": [list(r) for r in self.undone],
                 "sampler": [learner.sampler.batch_size, learner.sampler.block_size] if learner.sampler else None}
         return {"tensors": tensors, "meta": meta}
 
@@ -573,6 +597,7 @@ class Engine:
         self.reference, self.canary_last = meta["reference"], meta["canary"]
         if not keep_seq:
             self.seq = self.snapshot_seq = meta["seq"]
+            self.undone = [list(r) for r in meta.get("undone", [])]
             self.good = state
 
     def write_snapshot(self, state: dict | None = None, keep: bool = True):
