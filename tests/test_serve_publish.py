@@ -15,6 +15,10 @@ import torch
 
 pytest.importorskip("fastapi", reason="forgetless serve needs FastAPI (bash scripts/setup.sh dev or serve)")
 
+from safetensors.torch import load_file  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+from forgetless.cli import app  # noqa: E402
 from forgetless.continual.base_model import load_base  # noqa: E402
 from forgetless.continual.learner import chunk_windows  # noqa: E402
 from forgetless.data.tokenizers import PretrainedCorpusTokenizer  # noqa: E402
@@ -87,6 +91,20 @@ def test_a_published_lora_adapter_loads_in_peft_alone_with_the_served_logits(bas
         plain = AutoModelForCausalLM.from_pretrained(base)(ids).logits
     assert (want - plain).abs().max() > 1e-3  # the adapter learned something: the logits moved
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # offline: `forgetless export STATE_DIR --model hf:BASE` publishes the newest kept state (document 4) as v2
+    result = CliRunner().invoke(app, ["export", str(tmp_path / "state"), "--model", f"hf:{base}"])
+    assert result.exit_code == 0 and "publish/v2: a PEFT adapter" in " ".join(result.output.split()), result.output
+    offline = publish.check_intact(tmp_path / "state" / "publish" / "v2")
+    assert offline["parent"] == 1 and offline["documents"] == manifest["documents"] and offline["form"] == "peft"
+    a, b = (load_file(folder / "adapter_model.safetensors") for folder in (folder, folder.with_name("v2")))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_export_of_a_serve_state_folder_needs_its_base_in_one_line(trained, tmp_path):
+    engine(trained, tmp_path / "state").close()
+    result = CliRunner().invoke(app, ["export", str(tmp_path / "state")])
+    assert result.exit_code == 2 and "is a serve state folder: name the base it serves with --model" in result.output
+    assert len(result.output.strip().splitlines()) == 1 and not (tmp_path / "state" / "publish").exists()
 
 
 def test_publish_writes_the_last_good_state_and_versions_chain_with_their_documents(trained, tmp_path):

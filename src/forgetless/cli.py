@@ -421,13 +421,17 @@ def evaluate_cmd(checkpoint: Optional[Path] = typer.Option(None, help="base chec
 @app.command()
 @friendly
 def export(run: Path = typer.Argument(..., help="a bench output folder (results.json and arms/), an `adapt --data` "
-                                       "output (report.json and model/), or a folder written by save_pretrained"),
+                                       "output (report.json and model/), a folder written by save_pretrained, or a "
+                                       "`forgetless serve` --state-dir (its newest kept state, as the next version "
+                                       "under STATE_DIR/publish)"),
            method: Optional[str] = typer.Option(None, help="bench runs: the arm to export, as in the results table, "
                                                 "e.g. lora or lora\\[r=16]"),
-           out: Path = typer.Option(..., help="folder to write (must not exist or be empty)"),
+           out: Optional[Path] = typer.Option(None, help="folder to write (must not exist or be empty); a serve "
+                                              "state folder: where its versions go (default STATE_DIR/publish)"),
            seed: int = typer.Option(0, help="bench runs: which seed's arm"),
-           model: Optional[str] = typer.Option(None, "--model", help="save_pretrained folders: the base it was "
-                                               "trained on (smollm2-135m, hf:PATH or a .gguf file)")):
+           model: Optional[str] = typer.Option(None, "--model", help="save_pretrained and serve state folders: the "
+                                               "base it was trained on (smollm2-135m, hf:PATH, a .gguf file; serve: "
+                                               "or a forgetless base .safetensors)")):
     """Export a trained method for serving: a PEFT adapter (LoRA on a local transformers folder), merged weights
     where the method folds exactly into them, else the forgetless folder with its loading example."""
     from forgetless.continual.export_run import export as run_export
