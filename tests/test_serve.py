@@ -296,9 +296,9 @@ def serve_command(base, canary, state_dir, token_file, port) -> list[str]:
     return [str(a) for a in args]
 
 
-def start_server(base, canary, state_dir, token_file):
+def start_server(base, canary, state_dir, token_file, *extra):
     port = free_port()
-    proc = subprocess.Popen(serve_command(base, canary, state_dir, token_file, port),
+    proc = subprocess.Popen(serve_command(base, canary, state_dir, token_file, port) + [str(a) for a in extra],
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
