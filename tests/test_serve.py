@@ -655,12 +655,13 @@ BAD_BODIES = {  # endpoint -> bodies that must each get a one-line 4xx
                      '{"prompt": "hi", "max_tokens": "many"}', '{"prompt": "hi", "temperature": -1}',
                      '{"prompt": "hi", "temperature": Infinity}', '{"prompt": "hi", "temperature": NaN}',
                      '{"prompt": "hi", "temperature": 1e999}', '{"prompt": ""}', '{"text": "hi"}', "[]"],
+    "/v1/publish": ['{"version": 2}', '{"path": "/tmp/x"}', "[]", '"v1"', "{"],
 }
 
 
 FIELDS = {"/v1/score": {"text": "a short text"}, "/v1/learn": {"text": "a short text", "key": "k"},
           "/v1/generate": {"prompt": "ROMEO:", "max_tokens": 2, "temperature": 0.5, "seed": 1},
-          "/v1/rollback": {"seq": 0}}
+          "/v1/rollback": {"seq": 0}, "/v1/publish": {}}
 VALUES = [None, True, False, -1, 0, 2 ** 63 - 1, 2 ** 63, 2 ** 64 - 1, 2 ** 64, -2 ** 70, 10 ** 400, 1.5, -0.0, 5e-324,
           1e-300, 1e308, -1e308, "", " ", "0", "x" * 300, "\ud800", "\x00", [], {}, ["a"]]
 

@@ -84,7 +84,9 @@ def test_a_published_lora_adapter_loads_in_peft_alone_with_the_served_logits(bas
     assert manifest["base"]["name"] == "tiny" and manifest["canary_loss"] == e.good["meta"]["canary"]
     assert set(manifest["files"]) >= {"adapter_config.json", "adapter_model.safetensors"}
     assert publish.check_intact(folder) == json.loads((folder / "manifest.json").read_text())
-    assert json.loads((folder / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base.resolve())
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(base.resolve())
+    assert config["target_modules"] and all("." not in t for t in config["target_modules"])  # SGLang's short form
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), folder).eval()
     with torch.no_grad():
         got = peft_model(ids).logits
