@@ -60,12 +60,12 @@ def trained():
     return model.state_dict()
 
 
-def engine(trained, state_dir, **options) -> Engine:
+def engine(trained, state_dir, mix_from=None, **options) -> Engine:
     model = ours()
     model.load_state_dict(trained)
     canary = chunk_windows(ByteTokenizer().encode(TEXT[-3000:].encode()), 16)[:16]
     cfg = ServeConfig(**{"method": "full", "lr": 3e-3, "canary_every": 2, "snapshot_every": 4, **options})
-    return Engine(model, ByteTokenizer(), canary, 16, cfg, state_dir)
+    return Engine(model, ByteTokenizer(), canary, 16, cfg, state_dir, mix_from)
 
 
 def local(app) -> TestClient:

@@ -628,6 +628,11 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
           canary: Optional[str] = typer.Option(None, help="corpus whose held-out windows are the canary (default: "
                                                "the base's domain A)"),
           canary_windows: int = typer.Option(32, help="held-out windows in the canary"),
+          held_out_canary: bool = typer.Option(False, "--held-out-canary", help="--canary is your own held-out file: "
+                                               "all of it is the canary (evenly spaced windows) and none of it is "
+                                               "mixed into learning (default: a held-out share of it is the canary)"),
+          retain: Optional[str] = typer.Option(None, "--retain", help="old data (a text file or corpus) whose rows are "
+                                               "mixed into every learning batch, --serve-mix of them (default 0.2)"),
           block_size: int = typer.Option(256, help="with --model: context in tokens"),
           state_dir: Path = typer.Option(Path("serve-state"), help="snapshots and the write-ahead log; a restart "
                                          "resumes from them"),
@@ -647,7 +652,7 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     import os
 
     from forgetless.serve import wal
-    from forgetless.serve.engine import WAL, Engine, ServeConfig
+    from forgetless.serve.engine import WAL, Engine, ServeConfig, online_method
     if repair:
         with wal.lock_folder(state_dir):
             out_console.print(escape(wal.repair(state_dir / WAL)), highlight=False)
@@ -655,7 +660,8 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     from forgetless.device import resolve_device
     from forgetless.config import from_dict
     from forgetless.continual.base_model import load_base
-    from forgetless.data.domains import load_domains
+    from forgetless.data.domains import load_domains, make_tokenizer
+    from forgetless.data.splits import eval_windows
 
     try:
         import uvicorn
@@ -668,6 +674,11 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     if (base is None) == (model is None) or model and not canary:
         raise ForgetlessError("give --base (a forgetless GPT) or --model with --canary (the text whose retention is "
                               "checked), not both")
+    if retain is not None and cfg.mix == 0:
+        cfg = dataclasses.replace(cfg, mix=0.2)  # replay, as adapt --retain
+    if held_out_canary and retain is None and online_method(cfg.method).build().own("mix", cfg.mix) > 0:
+        raise ForgetlessError(f"{cfg.method} mixes in old rows, and --held-out-canary keeps the canary out of learning: "
+                              "give --retain OLD (rows to mix), or set --serve-mix 0")
     token = load_token(token_file, os.environ.get("FORGETLESS_SERVE_TOKEN", ""))
     hosts = allowed(host, allowed_hosts)
     wal.check_folder(state_dir)
@@ -680,9 +691,15 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     else:
         lm, tok, meta = load_base(base)
         tokenizer, block_size, canary = tok.to_dict(), lm.config.block_size, canary or meta["domain"]
-    (original,), corpus_tokenizer = load_domains([canary], tokenizer, block_size, 0.1, canary_windows)
-    engine = Engine(lm if model else lm.to(device), corpus_tokenizer, original.windows, block_size, cfg, state_dir,
-                    original.train)
+    if held_out_canary:  # the user's held-out file, whole
+        corpus_tokenizer = make_tokenizer(tokenizer, [], [])
+        windows, mix_from = eval_windows(whole(canary, corpus_tokenizer, block_size), block_size, canary_windows), None
+    else:
+        (original,), corpus_tokenizer = load_domains([canary], tokenizer, block_size, 0.1, canary_windows)
+        windows, mix_from = original.windows, original.train
+    if retain is not None:
+        mix_from = whole(retain, corpus_tokenizer, block_size)
+    engine = Engine(lm if model else lm.to(device), corpus_tokenizer, windows, block_size, cfg, state_dir, mix_from)
     if engine.recovered:
         out_console.print(escape(engine.recovered), highlight=False)
     out_console.print(f"serving {escape(cfg.method)} on http://{host}:{port} (state in {escape(str(state_dir))}: "
@@ -691,6 +708,16 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
                       highlight=False)
     app = make_app(engine, token, hosts, str(model or "forgetless"))
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+
+
+def whole(spec: str, tokenizer, block_size: int):
+    """(N,) tokens of every document of corpus `spec` (a file of the user's, read whole: no held-out split)."""
+    from forgetless.data.corpora import load_corpus
+    ids = tokenizer.encode(b"\n".join(d.data for d in load_corpus(spec).docs), spec)
+    if len(ids) <= block_size:
+        raise ForgetlessError(f"{spec} has {len(ids)} tokens, fewer than one window of {block_size + 1}; give more "
+                              "text (or a smaller --block-size)")
+    return ids
 
 
 def allowed(host: str, names: str | None) -> tuple[str, ...]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import hashlib
 import json
 import logging
 import math
@@ -51,6 +52,8 @@ from forgetless.continual.learner import Learner, chunk_windows
 from forgetless.data.splits import Batch, Sampler
 from forgetless.data.user import chat_rows, prompt_rows, render
 from forgetless.errors import ForgetlessError
+from forgetless.continual.protocol import refuse_joint
+from forgetless.methods import Method, MethodSpec
 from forgetless.methods.base import as_specs
 from forgetless.models.gpt import logits_of
 from forgetless.nn.apn import APN, routing
@@ -83,6 +86,9 @@ class ServeConfig:
     method: str = field(default="lora", metadata={"help": "method that learns from /v1/learn: a name or spec as in "
                                                            "bench --methods, e.g. lora, full, dynamic-eval"})
     lr: float = field(default=1e-3, metadata={"help": "learning rate (a method's own lr option wins)"})
+    mix: float = field(default=0.0, metadata={
+        "help": "share of retained rows (--retain FILE) mixed into each learning batch: round(mix x rows), at least "
+                "one; 0: none, or 0.2 with --retain (a method's own mix option wins)"})
     steps_per_doc: int = field(default=1, metadata={"help": "updates on each accepted document"})
     canary_every: int = field(default=8, metadata={"help": "score the canary every N accepted documents"})
     max_canary_rise: float = field(default=0.05, metadata={
@@ -141,9 +147,29 @@ class ServeConfig:
                                   f"{self.screen_max_symbol_share}")
         if self.log_retention not in ("archive", "drop"):
             raise ForgetlessError(f"serve.log_retention must be archive or drop, got {self.log_retention!r}")
+        if not 0 <= self.mix < 1:
+            raise ForgetlessError(f"serve.mix must be in [0, 1), got {self.mix}")
+        online_method(self.method)
         if self.screen_warmup > self.screen_window:
             raise ForgetlessError(f"serve.screen_warmup ({self.screen_warmup}) must not exceed serve.screen_window "
                                   f"({self.screen_window})")
+
+
+def online_method(text: str) -> MethodSpec:
+    """The one method spec of `text` (composed terms included: lora+ewc), or a one-line ForgetlessError where the
+    method cannot learn from a stream: several specs, a joint arm, or a method that acts at the end of a task (a
+    stream has none)."""
+    specs = as_specs([text])
+    if len(specs) != 1:
+        raise ForgetlessError(f"--serve-method takes one method spec, got {len(specs)} in {text!r}; serve one, e.g. "
+                              "lora or lora+ewc")
+    method = specs[0].build()
+    refuse_joint(specs[0].label, method, "serve it without joint")
+    core = getattr(method, "base", method)  # a composition acts through its method
+    if type(core).on_task_end is not Method.on_task_end:
+        raise ForgetlessError(f"{specs[0].label} acts at the end of a task ({type(core).__name__}.on_task_end), which a "
+                              "served stream never reaches, so it cannot learn online; serve full or lora instead")
+    return specs[0]
 
 
 class Engine:
@@ -162,8 +188,10 @@ class Engine:
             self.close()
             raise
         torch.manual_seed(cfg.seed)
-        (spec,) = as_specs([cfg.method])
-        self.learner = Learner(model, spec.build(), TrainConfig(lr=cfg.lr, warmup=0), canary, mix_from, cfg.seed)
+        self.learner = Learner(model, online_method(cfg.method).build(), TrainConfig(lr=cfg.lr, warmup=0), canary,
+                               mix_from, cfg.seed, cfg.mix)
+        # the rows mixed in, by hash: a restart must mix the same ones to replay the same updates
+        self.mixed = hashlib.sha256(mix_from.cpu().numpy().tobytes()).hexdigest()[:16] if self.learner.mix > 0 else None
         self.device = self.learner.device
         self.lock = threading.Lock()
         self.seq, self.snapshot_seq, self.good, self.ops = 0, 0, None, 0
@@ -572,7 +600,7 @@ class Engine:
         tensors = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
         meta = {"kind": "serve", "seq": self.seq, "steps": learner.steps, "optim_groups": groups,
                 "reference": self.reference, "canary": self.canary_last, "method": self.cfg.method,
-                "undone": [list(r) for r in self.undone],
+                "undone": [list(r) for r in self.undone], "mixed": self.mixed,
                 "sampler": [learner.sampler.batch_size, learner.sampler.block_size] if learner.sampler else None}
         return {"tensors": tensors, "meta": meta}
 
@@ -620,6 +648,9 @@ class Engine:
         if meta.get("kind") != "serve" or meta.get("method") != self.cfg.method:
             raise ForgetlessError(f"{self.state_dir} holds a snapshot of another method ({meta.get('method')} vs "
                                   f"{self.cfg.method}); give another --state-dir or the same --serve-method")
+        if meta.get("mixed", self.mixed) != self.mixed:
+            raise ForgetlessError(f"{self.state_dir} was learned with other mixed rows (--retain, --serve-mix); give the "
+                                  "same ones, or another --state-dir")
         return {"tensors": tensors, "meta": meta}
 
     def close(self):
