@@ -16,6 +16,8 @@ import torch
 pytest.importorskip("fastapi", reason="forgetless serve needs FastAPI (bash scripts/setup.sh dev or serve)")
 
 from safetensors.torch import load_file  # noqa: E402
+from test_serve import AUTH, DOCS, TOKEN, engine, local, trained  # noqa: E402,F401
+from tiny_models import SENTENCES, bpe_tokenizer, gguf_llama  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from forgetless.cli import app  # noqa: E402
@@ -26,8 +28,6 @@ from forgetless.models.hf import TextTokenizer  # noqa: E402
 from forgetless.serve import publish  # noqa: E402
 from forgetless.serve.app import make_app  # noqa: E402
 from forgetless.serve.engine import Engine, ServeConfig  # noqa: E402
-from test_serve import AUTH, DOCS, TOKEN, engine, local, trained  # noqa: E402,F401
-from tiny_models import SENTENCES, bpe_tokenizer, gguf_llama  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OPEN = {"lr": 1e-2, "max_canary_rise": 100, "learn_per_minute": 0, "screen_k": 0, "screen_low_k": 0,

@@ -7,12 +7,13 @@ import torch
 
 pytest.importorskip("fastapi", reason="forgetless serve needs FastAPI (bash scripts/setup.sh dev or serve)")
 
+from test_serve import DOCS, LINES, engine, trained  # noqa: E402,F401
+
 from forgetless.cli import whole  # noqa: E402
 from forgetless.data.splits import eval_windows  # noqa: E402
 from forgetless.data.tokenizers import ByteTokenizer  # noqa: E402
 from forgetless.errors import ForgetlessError  # noqa: E402
 from forgetless.serve.engine import ServeConfig  # noqa: E402
-from test_serve import DOCS, LINES, engine, trained  # noqa: E402,F401
 
 OLD = "".join(f"NURSE:\nGood even, my lord; the {k}th hour is past.\n" for k in range(200))  # the retained text
 GATE_OPEN = {"max_canary_rise": 100, "screen_k": 0, "screen_low_k": 0}

@@ -49,10 +49,10 @@ import torch.nn.functional as F
 from forgetless.checkpoint import load_optimizer, optimizer_tensors
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.learner import Learner, chunk_windows
+from forgetless.continual.protocol import refuse_joint
 from forgetless.data.splits import Batch, Sampler
 from forgetless.data.user import chat_rows, prompt_rows, render
 from forgetless.errors import ForgetlessError
-from forgetless.continual.protocol import refuse_joint
 from forgetless.methods import Method, MethodSpec
 from forgetless.methods.base import as_specs
 from forgetless.models.gpt import logits_of
