@@ -27,7 +27,7 @@ from forgetless.data.tokenizers import PretrainedCorpusTokenizer  # noqa: E402
 from forgetless.models.hf import TextTokenizer  # noqa: E402
 from forgetless.serve import publish  # noqa: E402
 from forgetless.serve.app import make_app  # noqa: E402
-from forgetless.serve.engine import Engine, ServeConfig  # noqa: E402
+from forgetless.serve.engine import Engine, ServeConfig, detached  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OPEN = {"lr": 1e-2, "max_canary_rise": 100, "learn_per_minute": 0, "screen_k": 0, "screen_low_k": 0,
@@ -120,7 +120,7 @@ def test_publish_writes_the_last_good_state_and_versions_chain_with_their_docume
         assert first["form"] == "merged" and first["documents"]["through_seq"] == 2  # the good state, not 3
         weights = load_base(Path(first["path"]) / "base.safetensors")[0].state_dict()
         good = {k[len("model."):]: v for k, v in e.good["tensors"].items() if k.startswith("model.")}
-        merged = e.learner.method.merge(publish.detached(e.learner.adapted, e.good["tensors"]).model).state_dict()
+        merged = e.learner.method.merge(detached(e.learner.adapted, e.good["tensors"]).model).state_dict()
         assert weights.keys() == merged.keys() and all(torch.equal(weights[k], merged[k]) for k in weights)
         assert any("lora" in k for k in good)  # the state held the adapter; the published file holds it merged
         c.post("/v1/learn", json={"text": DOCS[3]}, headers=AUTH)  # 4: checked

@@ -435,8 +435,14 @@ def export(run: Path = typer.Argument(..., help="a bench output folder (results.
     """Export a trained method for serving: a PEFT adapter (LoRA on a local transformers folder), merged weights
     where the method folds exactly into them, else the forgetless folder with its loading example."""
     from forgetless.continual.export_run import export as run_export
+    from forgetless.serve.publish import export_state, is_state_folder
 
-    form, folder = run_export(run, method, out, seed, model)
+    if is_state_folder(run):
+        form, folder = export_state(run, out, model)
+    elif out is None:
+        raise ForgetlessError("give --out FOLDER (a new or empty folder) to write the export into")
+    else:
+        form, folder = run_export(run, method, out, seed, model)
     what = {"peft": "a PEFT adapter (AutoPeftModelForCausalLM.from_pretrained(folder))",
             "merged": "the merged model (no forgetless needed to load it)",
             "forgetless": "the forgetless folder (forgetless.from_pretrained; see LOADING.md)"}[form]

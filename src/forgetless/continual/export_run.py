@@ -8,28 +8,18 @@ from pathlib import Path
 
 import torch.nn as nn
 
-from forgetless.adapted import CONFIG, attach, from_pretrained
-from forgetless.checkpoint import load_checkpoint
+from forgetless.adapted import CONFIG, from_pretrained
 from forgetless.continual.base_model import base_label, load_base
 from forgetless.errors import ForgetlessError
 from forgetless.export import check_empty, export_adapted
 from forgetless.methods import build_method
 from forgetless.models.gpt import GPTConfig
 from forgetless.report.results import RunResult
-from forgetless.serve.publish import PUBLISH, write_version
-from forgetless.serve.store import KEPT, SNAPSHOT, kept_name, sha256
-from forgetless.serve.store import MANIFEST as STORE_MANIFEST
 
 
-def export(run: Path, label: str | None, out: Path | None, seed: int = 0, model: str | None = None) -> tuple[str, Path]:
+def export(run: Path, label: str | None, out: Path, seed: int = 0, model: str | None = None) -> tuple[str, Path]:
     """Export to `out`, returning (form, folder): arm `label` (seed `seed`) of the bench run in `run`, the model
-    of a `forgetless adapt --data` output, a `save_pretrained` folder on the base `model` names, or the newest kept
-    state of a `forgetless serve` state folder as its next published version (under `out`, default
-    STATE_DIR/publish)."""
-    if (run / SNAPSHOT).is_file() and (run / KEPT).is_dir():
-        return export_serve(run, out, model)
-    if out is None:
-        raise ForgetlessError("give --out FOLDER (a new or empty folder) to write the export into")
+    of a `forgetless adapt --data` output, or a `save_pretrained` folder on the base `model` names."""
     if (run / CONFIG).is_file():
         return export_saved(run, out, model)
     if (run / "report.json").is_file():
@@ -57,38 +47,6 @@ def export_saved(folder: Path, out: Path, model: str | None) -> tuple[str, Path]
     check_empty(out)
     base, tokenizer = load_model(model)
     return export_adapted(from_pretrained(base, folder), model, tokenizer, out)
-
-
-def export_serve(state_dir: Path, out: Path | None, model: str | None) -> tuple[str, Path]:
-    """The newest kept state of a serve state folder (a checked, good state; documents logged after it are not in
-    it: `POST /v1/publish` on the running server includes them) published as the next version under `out`."""
-    if model is None:
-        raise ForgetlessError(f"{state_dir} is a serve state folder: name the base it serves with --model "
-                              "(smollm2-135m, hf:PATH, a .gguf file, or a forgetless base .safetensors)")
-    store = json.loads((state_dir / STORE_MANIFEST).read_text())
-    if not store.get("kept"):
-        raise ForgetlessError(f"{state_dir} holds no kept state; start forgetless serve on it first")
-    seq = max(int(s) for s in store["kept"])
-    path = state_dir / KEPT / kept_name(seq)
-    if not path.is_file() or sha256(path) != store["kept"][str(seq)]["sha256"]:
-        raise ForgetlessError(f"{path} is missing or damaged (its SHA-256 is not the manifest's); start forgetless serve "
-                              "on the folder (it falls back to an intact state) and POST /v1/publish")
-    tensors, meta = load_checkpoint(path)
-    if model.endswith(".safetensors"):
-        base, tokenizer, _ = load_base(Path(model))
-        spec = "byte-gpt"
-    else:
-        from forgetless.models.hf import load_model
-        base, tokenizer = load_model(model)
-        spec = model
-    adapted = attach(base, meta["method"])
-    try:
-        adapted.model.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
-    except RuntimeError:
-        raise ForgetlessError(f"{path} was written on another base than {model}; give the --model it was served "
-                              "with") from None
-    manifest = write_version(out or state_dir / PUBLISH, adapted, meta, tokenizer, spec, model)
-    return manifest["form"], Path(manifest["path"])
 
 
 def export_adapt(run: Path, out: Path) -> tuple[str, Path]:

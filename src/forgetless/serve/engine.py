@@ -57,7 +57,7 @@ from forgetless.methods import Method, MethodSpec
 from forgetless.methods.base import as_specs
 from forgetless.models.gpt import logits_of
 from forgetless.nn.apn import APN, routing
-from forgetless.serve.publish import PUBLISH, detached, write_version
+from forgetless.serve.publish import PUBLISH, write_version
 from forgetless.serve.store import KEPT, SNAPSHOT, Damaged, Store, kept_name
 from forgetless.serve.wal import Unavailable, WriteAheadLog, lock_folder
 from forgetless.train import TrainConfig, TrainingDiverged
@@ -765,6 +765,17 @@ def answer_loss(model, batch: Batch) -> float:
 
 def text_checksum(text: str) -> str:
     return f"{zlib.crc32(text.encode()):08x}"
+
+
+def detached(adapted, tensors: dict[str, torch.Tensor]):
+    """A copy of `adapted` (its model and method) holding the weights `tensors` ("model.NAME": a state's keys), so
+    exporting it (a merge folds modules away) leaves the learner as it is."""
+    memo = graph_free(adapted.model)
+    twin = copy.deepcopy(adapted, memo)
+    twin._base = {id(memo[i]) for i in adapted._base if i in memo}  # what the base owns, by the copies' ids
+    twin._base_modules = {id(memo[i]) for i in adapted._base_modules if i in memo}
+    twin.model.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
+    return twin
 
 
 def graph_free(model) -> dict:

@@ -10,7 +10,6 @@ no `vN` folder; the next publish removes what the killed one left and takes the 
 folder take turns (an OS lock on `publish/.lock`)."""
 from __future__ import annotations
 
-import copy
 import fcntl
 import json
 import os
@@ -18,12 +17,12 @@ import re
 import time
 from pathlib import Path
 
-import torch
 
 from forgetless.checkpoint import private_folder, remove_unfinished
 from forgetless.errors import ForgetlessError
 from forgetless.export import export_adapted
-from forgetless.serve.store import sha256
+from forgetless.serve.store import KEPT, SNAPSHOT, kept_name, sha256
+from forgetless.serve.store import MANIFEST as STORE_MANIFEST
 from forgetless.serve.wal import fsync_path
 
 PUBLISH, MANIFEST = "publish", "manifest.json"
@@ -38,21 +37,9 @@ def versions(root: Path) -> dict[int, Path]:
     return {n: p for n, p in sorted(found.items()) if (p / MANIFEST).is_file()}
 
 
-def detached(adapted, tensors: dict[str, torch.Tensor]):
-    """A copy of `adapted` (its model and method) holding the weights `tensors` ("model.NAME": the state's keys),
-    so exporting it (a merge folds modules away) leaves the learner as it is."""
-    from forgetless.serve.engine import graph_free
-    memo = graph_free(adapted.model)
-    twin = copy.deepcopy(adapted, memo)
-    twin._base = {id(memo[i]) for i in adapted._base if i in memo}  # what the base owns, by the copies' ids
-    twin._base_modules = {id(memo[i]) for i in adapted._base_modules if i in memo}
-    twin.model.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
-    return twin
-
-
 def write_version(root: Path, adapted, meta: dict, tokenizer, spec: str | None = None, name: str | None = None) -> dict:
-    """Export `adapted` (a copy holding the good state, `detached`) as the next version under `root`; `meta`: the
-    state's (seq, canary, method, undone ranges, ...). Returns the manifest."""
+    """Export `adapted` (holding the state to publish; a merge may fold its modules away: give a copy) as the next
+    version under `root`; `meta`: the state's (seq, canary, method, undone ranges, ...). Returns the manifest."""
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     with open(root / ".lock", "a+") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # released when the file closes
@@ -102,3 +89,44 @@ def check_intact(folder: Path) -> dict:
         if not (folder / rel).is_file() or sha256(folder / rel) != digest:
             raise ForgetlessError(f"{folder / rel} does not match its SHA-256 in {folder / MANIFEST}; publish again")
     return manifest
+
+
+def is_state_folder(folder: Path) -> bool:
+    """Whether `folder` is a `forgetless serve` --state-dir (a snapshot and kept states)."""
+    return (folder / SNAPSHOT).is_file() and (folder / KEPT).is_dir()
+
+
+def export_state(state_dir: Path, out: Path | None, model: str | None) -> tuple[str, Path]:
+    """The newest kept state of a serve state folder (a checked, good state; documents logged after it are not in
+    it: `POST /v1/publish` on the running server includes them) published as the next version under `out` (default
+    STATE_DIR/publish), on the base `model` names; returns (form, folder)."""
+    from forgetless.adapted import attach
+    from forgetless.checkpoint import load_checkpoint
+    if model is None:
+        raise ForgetlessError(f"{state_dir} is a serve state folder: name the base it serves with --model "
+                              "(smollm2-135m, hf:PATH, a .gguf file, or a forgetless base .safetensors)")
+    store = json.loads((state_dir / STORE_MANIFEST).read_text())
+    if not store.get("kept"):
+        raise ForgetlessError(f"{state_dir} holds no kept state; start forgetless serve on it first")
+    seq = max(int(s) for s in store["kept"])
+    path = state_dir / KEPT / kept_name(seq)
+    if not path.is_file() or sha256(path) != store["kept"][str(seq)]["sha256"]:
+        raise ForgetlessError(f"{path} is missing or damaged (its SHA-256 is not the manifest's); start forgetless serve "
+                              "on the folder (it falls back to an intact state) and POST /v1/publish")
+    tensors, meta = load_checkpoint(path)
+    if model.endswith(".safetensors"):
+        from forgetless.continual.base_model import load_base
+        base, tokenizer, _ = load_base(Path(model))
+        spec = "byte-gpt"
+    else:
+        from forgetless.models.hf import load_model
+        base, tokenizer = load_model(model)
+        spec = model
+    adapted = attach(base, meta["method"])
+    try:
+        adapted.model.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
+    except RuntimeError:
+        raise ForgetlessError(f"{path} was written on another base than {model}; give the --model it was served "
+                              "with") from None
+    manifest = write_version(out or state_dir / PUBLISH, adapted, meta, tokenizer, spec, model)
+    return manifest["form"], Path(manifest["path"])
