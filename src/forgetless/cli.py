@@ -357,10 +357,9 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
                               "the model should keep), or choose a method for data without them (`forgetless methods`)")
     m.check_quantized(cfg.load.quantize)  # before the load
     cfg, _ = settle_precision(cfg, device)
-    adapt_cfg = cfg.adapt if retain is None or cfg.adapt.mix > 0 else dataclasses.replace(cfg.adapt, mix=0.2)  # replay
     lm, tokenizer = load_model(model, device, cfg.load)
     m.check_base(lm)
-    report = adapt_on_data(lm, tokenizer, m, data, retain, adapt_cfg, seed, out, max_length, model, cfg.load)
+    report = adapt_on_data(lm, tokenizer, m, data, retain, cfg.adapt, seed, out, max_length, model, cfg.load)
     b, a = report["before"], report["after"]
     old = (f", old PPL {b['old_ppl']:.3f} → {a['old_ppl']:.3f} ({a['old_ppl'] / b['old_ppl'] - 1:+.1%})"
            if "old_ppl" in b else ", no --retain: forgetting not measured")
