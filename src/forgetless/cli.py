@@ -572,7 +572,7 @@ def corpora(spec: Optional[list[str]] = typer.Argument(None, help="corpus specs 
 def methods():
     """Which method to use when (the evidence in docs/RESULTS.md), then every registered method and its options."""
     from forgetless.continual.base_model import base_label
-    from forgetless.guide import GUIDE, RESULTS
+    from forgetless.guide import GUIDE, RESULTS, cli_text, settings, trainer_text
     from forgetless.methods import METHODS, build_method, method_names
     from forgetless.methods.base import TERMS, memory_text, traits_text
     from forgetless.models.gpt import GPTConfig
@@ -590,10 +590,11 @@ def methods():
         table.add_row(name, base_label(build_method(name).base_config(GPTConfig())), ", ".join(cls.default_for),
                       traits_text(cls), memory_text(cls), opts, *about or [""])
     guide = Table(title="Which method, when", title_justify="left", expand=True)
-    for head, share in (("you have", 2), ("method", 2), ("batches", 2), ("evidence", 5)):  # the evidence is longest
-        guide.add_column(head, overflow="fold", ratio=share)
+    for head, share in (("you have", 2), ("method", 2), ("in Trainer", 2), ("in adapt", 2), ("evidence", 5)):
+        guide.add_column(head, overflow="fold", ratio=share)  # the evidence is longest
     for a in GUIDE:
-        guide.add_row(*map(escape, (a.situation, a.method, a.data, f"{a.evidence} ({RESULTS}#{a.anchor})")))
+        guide.add_row(*map(escape, (a.situation, a.method, trainer_text(settings(a)).replace("`", ""),
+                                    cli_text(a).replace("`", ""), f"{a.scale}: {a.evidence} ({RESULTS}#{a.anchor})")))
     terms = Table(title=escape("Terms: add to any method that takes them, e.g. lora+ewc, lora[r=16]+distill[beta=0.5]"),
                   title_justify="left")
     for head in ("term", "options (default)", "needs", "memory", "about"):
