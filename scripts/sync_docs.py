@@ -1,6 +1,7 @@
 """The generated parts of the docs, kept in step with the code they describe:
 
-- README.md's method guide table, from the rows of src/forgetless/guide.py (`forgetless methods` prints the same);
+- README.md's method guide (a decision table) and docs/methods.md's table of its evidence, from the rows of
+  src/forgetless/guide.py (`forgetless methods` prints the same);
 - docs/methods.md's option tables, from each method's config dataclass (the `help` of its fields);
 - docs/RESULTS.md's table of contents, from its headings.
 
@@ -24,12 +25,22 @@ def cell(text: str) -> str:
 
 
 def guide_table(results_link: str = "docs/RESULTS.md") -> str:
-    """The method guide as a Markdown table, each row linked to its evidence."""
-    from forgetless.guide import GUIDE
-    rows = ["| you have | method | batches | evidence |", "|---|---|---|---|"]
+    """The method guide as a decision table: what you have -> method -> its settings in Trainer and in the CLI,
+    one link to its evidence, named by its scale."""
+    from forgetless.guide import GUIDE, cli_text, settings, trainer_text
+    rows = ["| you have | method | in `Trainer` | in `forgetless adapt` | evidence |", "|---|---|---|---|---|"]
     for a in GUIDE:
-        rows.append(f"| {cell(a.situation)} | `{a.method}` | {cell(a.data)} | {cell(a.evidence)} "
-                    f"([RESULTS]({results_link}#{a.anchor})) |")
+        rows.append(f"| {cell(a.situation)} | `{a.method}` | {cell(trainer_text(settings(a)))} | {cell(cli_text(a))} "
+                    f"| [{cell(a.scale)}]({results_link}#{a.anchor}) |")
+    return "\n".join(rows) + "\n"
+
+
+def guide_evidence(results_link: str = "RESULTS.md") -> str:
+    """What was measured behind each row of the guide, at what scale (docs/methods.md)."""
+    from forgetless.guide import GUIDE
+    rows = ["| you have | method | measured on | what was measured |", "|---|---|---|---|"]
+    rows += [f"| {cell(a.situation)} | `{a.method}` | {cell(a.scale)} | {cell(a.evidence)} "
+             f"([RESULTS]({results_link}#{a.anchor})) |" for a in GUIDE]
     return "\n".join(rows) + "\n"
 
 
@@ -94,6 +105,8 @@ def toc(path: str) -> str:
 def generate(name: str) -> str:
     if name == "guide":
         return guide_table()
+    if name == "guide evidence":
+        return guide_evidence()
     if name.startswith("toc "):
         return toc(name.removeprefix("toc "))
     if name.startswith("options "):

@@ -325,8 +325,8 @@ def test_listing_commands(monkeypatch):
     narrow = invoke("methods").output
     assert "…" not in narrow and max(map(len, narrow.splitlines())) <= 80  # long words fold, nothing is cut
     heads = next(line for line in narrow.splitlines() if "you have" in line).strip("┃").split("┃")
-    assert [h.strip() for h in heads] == ["you have", "method", "batches", "evidence"]
-    assert len(heads[3]) > 2 * len(heads[0])  # the guide's evidence gets the room
+    assert [h.strip() for h in heads] == ["you have", "method", "in Trainer", "in adapt", "evidence"]
+    assert len(heads[4]) > 2 * len(heads[0])  # the guide's evidence gets the room
     corpora = invoke("corpora", "tinyshakespeare", "shakespeare-folio")
     assert corpora.exit_code == 0
     cells = {row[1].strip(): row[2:] for row in (line.split("│") for line in corpora.output.splitlines())

@@ -11,7 +11,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "forgetless"
 LAYERS = [  # bottom to top; a unit is a top-level module or package ("": the package's own __init__)
-    {"", "errors", "config", "progress", "monitor", "guide", "side", "stats", "device", "distributed", "checkpoint"},
+    {"", "errors", "config", "progress", "monitor", "side", "stats", "device", "distributed", "checkpoint"},
     {"report"},                                   # results files and figures, of any protocol and method
     {"models", "optim"},
     {"data"},
@@ -20,7 +20,7 @@ LAYERS = [  # bottom to top; a unit is a top-level module or package ("": the pa
     {"methods"},
     {"presets", "export", "adapted", "hf_trainer"},
     {"continual"},                                # protocols
-    {"cli", "cliutil", "__main__", "serve", "hope", "aunn"},
+    {"cli", "cliutil", "__main__", "serve", "hope", "aunn", "guide"},
 ]
 UP = {("forgetless.models.gpt", "forgetless.nn")}  # model code registering its layers
 FACADE = "forgetless"  # the package's public names, imported on first use (its __getattr__): outside the layers

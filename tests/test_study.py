@@ -19,6 +19,7 @@ from forgetless.continual.study import (choose, fit_budget, grid_lrs, parse_budg
 from forgetless.data.instructions import Example, InstructionTask, load_task
 from forgetless.data.streams import STREAMS, pick_orders, stream_orders
 from forgetless.errors import ForgetlessError
+from forgetless.guide import MEASURED, guide_rows, settings, study_rows, summary
 from forgetless.methods.base import parse_method_specs
 from forgetless.presets import build_config
 from forgetless.report import write_report
@@ -245,8 +246,9 @@ def test_the_budget_keeps_the_minimum_and_adds_the_seeds_that_fit(study, stream,
     assert run_order({"1": [], "2": []}, [0], [0, 1]) == [("1", [0]), ("2", [0]), ("1", [0, 1])]
 
 
-def test_the_folder_reloads_into_the_same_table_from_its_saved_arms(study, stream, monkeypatch):
-    """Run again on the study's folder: every arm is reused (none runs), and the table is the same."""
+def test_the_folder_reloads_into_the_same_table_from_its_saved_arms(study, stream, monkeypatch, tmp_path):
+    """Run again on the study's folder: every arm is reused (none runs); the table, results.json (but its date) and
+    the guide's rows are the same."""
     def no_arm(*args, **kwargs):
         raise AssertionError("an arm ran again")
     monkeypatch.setattr(instruct, "instruction_arm", no_arm)
@@ -257,6 +259,35 @@ def test_the_folder_reloads_into_the_same_table_from_its_saved_arms(study, strea
         study["results"]["date"], "")
     for label, m in study["results"]["methods"].items():
         assert again["methods"][label]["intervals"] == m["intervals"]
+    write_report(again, tmp_path, False)
+    first, second = (json.loads((folder / "results.json").read_text()) for folder in (study["out"], tmp_path))
+    assert {**second, "date": None} == {**first, "date": None}
+    assert study_rows(second, "x") == study_rows(first, "x")
+
+
+def test_the_guide_rows_are_generated_from_a_studys_results(study):
+    """The guide's rows on a stream: the best arm with and without old rows, its numbers and the study's scale, read
+    from results.json; the summary the guide keeps gives the same rows and replaces the hand-written stream row."""
+    results = json.loads((study["out"] / "results.json").read_text())
+    (row,) = study_rows(results, "the-study")  # lora and the ceiling mtl: no arm replays old rows
+    lora, mtl = results["methods"]["lora"], results["methods"]["mtl"]
+    assert (row.method, row.old_data, row.stream, row.anchor) == (lora["arm"], False, True, "the-study")
+    assert settings(row).lr == lora["lr"] and settings(row).mix == 0  # Trainer's settings: the lr the grid chose
+    over = lora["over_orders"]
+    assert row.evidence.startswith(f"OP {over['op_tasks']['mean']:.1f} [{over['op_tasks']['lo']:.1f}, "
+                                   f"{over['op_tasks']['hi']:.1f}], BWT {over['bwt_tasks']['mean']:+.1f}")
+    assert f"general perplexity {100 * over['general_ppl_change']['mean']:+.1f}" in row.evidence
+    assert f"the ceiling mtl: OP {mtl['over_orders']['op_tasks']['mean']:.1f}" in row.evidence
+    assert row.scale == ("tiny, a task stream, 2 order(s) of 2 tasks, preset real (2 steps of batch 4 per task, auto), "
+                         "1 seed(s) per order, 1 more on order 1")
+    replay = {**results, "methods": {**results["methods"], "lora": {**lora, "options": {**lora["options"], "mix": 0.2}}}}
+    assert [(r.method, r.old_data) for r in study_rows(replay, "x")] == [(lora["arm"], True)]  # it replays: old data
+    kept = summary(results, "forgetless study ...", {"section": "the-study", "commit": "abc"})
+    kept = json.loads(json.dumps(kept))
+    assert study_rows(kept, "the-study") == [row] and len(json.dumps(kept)) < len(json.dumps(results)) / 3
+    rows = guide_rows(kept)
+    assert [a for a in rows if not a.old_data and a.stream] == [row]  # the hand-written stream row without old data
+    assert [a for a in rows if a != row] == [a for a in MEASURED if a.old_data or not a.stream]  # the others stay
 
 
 def test_a_saved_arm_is_reused_when_the_code_only_added_config_keys(study):

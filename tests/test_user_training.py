@@ -409,6 +409,18 @@ def test_adapt_data_default_is_replay_with_seq_lora_as_a_peft_adapter(user_files
     AutoPeftModelForCausalLM.from_pretrained(tmp_path / "served")
 
 
+def test_adapt_data_trains_at_the_settings_the_guide_gives_for_trainer(user_files, tmp_path):
+    """The guide's Trainer cells (learning_rate, the fraction of old rows) are what `adapt --data` trains at: on the
+    row whose spec sets its mix and whose lr is the method's own on a pretrained model."""
+    from forgetless.guide import GUIDE, settings
+    advice = next(a for a in GUIDE if a.method.startswith("ewc-distill"))
+    r = adapt("--model", f"hf:{user_files / 'model'}", "--data", user_files / "new.jsonl", "--method", advice.method,
+              "--retain", user_files / "old.txt", "--adapt-steps", 2, "--max-length", 32, "--out", tmp_path)
+    assert r.exit_code == 0, r.output
+    report, s = json.loads((tmp_path / "report.json").read_text()), settings(advice)
+    assert (report["lr"], report["mix"], s.previous) == (s.lr, s.mix, True) and (s.lr, s.mix) == (5e-5, 0.3)
+
+
 def export_cli(*args):
     from typer.testing import CliRunner
 

@@ -357,10 +357,9 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
                               "the model should keep), or choose a method for data without them (`forgetless methods`)")
     m.check_quantized(cfg.load.quantize)  # before the load
     cfg, _ = settle_precision(cfg, device)
-    adapt_cfg = cfg.adapt if retain is None or cfg.adapt.mix > 0 else dataclasses.replace(cfg.adapt, mix=0.2)  # replay
     lm, tokenizer = load_model(model, device, cfg.load)
     m.check_base(lm)
-    report = adapt_on_data(lm, tokenizer, m, data, retain, adapt_cfg, seed, out, max_length, model, cfg.load)
+    report = adapt_on_data(lm, tokenizer, m, data, retain, cfg.adapt, seed, out, max_length, model, cfg.load)
     b, a = report["before"], report["after"]
     old = (f", old PPL {b['old_ppl']:.3f} → {a['old_ppl']:.3f} ({a['old_ppl'] / b['old_ppl'] - 1:+.1%})"
            if "old_ppl" in b else ", no --retain: forgetting not measured")
@@ -583,7 +582,7 @@ def corpora(spec: Optional[list[str]] = typer.Argument(None, help="corpus specs 
 def methods():
     """Which method to use when (the evidence in docs/RESULTS.md), then every registered method and its options."""
     from forgetless.continual.base_model import base_label
-    from forgetless.guide import GUIDE, RESULTS
+    from forgetless.guide import GUIDE, RESULTS, cli_text, settings, trainer_text
     from forgetless.methods import METHODS, build_method, method_names
     from forgetless.methods.base import TERMS, memory_text, traits_text
     from forgetless.models.gpt import GPTConfig
@@ -601,10 +600,11 @@ def methods():
         table.add_row(name, base_label(build_method(name).base_config(GPTConfig())), ", ".join(cls.default_for),
                       traits_text(cls), memory_text(cls), opts, *about or [""])
     guide = Table(title="Which method, when", title_justify="left", expand=True)
-    for head, share in (("you have", 2), ("method", 2), ("batches", 2), ("evidence", 5)):  # the evidence is longest
-        guide.add_column(head, overflow="fold", ratio=share)
+    for head, share in (("you have", 2), ("method", 2), ("in Trainer", 2), ("in adapt", 2), ("evidence", 5)):
+        guide.add_column(head, overflow="fold", ratio=share)  # the evidence is longest
     for a in GUIDE:
-        guide.add_row(*map(escape, (a.situation, a.method, a.data, f"{a.evidence} ({RESULTS}#{a.anchor})")))
+        guide.add_row(*map(escape, (a.situation, a.method, trainer_text(settings(a)).replace("`", ""),
+                                    cli_text(a).replace("`", ""), f"{a.scale}: {a.evidence} ({RESULTS}#{a.anchor})")))
     terms = Table(title=escape("Terms: add to any method that takes them, e.g. lora+ewc, lora[r=16]+distill[beta=0.5]"),
                   title_justify="left")
     for head in ("term", "options (default)", "needs", "memory", "about"):

@@ -6,9 +6,9 @@ token accuracy of the trained tokens of NEW (the answers of prompt/answer record
 of OLD (what should not be forgotten). The trained model is exported in the most portable form."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -28,7 +28,17 @@ from forgetless.progress import console, progress_task
 from forgetless.train import autocast, train
 
 HELD_OUT = 0.1  # of each data set, scored before and after
+REPLAY = 0.2  # of each batch from --retain where neither the config nor the method sets a mix
 MIN_HELD_OUT = 20  # held-out rows below which a report says its numbers are noisy
+
+
+def data_config(method: Method, cfg: AdaptConfig, has_old: bool) -> AdaptConfig:
+    """What `adapt --data` trains `method` at: its own lr, mix and optimizer over `cfg`'s; with old data and no mix
+    set in either, `REPLAY` of each batch old rows; without old data, none (the guide's settings are these)."""
+    if has_old and not cfg.mix:
+        cfg = dataclasses.replace(cfg, mix=REPLAY)
+    cfg = method.training_config(cfg)
+    return cfg if has_old else dataclasses.replace(cfg, mix=0.0)
 
 
 def adapt_on_data(model: nn.Module, tokenizer, method: Method, new, old, cfg: AdaptConfig, seed: int, out: Path,
@@ -40,8 +50,8 @@ def adapt_on_data(model: nn.Module, tokenizer, method: Method, new, old, cfg: Ad
     notes = [*thin(new_train, new_held, "--data"), *(thin(old_train, old_held, "--retain") if old is not None else [])]
     for note in notes:
         console.print(f"[yellow]warning:[/yellow] {note}", highlight=False, soft_wrap=True)
-    cfg = method.training_config(cfg)
-    mix = cfg.mix if old is not None else 0.0
+    cfg = data_config(method, cfg, old is not None)
+    mix = cfg.mix
     pad = Collator(tokenizer).pad_id
     before = scores(model, new_held, old_held, pad, cfg.precision)
     torch.manual_seed(seed)
@@ -65,7 +75,7 @@ def adapt_on_data(model: nn.Module, tokenizer, method: Method, new, old, cfg: Ad
               "rows": {"new_train": len(new_train), "new_held_out": len(new_held),
                        "old_train": len(old_train or []), "old_held_out": len(old_held or [])},
               "mix": mix, "steps": cfg.steps, "lr": cfg.lr, "precision": cfg.precision,
-              "load": {**asdict(loaded or LoadConfig()), "dtype_used": describe(model)["dtype"]},
+              "load": {**dataclasses.asdict(loaded or LoadConfig()), "dtype_used": describe(model)["dtype"]},
               "before": before, "after": after,
               "trainable_params": sum(p.numel() for _, p in params),
               "total_params": sum(p.numel() for p in adapted.model.parameters()),

@@ -1,0 +1,56 @@
+"""The guide's evidence from a study: reads STUDY_FOLDER/results.json (`forgetless study standard`) and writes the
+part of it the guide reads, with its provenance, to src/forgetless/guide_study.json (forgetless.guide.STUDY); then
+`python scripts/sync_docs.py` rewrites the README's and docs/methods.md's guide from it. The study folder itself
+stays out of git.
+
+    python scripts/guide_evidence.py ~/forgetless-study/standard --section ANCHOR \\
+        --study-command "bash scripts/study-standard.sh"
+
+ANCHOR is the study's section of docs/RESULTS.md (each generated row links to it); --machine defaults to this
+machine's description: run it where the study ran, or say where that was."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+
+def this_machine() -> str:
+    from forgetless.device import cpu_bf16
+    bf16 = cpu_bf16() or "emulated (no AVX-512 BF16 or AMX)"
+    return f"{platform.machine()} CPU, {os.cpu_count()} cores, bf16 {bf16}, {platform.system()}"
+
+
+def main(argv: list[str]) -> int:
+    from forgetless.config import git_commit
+    from forgetless.guide import STUDY, summary
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folder", type=Path, help="the study's --out folder (it holds results.json)")
+    parser.add_argument("--section", required=True, help="the study's section of docs/RESULTS.md (its anchor)")
+    parser.add_argument("--study-command", required=True, help="the command that ran the study")
+    parser.add_argument("--machine", default=None, help="where the study ran [default: this machine]")
+    parser.add_argument("--out", type=Path, default=STUDY, help=f"where to write [default: {STUDY.relative_to(ROOT)}]")
+    args = parser.parse_args(argv)
+    if not (args.folder / "results.json").is_file():
+        parser.error(f"{args.folder} holds no results.json: give the study's --out folder once it has finished")
+    results = json.loads((args.folder / "results.json").read_text())
+    if "study" not in results:
+        parser.error(f"{args.folder / 'results.json'} is not a study's (no 'study' key): give a `forgetless study` "
+                     "folder")
+    made = {"command": "python scripts/guide_evidence.py " + " ".join(argv), "commit": git_commit(),
+            "machine": args.machine or this_machine(), "date": datetime.date.today().isoformat(),
+            "section": args.section}
+    args.out.write_text(json.dumps(summary(results, args.study_command, made), indent=1) + "\n")
+    print(f"wrote {args.out}; now run python scripts/sync_docs.py")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
