@@ -225,8 +225,6 @@ class Adapted(nn.Module):
         """Before training task `task` (1, 2, ...): `previous` is what the model learned last, which
         methods that protect it need (EWC's Fisher): rows of old data (a dataset or list of examples with
         input_ids and labels, e.g. from forgetless.data.load), (N, T+1) token windows, or a Domain."""
-        if task > 1 and distributed.sharded(list(self.model.named_parameters())):
-            raise ForgetlessError("a model sharded by --fsdp learns one task (tested so); run task sequences without it")
         if previous is None and self.method.needs_previous:
             raise ForgetlessError(f"method {self.method.name} protects what the model knew before: call "
                                   "adapted.start_task(1, previous=old_rows) before training (rows of old data, e.g. "
@@ -364,10 +362,18 @@ def with_loss(out, loss: torch.Tensor):
 
 def check_fsdp(model: nn.Module, method: Method):
     """Refuse FSDP (Adapted.shard) for a method, model or launch it does not run on."""
-    if not method.shardable:
-        raise ForgetlessError(f"method {method.name} does not run under --fsdp (tested: lora, seq-lora, full); "
-                              "drop --fsdp to run it with data parallelism")
+    if method.unshardable:
+        raise ForgetlessError(f"method {method.name} does not shard under --fsdp: {method.unshardable}; use "
+                              f"{sharding_peer(method)}, or drop --fsdp to run it with data parallelism")
     distributed.check_shardable(model)
+
+
+def sharding_peer(method: Method) -> str:
+    """A registered method that shards under FSDP and trains what `method` trains (its modules, model weights or
+    every weight), in table order: what to use instead."""
+    from forgetless.methods.base import METHODS, method_names
+    peers = [n for n in method_names() if not METHODS[n].unshardable and METHODS[n].trains == method.trains]
+    return (peers or ["lora"])[0]
 
 
 def architecture_fingerprint(model: nn.Module) -> dict:

@@ -18,6 +18,7 @@ import atexit
 import os
 import sys
 import time
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -194,9 +195,60 @@ def full(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor().cpu() if is_shard(v) else v for k, v in tensors.items()}
 
 
+def gradients(loss: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """d loss / d params (None where unused), as torch.autograd.grad. FSDP gathers a shard's whole weight outside
+    autograd, so autograd.grad does not reach shards: where `params` holds some, a backward gives their gradients
+    (averaged over the ranks, which must all call it with the same `loss`), leaving the params' .grad as it was."""
+    if not any(is_shard(p) for p in params):
+        return list(torch.autograd.grad(loss, params, allow_unused=True))
+    kept = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    loss.backward()
+    out = [p.grad for p in params]
+    for p, grad in zip(params, kept):
+        p.grad = grad
+    return out
+
+
+def gathered(t: torch.Tensor) -> torch.Tensor:
+    """`t` whole, differentiably (an FSDP shard gathered from every rank, which must all call it); else `t`."""
+    return t.full_tensor() if is_shard(t) else t
+
+
 def shard_as(t: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:
     """Whole tensor `t` sharded as `like` when that is an FSDP shard of t's shape; else `t`."""
     if is_shard(like) and t.shape == like.shape:
         from torch.distributed.tensor import distribute_tensor
         return distribute_tensor(t.to(like.device), like.device_mesh, like.placements)
     return t
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float):
+    """torch's clip_grad_norm_ over `params`, some of which may be FSDP shards and some whole tensors (a method's
+    modules added after sharding, e.g. a growing bank's task-2 entries): one global norm, both kinds scaled by it."""
+    groups = [[p for p in params if p.grad is not None and is_shard(p.grad) == kind] for kind in (True, False)]
+    if not all(groups):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in groups]
+    total = torch.stack([norms[0].full_tensor(), norms[1]]).norm()
+    for group in groups:
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
+@contextmanager
+@torch.no_grad()
+def whole(module: nn.Module):
+    """Inside, the FSDP-sharded parameters of `module` (and its submodules) are whole plain tensors, e.g. to
+    re-initialise them as one process does (a random init of a shard draws other numbers than the whole's slice);
+    at exit every rank keeps its shard of the new values. Every rank must enter it, with the same RNG state."""
+    shards = [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if is_shard(p)]
+    for m, name, p in shards:
+        m._parameters[name] = nn.Parameter(p.full_tensor(), p.requires_grad)
+    try:
+        yield module
+    finally:
+        for m, name, p in shards:
+            p.to_local().copy_(shard_as(m._parameters[name].data, p).to_local())
+            m._parameters[name] = p
