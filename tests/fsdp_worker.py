@@ -8,6 +8,8 @@ Rank 0 writes OUT: the trained parameters, whole ("param.<name>"), and meta {"lo
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import sys
 from pathlib import Path
 
@@ -59,10 +61,11 @@ def main(argv: list[str] | None = None):
     ap.add_argument("--stop-at", type=int, default=0)
     ap.add_argument("--streams", default="", help="methods, comma-separated: each learns --tasks tasks in turn")
     ap.add_argument("--tasks", type=int, default=2)
+    ap.add_argument("--precision", default="fp32")
     args = ap.parse_args(argv)
     distributed.init_from_env()
     if args.streams:
-        return streams(Path(args.out), args.streams.split(","), args.tasks, args.steps, args.fsdp)
+        return streams(Path(args.out), args.streams.split(","), args.tasks, args.steps, args.fsdp, args.precision)
     data = tokens()
     adapted = attach(gguf_llama(256).train(), args.method)  # tied embeddings, as SmolLM2
     if args.fsdp:
@@ -78,19 +81,27 @@ def main(argv: list[str] | None = None):
                                        "world_size": distributed.world_size()})
 
 
-def streams(out: Path, methods: list[str], tasks: int, steps: int, fsdp: bool):
+def streams(out: Path, methods: list[str], tasks: int, steps: int, fsdp: bool, precision: str):
     """Each method, attached to the same random Llama, learns `tasks` tasks of `steps` AdamW steps in turn
     (start_task with the previous task's windows, which its `mix` replays); rank 0 writes out/METHOD.safetensors: the
-    whole trained tensors "param.<name>", the method's state "state.<name>" and meta {"loss", "world_size"}."""
+    whole trained tensors "param.<name>", the method's state "state.<name>" and meta {"loss", "world_size"}. With
+    `fsdp`, ranks other than 0 build the model on the meta device; each writes out/METHOD.rank<r>.json: whether every
+    tensor of its attached model was on meta, the elements its shards hold and the model's."""
+    out.mkdir(parents=True, exist_ok=True)
     for spec in methods:
         torch.manual_seed(0)
-        adapted = attach(gguf_llama(256).train(), spec)
+        with distributed.meta_unless_main() if fsdp else contextlib.nullcontext():
+            adapted = attach(gguf_llama(256).train(), spec)
         if fsdp:
-            adapted.shard()
+            on_meta = all(t.is_meta for t in adapted.model.state_dict().values())
+            adapted.shard(precision)
+            held = sum(p.to_local().numel() if distributed.is_shard(p) else p.numel() for p in adapted.parameters())
+            (out / f"{spec}.rank{distributed.rank()}.json").write_text(json.dumps(
+                {"meta": on_meta, "held": held, "total": sum(p.numel() for p in adapted.parameters())}))
         losses = []
         for task in range(1, tasks + 1):
             adapted.start_task(task, previous=eval_windows(tokens(task - 1), BLOCK, 4))
-            cfg = TrainConfig(steps=steps, batch_size=4, lr=3e-3, warmup=1, eval_every=steps)
+            cfg = TrainConfig(steps=steps, batch_size=4, lr=3e-3, warmup=1, eval_every=steps, precision=precision)
             sampler = Sampler(tokens(task), 4, BLOCK, seed=task, other=tokens(task - 1), p=adapted.method.cfg.mix or 0.0)
             history = train(adapted.model, adapted.trainable_parameters(), sampler, cfg,
                             lambda m, batch, adapted=adapted: adapted.losses(batch), desc=f"{spec} task {task}")

@@ -18,7 +18,7 @@ import atexit
 import os
 import sys
 import time
-from contextlib import contextmanager
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -55,6 +55,17 @@ def init_from_env():
     if not is_main():
         from forgetless.progress import console
         console.quiet = True
+
+
+def local_device() -> torch.device:
+    """This rank's device: its GPU (init_from_env set it from LOCAL_RANK), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def meta_unless_main():
+    """A context in which ranks other than 0 build a model on the meta device (shapes, no weights) for
+    `shard_model` to fill from rank 0; rank 0 (and one process) builds it as usual."""
+    return torch.device("meta") if not is_main() else contextlib.nullcontext()
 
 
 def leave():
@@ -154,23 +165,36 @@ def broadcast_parameters(params: list[tuple[str, nn.Parameter]]):
                 dist.broadcast(p.data, 0)
 
 
-def shard_model(model: nn.Module):
+def shard_model(model: nn.Module, device: torch.device, precision: str = "fp32"):
     """FSDP: shard the parameters of a transformers `model` over the ranks, one group per decoder layer
     (the classes of its `_no_split_modules`) and one for the rest, from rank 0's values. A layer's
-    whole weights exist only while it runs forward or backward."""
+    whole weights exist only while it runs forward or backward. Ranks other than 0 may hold `model` on the meta
+    device (built without weights): their shards are made on `device` and filled from rank 0 one tensor at a time,
+    so no rank but 0 ever holds the whole model. `precision` bf16: FSDP2's mixed precision, weights gathered and
+    computed in bf16 and gradients reduced in fp32, the shards (and AdamW) staying in their dtype."""
     check_shardable(model)
-    from torch.distributed.fsdp import fully_shard
-    broadcast_parameters(list(model.named_parameters()))
-    layers = model._no_split_modules
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if precision == "bf16" else MixedPrecisionPolicy()
+    whole = model.state_dict() if is_main() else {}
     for module in list(model.modules()):
-        if type(module).__name__ in layers:
-            fully_shard(module)
-    fully_shard(model)
+        if type(module).__name__ in model._no_split_modules:
+            fully_shard(module, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        model.to_empty(device=device)
+    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    with torch.no_grad():
+        for t in model.buffers():  # not sharded; some are in no state dict (rotary frequencies)
+            dist.broadcast(t, 0)
+        state = torch.get_rng_state()  # a rank built on meta drew no random numbers: later draws (a new task's
+        dist.broadcast(state, 0)  # modules, LoRA's restart) must agree with rank 0's
+        torch.set_rng_state(state)
 
 
-def check_shardable(model: nn.Module):
-    """Refuse FSDP for a model without decoder layers to shard by, or in one process."""
-    if not getattr(model, "_no_split_modules", None):
+def check_shardable(model: nn.Module | None):
+    """Refuse FSDP for a model without decoder layers to shard by (None: not loaded yet), or in one process."""
+    if model is not None and not getattr(model, "_no_split_modules", None):
         raise ForgetlessError(f"--fsdp shards transformers models by decoder layer and {type(model).__name__} names "
                               "none; use --model hf:PATH or smollm2-135m, or drop --fsdp")
     if world_size() == 1:
@@ -237,7 +261,7 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float):
     return total
 
 
-@contextmanager
+@contextlib.contextmanager
 @torch.no_grad()
 def whole(module: nn.Module):
     """Inside, the FSDP-sharded parameters of `module` (and its submodules) are whole plain tensors, e.g. to
