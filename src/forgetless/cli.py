@@ -321,7 +321,8 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
 
 def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, preset, device, cfg, domain_b, fsdp):
     """`adapt --data`: a pretrained model on the user's own data (continual/user_adapt.py), on the resolved `device`;
-    `fsdp`: sharded over the processes of torchrun."""
+    `fsdp`: sharded over the processes of torchrun (ranks other than 0 build the model without weights)."""
+    from forgetless import distributed
     from forgetless.adapted import check_fsdp
     from forgetless.continual.protocol import refuse_joint
     from forgetless.continual.user_adapt import MIN_HELD_OUT, adapt_on_data
@@ -358,7 +359,7 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
         check_fsdp(None, m)
     cfg, _ = settle_precision(cfg, device)
     adapt_cfg = cfg.adapt if retain is None or cfg.adapt.mix > 0 else dataclasses.replace(cfg.adapt, mix=0.2)  # replay
-    lm, tokenizer = load_model(model, device, cfg.load)
+    lm, tokenizer = load_model(model, device, cfg.load, meta=fsdp and not distributed.is_main())
     m.check_base(lm)
     if fsdp:
         check_fsdp(lm, m)

@@ -10,7 +10,9 @@ function here is the identity (or a no-op).
 
 `shard_model` adds FSDP (torch's `fully_shard`) for transformers models: each rank keeps 1/N of every
 parameter, gradient and optimizer state (DTensors); FSDP averages the gradients of those, so the
-hand-made averaging skips them, and `full` / `shard_as` turn them into whole tensors for files and back.
+hand-made averaging skips them, and `full` / `shard_as` turn them into whole tensors for files and back. Ranks
+other than 0 may build the model on the meta device (`meta_unless_main`): `shard_model` fills their shards from
+rank 0, and with bf16 precision FSDP2's mixed precision computes in bf16 and reduces gradients in fp32.
 """
 from __future__ import annotations
 
@@ -156,7 +158,7 @@ def average_gradients(params: list[tuple[str, nn.Parameter]]):
 
 def broadcast_parameters(params: list[tuple[str, nn.Parameter]]):
     """Give every rank rank 0's values of `params` (the same start even if an initialisation differed);
-    FSDP shards are skipped (`shard_model` broadcast them whole)."""
+    FSDP shards are skipped (`shard_model` gave them rank 0's values)."""
     if world_size() == 1:
         return
     with torch.no_grad():

@@ -46,11 +46,12 @@ def adapt_on_data(model: nn.Module, tokenizer, method: Method, new, old, cfg: Ad
     cfg = method.training_config(cfg)
     mix = cfg.mix if old is not None else 0.0
     pad = Collator(tokenizer).pad_id
-    before = scores(model, new_held, old_held, pad, cfg.precision)
+    before = None if fsdp else scores(model, new_held, old_held, pad, cfg.precision)
     torch.manual_seed(seed)
     adapted = attach(model, method)
-    if fsdp:
+    if fsdp:  # scored once sharded (ranks other than 0 may have built the model without weights)
         adapted.shard(cfg.precision)
+        before = scores(adapted.model, new_held, old_held, pad, cfg.precision)
     adapted.start_task(1, old_train if method.needs_previous else None)
     params = adapted.trainable_parameters()
     sampler = InstructionSampler(encoded(new_train, pad), cfg.batch_size, seed,
