@@ -332,7 +332,11 @@ def test_loading_options_without_a_pretrained_model_refuse(tmp_path):
     assert r.exit_code == 2 and "--quantize and --gradient-checkpointing load a pretrained --model" in r.output
 
 
-def test_adapt_data_with_fsdp_refuses_before_loading(folder, tmp_path, monkeypatch):
+def test_adapt_data_with_fsdp_refuses_what_does_not_shard_before_loading(folder, tmp_path, monkeypatch):
+    """(tests/test_fsdp.py runs `adapt --data --fsdp` in 2 processes.)"""
     data = records(tmp_path / "new.jsonl", [{"prompt": f"Q{i}", "answer": s} for i, s in enumerate(SENTENCES * 3)])
     r, loads = adapt(monkeypatch, "--model", f"hf:{folder}", "--data", data, "--fsdp", "--out", tmp_path / "out")
-    assert r.exit_code == 2 and "adapt --data does not shard" in r.output and not loads
+    assert r.exit_code == 2 and "this is one; launch with torchrun --nproc_per_node N" in r.output and not loads
+    r, loads = adapt(monkeypatch, "--model", f"hf:{folder}", "--data", data, "--method", "osf", "--fsdp",
+                     "--out", tmp_path / "out")
+    assert r.exit_code == 2 and "method osf does not shard under --fsdp: it splits" in r.output and not loads

@@ -116,7 +116,8 @@ def test_composed_specs_save_and_reload_with_the_same_loss(tmp_path, spec):
 def test_a_composition_takes_the_methods_traits_and_the_terms_needs():
     m = build_method("lora+distill")
     assert m.name == "lora+distill" and m.merges and m.injects and not m.needs_previous and m.cfg.mix == 0.1
-    assert m.start_copies == () and not m.shardable  # LoRA's start values are not the base's: they are saved
+    assert m.start_copies == ()  # LoRA's start values are not the base's: they are saved
+    assert not m.unshardable and build_method("osf+distill").unshardable == build_method("osf").unshardable
     assert build_method("lora+ewc").needs_previous and parse_method_specs("lora[mix=0.3]+distill")[0].build().cfg.mix == 0.3
     assert build_method("full+ewc").start_copies == ("start.",)
 

@@ -181,12 +181,16 @@ class Adapted(nn.Module):
         total = sum(p.numel() for p in self.model.parameters())
         print(f"trainable params: {trainable:,} || all params: {total:,} || trainable%: {100 * trainable / total:.4f}")
 
-    def shard(self):
-        """FSDP over the processes of torchrun (distributed.shard_model), after attaching and before
-        training; methods that need whole tensors in their hooks or state refuse."""
+    def shard(self, precision: str = "fp32", device: torch.device | str | None = None):
+        """FSDP over the processes of torchrun (distributed.shard_model), after attaching and before training;
+        methods that need whole tensors in their hooks or state refuse. On ranks other than 0 the model may be on the
+        meta device (`distributed.meta_unless_main`): it gets its shards of rank 0's weights on `device` (default:
+        this rank's GPU, else the CPU). `precision` bf16: FSDP's bf16 mixed precision (gradients reduced in fp32)."""
         check_fsdp(self.model, self.method)
+        if self.device.type == "meta":
+            self.device = torch.device(device or distributed.local_device())
         base = {name for name, t in self._named_tensors() if id(t) in self._base}
-        distributed.shard_model(self.model)  # replaces the parameters by shards of the same names
+        distributed.shard_model(self.model, self.device, precision)  # replaces the parameters by shards (same names)
         self._base = {id(t) for name, t in self._named_tensors() if name in base}
 
     def _named_tensors(self):
@@ -225,8 +229,6 @@ class Adapted(nn.Module):
         """Before training task `task` (1, 2, ...): `previous` is what the model learned last, which
         methods that protect it need (EWC's Fisher): rows of old data (a dataset or list of examples with
         input_ids and labels, e.g. from forgetless.data.load), (N, T+1) token windows, or a Domain."""
-        if task > 1 and distributed.sharded(list(self.model.named_parameters())):
-            raise ForgetlessError("a model sharded by --fsdp learns one task (tested so); run task sequences without it")
         if previous is None and self.method.needs_previous:
             raise ForgetlessError(f"method {self.method.name} protects what the model knew before: call "
                                   "adapted.start_task(1, previous=old_rows) before training (rows of old data, e.g. "
@@ -304,6 +306,7 @@ class Adapted(nn.Module):
         the local base folder (LoRA), a merged transformers folder (methods that fold into the weights),
         else the forgetless folder with LOADING.md; with the tokenizer when given. Returns (form, folder)."""
         check_empty(Path(out_dir))
+        distributed.barrier()  # every rank has looked before rank 0 writes
         return export_adapted(self, None, tokenizer, Path(out_dir))
 
     def merge_and_unload(self) -> nn.Module:
@@ -362,12 +365,21 @@ def with_loss(out, loss: torch.Tensor):
     return type(out)(**{**out, "loss": loss})
 
 
-def check_fsdp(model: nn.Module, method: Method):
-    """Refuse FSDP (Adapted.shard) for a method, model or launch it does not run on."""
-    if not method.shardable:
-        raise ForgetlessError(f"method {method.name} does not run under --fsdp (tested: lora, seq-lora, full); "
-                              "drop --fsdp to run it with data parallelism")
+def check_fsdp(model: nn.Module | None, method: Method):
+    """Refuse FSDP (Adapted.shard) for a method, model or launch it does not run on (None: the model is not
+    loaded yet)."""
+    if method.unshardable:
+        raise ForgetlessError(f"method {method.name} does not shard under --fsdp: {method.unshardable}; use "
+                              f"{sharding_peer(method)}, or drop --fsdp to run it with data parallelism")
     distributed.check_shardable(model)
+
+
+def sharding_peer(method: Method) -> str:
+    """A registered method that shards under FSDP and trains what `method` trains (its modules, model weights or
+    every weight), in table order: what to use instead."""
+    from forgetless.methods.base import METHODS, method_names
+    peers = [n for n in method_names() if not METHODS[n].unshardable and METHODS[n].trains == method.trains]
+    return (peers or ["lora"])[0]
 
 
 def architecture_fingerprint(model: nn.Module) -> dict:

@@ -255,7 +255,7 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
           device: str = DEVICE, precision: Optional[str] = PRECISION, dtype: Optional[str] = DTYPE,
           quantize: Optional[str] = QUANTIZE, checkpointing: bool = CHECKPOINTING,
           fsdp: bool = typer.Option(False, "--fsdp", help="under torchrun: shard the --model over the processes "
-                                    "(FSDP) instead of copying it to each; lora, seq-lora or full, with adamw"),
+                                    "(FSDP) instead of copying it to each; methods that `forgetless methods` says shard, with adamw"),
           config_file: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET, flags: dict = None):
     """Adapt a pretrained model to your data (--model M --data NEW [--retain OLD]): a report of both sides before
     and after and a model to serve; or a base to a corpus B (--domain-b), with retention on A."""
@@ -273,12 +273,8 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     set_load(flags, dtype, quantize, checkpointing)
     device = resolve_device(device)
     if data is not None:
-        if fsdp:
-            raise ForgetlessError("adapt --data does not shard (--fsdp acts with --domain-b): drop --fsdp, and to fit a "
-                                  "large model use --quantize 4bit with a LoRA-style method, --dtype bf16 or "
-                                  "--gradient-checkpointing")
         return adapt_data(model, base, data, retain, method, out, max_length, seed, preset or "real", device,
-                          run_config(preset or "real", config_file, flags, set_), domain_b)
+                          run_config(preset or "real", config_file, flags, set_), domain_b, fsdp)
     if retain is not None:
         raise ForgetlessError("--retain goes with --data (your new data); with --domain-b, retention is measured on "
                               "--domain-a")
@@ -323,8 +319,11 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
         f"wrote {out}")
 
 
-def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, preset, device, cfg, domain_b):
-    """`adapt --data`: a pretrained model on the user's own data (continual/user_adapt.py), on the resolved `device`."""
+def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, preset, device, cfg, domain_b, fsdp):
+    """`adapt --data`: a pretrained model on the user's own data (continual/user_adapt.py), on the resolved `device`;
+    `fsdp`: sharded over the processes of torchrun (ranks other than 0 build the model without weights)."""
+    from forgetless import distributed
+    from forgetless.adapted import check_fsdp
     from forgetless.continual.protocol import refuse_joint
     from forgetless.continual.user_adapt import MIN_HELD_OUT, adapt_on_data
     from forgetless.guide import advice_for
@@ -356,10 +355,14 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
         raise ForgetlessError(f"{spec.label} needs rows of old data ({needs}): give --retain OLD (text or records "
                               "the model should keep), or choose a method for data without them (`forgetless methods`)")
     m.check_quantized(cfg.load.quantize)  # before the load
+    if fsdp:
+        check_fsdp(None, m)
     cfg, _ = settle_precision(cfg, device)
-    lm, tokenizer = load_model(model, device, cfg.load)
+    lm, tokenizer = load_model(model, device, cfg.load, meta=fsdp and not distributed.is_main())
     m.check_base(lm)
-    report = adapt_on_data(lm, tokenizer, m, data, retain, cfg.adapt, seed, out, max_length, model, cfg.load)
+    if fsdp:
+        check_fsdp(lm, m)
+    report = adapt_on_data(lm, tokenizer, m, data, retain, cfg.adapt, seed, out, max_length, model, cfg.load, fsdp)
     b, a = report["before"], report["after"]
     old = (f", old PPL {b['old_ppl']:.3f} → {a['old_ppl']:.3f} ({a['old_ppl'] / b['old_ppl'] - 1:+.1%})"
            if "old_ppl" in b else ", no --retain: forgetting not measured")

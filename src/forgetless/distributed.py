@@ -10,7 +10,9 @@ function here is the identity (or a no-op).
 
 `shard_model` adds FSDP (torch's `fully_shard`) for transformers models: each rank keeps 1/N of every
 parameter, gradient and optimizer state (DTensors); FSDP averages the gradients of those, so the
-hand-made averaging skips them, and `full` / `shard_as` turn them into whole tensors for files and back.
+hand-made averaging skips them, and `full` / `shard_as` turn them into whole tensors for files and back. Ranks
+other than 0 may build the model on the meta device (`meta_unless_main`): `shard_model` fills their shards from
+rank 0, and with bf16 precision FSDP2's mixed precision computes in bf16 and reduces gradients in fp32.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import atexit
 import os
 import sys
 import time
+import contextlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,6 +57,17 @@ def init_from_env():
     if not is_main():
         from forgetless.progress import console
         console.quiet = True
+
+
+def local_device() -> torch.device:
+    """This rank's device: its GPU (init_from_env set it from LOCAL_RANK), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def meta_unless_main():
+    """A context in which ranks other than 0 build a model on the meta device (shapes, no weights) for
+    `shard_model` to fill from rank 0; rank 0 (and one process) builds it as usual."""
+    return torch.device("meta") if not is_main() else contextlib.nullcontext()
 
 
 def leave():
@@ -144,7 +158,7 @@ def average_gradients(params: list[tuple[str, nn.Parameter]]):
 
 def broadcast_parameters(params: list[tuple[str, nn.Parameter]]):
     """Give every rank rank 0's values of `params` (the same start even if an initialisation differed);
-    FSDP shards are skipped (`shard_model` broadcast them whole)."""
+    FSDP shards are skipped (`shard_model` gave them rank 0's values)."""
     if world_size() == 1:
         return
     with torch.no_grad():
@@ -153,23 +167,36 @@ def broadcast_parameters(params: list[tuple[str, nn.Parameter]]):
                 dist.broadcast(p.data, 0)
 
 
-def shard_model(model: nn.Module):
+def shard_model(model: nn.Module, device: torch.device, precision: str = "fp32"):
     """FSDP: shard the parameters of a transformers `model` over the ranks, one group per decoder layer
     (the classes of its `_no_split_modules`) and one for the rest, from rank 0's values. A layer's
-    whole weights exist only while it runs forward or backward."""
+    whole weights exist only while it runs forward or backward. Ranks other than 0 may hold `model` on the meta
+    device (built without weights): their shards are made on `device` and filled from rank 0 one tensor at a time,
+    so no rank but 0 ever holds the whole model. `precision` bf16: FSDP2's mixed precision, weights gathered and
+    computed in bf16 and gradients reduced in fp32, the shards (and AdamW) staying in their dtype."""
     check_shardable(model)
-    from torch.distributed.fsdp import fully_shard
-    broadcast_parameters(list(model.named_parameters()))
-    layers = model._no_split_modules
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if precision == "bf16" else MixedPrecisionPolicy()
+    whole = model.state_dict() if is_main() else {}
     for module in list(model.modules()):
-        if type(module).__name__ in layers:
-            fully_shard(module)
-    fully_shard(model)
+        if type(module).__name__ in model._no_split_modules:
+            fully_shard(module, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        model.to_empty(device=device)
+    set_model_state_dict(model, whole, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    with torch.no_grad():
+        for t in model.buffers():  # not sharded; some are in no state dict (rotary frequencies)
+            dist.broadcast(t, 0)
+        state = torch.get_rng_state()  # a rank built on meta drew no random numbers: later draws (a new task's
+        dist.broadcast(state, 0)  # modules, LoRA's restart) must agree with rank 0's
+        torch.set_rng_state(state)
 
 
-def check_shardable(model: nn.Module):
-    """Refuse FSDP for a model without decoder layers to shard by, or in one process."""
-    if not getattr(model, "_no_split_modules", None):
+def check_shardable(model: nn.Module | None):
+    """Refuse FSDP for a model without decoder layers to shard by (None: not loaded yet), or in one process."""
+    if model is not None and not getattr(model, "_no_split_modules", None):
         raise ForgetlessError(f"--fsdp shards transformers models by decoder layer and {type(model).__name__} names "
                               "none; use --model hf:PATH or smollm2-135m, or drop --fsdp")
     if world_size() == 1:
@@ -194,9 +221,60 @@ def full(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor().cpu() if is_shard(v) else v for k, v in tensors.items()}
 
 
+def gradients(loss: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """d loss / d params (None where unused), as torch.autograd.grad. FSDP gathers a shard's whole weight outside
+    autograd, so autograd.grad does not reach shards: where `params` holds some, a backward gives their gradients
+    (averaged over the ranks, which must all call it with the same `loss`), leaving the params' .grad as it was."""
+    if not any(is_shard(p) for p in params):
+        return list(torch.autograd.grad(loss, params, allow_unused=True))
+    kept = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    loss.backward()
+    out = [p.grad for p in params]
+    for p, grad in zip(params, kept):
+        p.grad = grad
+    return out
+
+
+def gathered(t: torch.Tensor) -> torch.Tensor:
+    """`t` whole, differentiably (an FSDP shard gathered from every rank, which must all call it); else `t`."""
+    return t.full_tensor() if is_shard(t) else t
+
+
 def shard_as(t: torch.Tensor, like: torch.Tensor | None) -> torch.Tensor:
     """Whole tensor `t` sharded as `like` when that is an FSDP shard of t's shape; else `t`."""
     if is_shard(like) and t.shape == like.shape:
         from torch.distributed.tensor import distribute_tensor
         return distribute_tensor(t.to(like.device), like.device_mesh, like.placements)
     return t
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float):
+    """torch's clip_grad_norm_ over `params`, some of which may be FSDP shards and some whole tensors (a method's
+    modules added after sharding, e.g. a growing bank's task-2 entries): one global norm, both kinds scaled by it."""
+    groups = [[p for p in params if p.grad is not None and is_shard(p.grad) == kind] for kind in (True, False)]
+    if not all(groups):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in groups]
+    total = torch.stack([norms[0].full_tensor(), norms[1]]).norm()
+    for group in groups:
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
+@contextlib.contextmanager
+@torch.no_grad()
+def whole(module: nn.Module):
+    """Inside, the FSDP-sharded parameters of `module` (and its submodules) are whole plain tensors, e.g. to
+    re-initialise them as one process does (a random init of a shard draws other numbers than the whole's slice);
+    at exit every rank keeps its shard of the new values. Every rank must enter it, with the same RNG state."""
+    shards = [(m, name, p) for m in module.modules() for name, p in m._parameters.items() if is_shard(p)]
+    for m, name, p in shards:
+        m._parameters[name] = nn.Parameter(p.full_tensor(), p.requires_grad)
+    try:
+        yield module
+    finally:
+        for m, name, p in shards:
+            p.to_local().copy_(shard_as(m._parameters[name].data, p).to_local())
+            m._parameters[name] = p

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch.nn as nn
 
+from forgetless import distributed
 from forgetless.checkpoint import save_checkpoint, writable_dir
 from forgetless.errors import ForgetlessError
 from forgetless.methods.base import PEFT, quantized
@@ -35,7 +36,8 @@ def export_adapted(adapted: Adapted, spec: str | None, tokenizer, out: Path) -> 
     if form == "merged":
         return form, save_merged(adapted.merge_and_unload(), out, tokenizer)
     adapted.save_pretrained(out)
-    (out / "LOADING.md").write_text(loading_example(spec or str(base or "hf:PATH"), out))
+    if distributed.is_main():
+        (out / "LOADING.md").write_text(loading_example(spec or str(base or "hf:PATH"), out))
     return "forgetless", out
 
 
@@ -64,6 +66,8 @@ def form_of(adapted: Adapted, base: Path | None) -> str:
     if method.export_form == PEFT and base is not None and adapted.task == 1:
         return PEFT
     merges = method.merges and not quantized(adapted.model)
+    if distributed.sharded(list(adapted.model.named_parameters())):  # FSDP: merged weights are not gathered whole
+        return "forgetless"
     return "merged" if merges or not adapted.injected() else "forgetless"
 
 
@@ -75,13 +79,16 @@ def save_peft(adapted: Adapted, out: Path, tokenizer, spec: str) -> Path:
 
     cfg = adapted.method.cfg
     targets = [n for n, m in adapted.model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
-    LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=short_names(adapted.model, targets),
-               task_type="CAUSAL_LM",
-               base_model_name_or_path=spec,
-               fan_in_fan_out=any(type(m).__name__ == "Conv1D" for m in adapted.model.modules())).save_pretrained(out)
+    config = LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                        target_modules=short_names(adapted.model, targets), task_type="CAUSAL_LM",
+                        base_model_name_or_path=spec,
+                        fan_in_fan_out=any(type(m).__name__ == "Conv1D" for m in adapted.model.modules()))
     tensors = {f"base_model.model.{k}": v.contiguous().cpu() for k, v in adapted.method_state().items()}
-    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    save_tokenizer(tokenizer, out)
+    if distributed.is_main():  # under torchrun: every rank gathered the tensors, rank 0 writes
+        config.save_pretrained(out)
+        save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+        save_tokenizer(tokenizer, out)
+    distributed.barrier()
     return out
 
 

@@ -230,7 +230,7 @@ def train(model: nn.Module, params: list[tuple[str, nn.Parameter]], sampler: Sam
             distributed.average_gradients(params)
             scaler.unscale_(opt)
             if cfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_([p for _, p in params], cfg.grad_clip)
+                distributed.clip_grad_norm([p for _, p in params], cfg.grad_clip)
             done = step + 1
             hooks.before_step(model, opt, done, done == cfg.steps)
             scaler.step(opt)

@@ -70,7 +70,7 @@ def run_arm(model: nn.Module, method: Method, a: Domain, b: Domain, cfg: AdaptCo
     torch.manual_seed(seed)
     adapted = attach(model, method)
     if fsdp:
-        adapted.shard()
+        adapted.shard(cfg.precision)
     model = adapted.model
     report_before = method.report(model, a.windows, b.windows)
     eval_s, first = 0.0, before if method.attach_rounding == 0 else None  # step 0: the base's outputs, bit for bit

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from forgetless import distributed
 from forgetless.adapted import attach
 from forgetless.checkpoint import write_json
 from forgetless.data.instructions import Encoded, InstructionSampler
@@ -42,9 +43,11 @@ def data_config(method: Method, cfg: AdaptConfig, has_old: bool) -> AdaptConfig:
 
 
 def adapt_on_data(model: nn.Module, tokenizer, method: Method, new, old, cfg: AdaptConfig, seed: int, out: Path,
-                  max_length: int, model_spec: str | None = None, loaded: LoadConfig | None = None) -> dict:
+                  max_length: int, model_spec: str | None = None, loaded: LoadConfig | None = None,
+                  fsdp: bool = False) -> dict:
     """Train `method` on `new` (mixing rows of `old` where given) and write out/report.{json,md},
-    out/report.png and the exported model in out/model; returns the report (`loaded`: how the model was loaded)."""
+    out/report.png and the exported model in out/model; returns the report (`loaded`: how the model was loaded).
+    `fsdp`: the model sharded over the processes of torchrun once the method is attached (Adapted.shard)."""
     new_train, new_held = held_out(load(new, tokenizer, max_length), "--data")
     old_train, old_held = held_out(load(old, tokenizer, max_length), "--retain") if old is not None else (None, None)
     notes = [*thin(new_train, new_held, "--data"), *(thin(old_train, old_held, "--retain") if old is not None else [])]
@@ -53,9 +56,12 @@ def adapt_on_data(model: nn.Module, tokenizer, method: Method, new, old, cfg: Ad
     cfg = data_config(method, cfg, old is not None)
     mix = cfg.mix
     pad = Collator(tokenizer).pad_id
-    before = scores(model, new_held, old_held, pad, cfg.precision)
+    before = None if fsdp else scores(model, new_held, old_held, pad, cfg.precision)
     torch.manual_seed(seed)
     adapted = attach(model, method)
+    if fsdp:  # scored once sharded (ranks other than 0 may have built the model without weights)
+        adapted.shard(cfg.precision)
+        before = scores(adapted.model, new_held, old_held, pad, cfg.precision)
     adapted.start_task(1, old_train if method.needs_previous else None)
     params = adapted.trainable_parameters()
     sampler = InstructionSampler(encoded(new_train, pad), cfg.batch_size, seed,
@@ -82,8 +88,9 @@ def adapt_on_data(model: nn.Module, tokenizer, method: Method, new, old, cfg: Ad
               "wall_s": wall, "peak_rss_mb": memory.peak_mb, "loss": history.loss,
               "export": {"form": form, "folder": str(folder)}, "notes": notes}
     write_json(out / "report.json", report)
-    drawn = figure(report, out / "report.png")
-    (out / "report.md").write_text(markdown(report, image=drawn))
+    if distributed.is_main():
+        drawn = figure(report, out / "report.png")
+        (out / "report.md").write_text(markdown(report, image=drawn))
     return report
 
 

@@ -25,7 +25,7 @@ class AdapterConfig(MethodConfig):
 @register_method("adapter")
 class Adapter(Method):
     Config = AdapterConfig
-    order = 40
+    order, unshardable = 40, ""
 
     def attach(self, model):
         for name, module in find_ffns(model, self.cfg.target_modules, self.cfg.exclude_modules):

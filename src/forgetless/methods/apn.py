@@ -103,6 +103,8 @@ class APNMethod(Method):
     """APN base (APN FFNs pretrained on A); adapt only the patches, as in the source."""
     Config = APNMethodConfig
     order = 50
+    unshardable = ("its step hooks mask the gradients and AdamW moments of single patches and allocate patches "
+                   "between steps, on whole tensors")
     default_for = ("two-domain",)  # APN bases are costly; run them in a sequence with --methods apn,...
 
     def __init__(self, cfg: APNMethodConfig):

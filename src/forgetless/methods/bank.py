@@ -25,7 +25,7 @@ class BankConfig(MethodConfig):
 
 class GrowingBank(Method):
     default_for = ("sequence",)  # per-task banks; on one task (`--methods moram`) an adapter like others
-    grows = True
+    grows, unshardable = True, ""  # entries added after sharding stay whole (distributed.clip_grad_norm)
     module_cls: type[nn.Module]   # wrapper(base, d_in, d_out, cfg) with add_task()
     per_task: tuple[str, ...]     # its ParameterLists with one entry per task; the newest trains
     shared: tuple[str, ...] = ()  # its ParameterLists that train in full on every task

@@ -85,7 +85,7 @@ def traits_text(cls: type["Method"]) -> str:
     trains = {ALL: "trains every weight", WEIGHTS: "trains model weights", MODULES: "trains its modules"}[cls.trains]
     flags = [(not cls.injects, "injects nothing"), (cls.merges, "merges"), (cls.export_form == PEFT, "exports PEFT"),
              (cls.grows, "grows per task"), (cls.needs_previous, "needs the previous task"),
-             (cls.reads_retained, "reads old rows"), (cls.shardable, "shards (FSDP)")]
+             (cls.reads_retained, "reads old rows"), (not cls.unshardable, "shards (FSDP)")]
     lr = cls.pretrained_options().get("lr")
     return ", ".join([trains, *(text for on, text in flags if on), *([f"lr {lr:g} on a pretrained model"] if lr else [])])
 
@@ -228,7 +228,8 @@ class Method(StepHooks):
     export_form: str | None = None  # PEFT: export writes a PEFT adapter (a local transformers base, one task);
     # None: merged weights where it merges or injects nothing, else the forgetless folder (export.form_of)
     grows = False  # adds modules for every task (on_task_start; from_pretrained grows them again)
-    shardable = False  # runs under FSDP (Adapted.shard): tested with sharded parameters, adamw, no hooks of its own
+    unshardable = "it was not tested under FSDP2"  # why --fsdp (Adapted.shard) refuses it; "": it shards, tested with
+    # 2 gloo processes against one on a task stream (tests/test_fsdp.py)
     needs_previous = False  # start_task needs the data learned last (EWC's Fisher)
     mixes_original = False  # its mixed rows must be original-distribution data, never earlier tasks (Neutral's l1)
     reads_retained = ""  # the term that acts on the batch's retained rows of old data (e.g. a KL term); "": none
@@ -374,6 +375,7 @@ class Term:
     needs_previous = False  # needs the data learned last (Method.needs_previous)
     reads_retained = ""  # acts on the batch's retained rows (Method.reads_retained)
     copies = 0  # copies of the trained parameters it keeps besides the composition's one start copy (EWC: Fisher)
+    unshardable = "it was not tested under FSDP2"  # Method.unshardable; a composition shards where all its parts do
     default_mix: float | None = None  # the composition's mix where the method sets none (rows for the term to read)
 
     def __init__(self, cfg):
@@ -416,7 +418,9 @@ class Composed(Method):
             for trait in ("name", "order", "trains", "injects", "merges", "export_form", "grows", "mixes_original",
                           "token_weights", "attach_rounding", "pretrained_lr", "default_for"):
                 setattr(self, trait, label if trait == "name" else getattr(base, trait))
-            self.shardable, self.takes_terms = False, False
+            self.takes_terms = False
+            self.unshardable = base.unshardable or next((f"its term {t.name}: {t.unshardable}" for t in terms
+                                                         if t.unshardable), "")
             self.copies = base.copies + 1 + sum(t.copies for t in terms)  # + the start copy
             self.needs_previous = base.needs_previous or any(t.needs_previous for t in terms)
             self.reads_retained = " and ".join(filter(None, [base.reads_retained, *(t.reads_retained for t in terms)]))

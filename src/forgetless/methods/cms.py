@@ -63,6 +63,8 @@ class CMSMethod(Method):
     """CMS base (FFN = MLP levels updated every 1, 4, 32, 128 steps); the levels adapt on their periods."""
     Config = CMSMethodConfig
     order = 100
+    unshardable = ("its levels keep their update periods through the CMS module's own training hooks, which "
+                   "accumulate whole gradients")
 
     def base_config(self, model_cfg: GPTConfig) -> GPTConfig:
         options = {f.name: getattr(self.cfg, f.name) for f in dataclasses.fields(CMSConfig)}

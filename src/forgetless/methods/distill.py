@@ -57,6 +57,7 @@ class DistillConfig(DistillTermConfig, MethodConfig):
 class DistillTerm(Term):
     """A KL term to the model at the task's start on the mixed-in rows of old data."""
     Config = DistillTermConfig
+    unshardable = ""
     reads_retained = "distillation's KL term"
     default_mix = 0.1
 
@@ -125,6 +126,7 @@ class Distill(Composed):
     """Full fine-tuning plus a KL term to the task's starting model on the mixed-in original rows."""
     Config = DistillConfig
     order, trains, injects, takes_terms, copies = 91, ALL, False, False, 1
+    unshardable = ""
     start_copies = ("start.",)  # copies of the weights at the task's start
     default_for = ()  # named only: `--methods all` (and the tables it reproduces) stay as they were
     reads_retained = DistillTerm.reads_retained

@@ -32,6 +32,7 @@ class DynamicEval(Method):
     """Dynamic evaluation: SGD on every weight, decaying toward the original weights."""
     Config = DynamicEvalConfig
     order, trains, injects, takes_terms, copies = 110, ALL, False, False, 1  # it anchors itself (its decay to the origin)
+    unshardable = ""
     start_copies = ("origin.",)  # copies of the weights at the task's start
     default_for = ()
 

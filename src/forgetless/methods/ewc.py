@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from forgetless.distributed import gathered, gradients, is_shard
 from forgetless.errors import ForgetlessError
 from forgetless.methods.base import ALL, Composed, MethodConfig, Term, register_method, register_term
 from forgetless.methods.full import Full
@@ -46,6 +47,7 @@ class EWCConfig(EWCTermConfig, MethodConfig):
 class EWCTerm(Term):
     """A diagonal-Fisher penalty pulling the trainable parameters back to where the task started."""
     Config = EWCTermConfig
+    unshardable = ""
     needs_previous, copies = True, 1
 
     def __init__(self, cfg):
@@ -62,7 +64,7 @@ class EWCTerm(Term):
     def loss(self, method, model, batch):
         if not self.fisher or self.cfg.lam == 0:
             return None
-        penalty = sum(Pull.apply(p, self.fisher[n], method.start[n]) for n, p in method.trainable_parameters(model)
+        penalty = sum(pull(p, self.fisher[n], method.start[n]) for n, p in method.trainable_parameters(model)
                       if n in self.fisher)
         return 0.5 * self.cfg.lam * penalty
 
@@ -71,6 +73,14 @@ class EWCTerm(Term):
 
     def load_hook_state(self, tensors):
         self.fisher = {k[len("fisher."):]: v for k, v in tensors.items() if k.startswith("fisher.")}
+
+
+def pull(p: torch.Tensor, f: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """Pull of one parameter, also under FSDP: a shard's summed over the ranks; a parameter FSDP holds gathered
+    whole after the forward (the root module's, e.g. the embedding) against its gathered Fisher and anchor."""
+    if is_shard(p) or not is_shard(f):
+        return gathered(Pull.apply(p, f, a))
+    return Pull.apply(p, gathered(f), gathered(a))
 
 
 class Pull(torch.autograd.Function):
@@ -94,6 +104,7 @@ class EWC(Composed):
     """Full fine-tuning plus a diagonal-Fisher penalty towards the weights of the learned domains."""
     Config = EWCConfig
     order, trains, injects, takes_terms, copies = 90, ALL, False, False, 2
+    unshardable = ""
     start_copies = ("start.",)  # copies of the weights at the task's start
     needs_previous = True
 
@@ -148,7 +159,7 @@ def empirical_fisher(model, rows: list[tuple[torch.Tensor, torch.Tensor]],
         for x, y in rows:
             x, y = x.to(device)[None], y.to(device)                            # (1, T), (T,)
             loss = F.cross_entropy(logits_of(model, x)[0].float(), y, ignore_index=-100)
-            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+            grads = gradients(loss, list(params.values()))
             for (n, _), grad in zip(params.items(), grads):
                 if grad is not None:
                     fisher[n] += grad.float().square() / len(rows)

@@ -31,6 +31,7 @@ class EWCDistill(Composed):
     """Full fine-tuning plus a KL term on mixed-in original rows and a diagonal-Fisher penalty."""
     Config = EWCDistillConfig
     order, trains, injects, takes_terms, copies = 93, ALL, False, False, 2  # Fisher, one anchor = teacher
+    unshardable = ""
     default_for = ()  # named only, like distill
     start_copies = ("start.",)  # copies of the weights at the task's start
     needs_previous, reads_retained = True, DistillTerm.reads_retained

@@ -17,7 +17,7 @@ class FFNConfig(MethodConfig):
 class FFNOnly(Method):
     """Fine-tune only the FFN weights; attention, embeddings and norms stay frozen."""
     Config = FFNConfig
-    order, trains, injects = 20, WEIGHTS, False
+    order, trains, injects, unshardable = 20, WEIGHTS, False, ""
 
     def trainable_parameters(self, model):
         out = []

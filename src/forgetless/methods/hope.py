@@ -66,6 +66,7 @@ class HopeMethod(Method):
     """HOPE base (FFN = Titans memory + CMS levels); the slots adapt, the memory writes at test time."""
     Config = HopeMethodConfig
     order = 102
+    unshardable = "its memory writes weights inside every forward, which FSDP's gathered copies of a layer would drop"
     default_for = ()
 
     def hope_options(self) -> HopeConfig:

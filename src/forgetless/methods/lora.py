@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from forgetless import distributed
 from forgetless.errors import ForgetlessError
 from forgetless.methods.base import (ALL_LINEAR, PEFT, Method, MethodConfig, default_linear_targets, find_modules,
                                      is_regex, quantized, register_method, replace_module)
@@ -36,7 +37,7 @@ class LoRAMethodConfig(MethodConfig):
 class LoRA(Method):
     """LoRA via peft on the linears; in a sequence, merged after each task and started afresh."""
     Config = LoRAMethodConfig
-    order, merges, export_form, shardable = 30, True, PEFT, True
+    order, merges, export_form, unshardable = 30, True, PEFT, ""
 
     def attach(self, model):
         from peft import LoraConfig, inject_adapter_in_model  # here: importing peft (and transformers) takes seconds
@@ -99,9 +100,11 @@ class SeqLoRA(LoRA):
 @torch.no_grad()
 def merge_and_reset(model):
     """Add every LoRA layer's delta (peft's get_delta_weight) to its base weight; re-initialise
-    the adapter (A random, B zero) so the model's function is unchanged and a new LoRA starts."""
+    the adapter (A random, B zero) so the model's function is unchanged and a new LoRA starts (under FSDP on
+    whole tensors, as in one process)."""
     for module in model.modules():
         if hasattr(module, "get_delta_weight") and "default" in getattr(module, "lora_A", {}):
-            module.get_base_layer().weight += module.get_delta_weight("default")
-            module.reset_lora_parameters("default", True)
+            with distributed.whole(module):
+                module.get_base_layer().weight += module.get_delta_weight("default")
+                module.reset_lora_parameters("default", True)
             module.forgetless_merged = True

@@ -32,7 +32,7 @@ class WiseFTConfig(MethodConfig):
 class WiseFT(Method):
     """Full fine-tuning whose task change is scaled by `weight` at the end of every task."""
     Config = WiseFTConfig
-    order, trains, injects, copies = 92, ALL, False, 1
+    order, trains, injects, copies, unshardable = 92, ALL, False, 1, ""
     start_copies = ("start.",)  # copies of the weights at the task's start
     default_for = ()  # named only: `--methods all` (and the tables it reproduces) stay as they were
 

@@ -22,7 +22,7 @@ import json
 import os
 import re
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
@@ -99,14 +99,19 @@ class TextTokenizer:
         return {"kind": self.kind, "model": self.spec, "name_or_path": self.hf.name_or_path}
 
 
-def load_model(spec: str, device="auto", load: LoadConfig | None = None) -> tuple[nn.Module, TextTokenizer]:
+def load_model(spec: str, device="auto", load: LoadConfig | None = None,
+               meta: bool = False) -> tuple[nn.Module, TextTokenizer]:
     """(model, tokenizer) that `spec` names (see the module docstring): the causal LM on `device` as `load` says
     (default: float32, not quantized), and a TextTokenizer whose `.hf` is the transformers tokenizer
-    (forgetless.data, Collator and Adapted.export take either)."""
+    (forgetless.data, Collator and Adapted.export take either). `meta`: a transformers folder or hub id (not
+    quantized) is built from its config on the meta device, without weights (ranks other than 0 under FSDP, which
+    get their shards from rank 0); other models load whole."""
     from forgetless.device import resolve_device
     device, load = resolve_device(device), load or LoadConfig()
     check_quantize(load)
-    if spec.startswith("hf:"):
+    if meta and spec.startswith("hf:") and not spec.endswith(".gguf") and load.quantize == "none":
+        model, tokenizer = on_meta(spec[3:], device, load)
+    elif spec.startswith("hf:"):
         path = Path(spec[3:]).expanduser()
         if path.suffix == ".gguf":
             model, tokenizer = load_gguf(path, device, load)
@@ -122,11 +127,23 @@ def load_model(spec: str, device="auto", load: LoadConfig | None = None) -> tupl
         raise ForgetlessError(f"{spec} is a folder: name a transformers folder as hf:{spec}")
     else:
         raise ForgetlessError(f"unknown model {spec!r}; valid: {SPECS}")
-    if load.quantize == "none":  # a quantized model is placed by its device_map
+    if load.quantize == "none" and not next(model.parameters()).is_meta:  # a quantized model: by its device_map
         model = model.to(device)
     if load.gradient_checkpointing != "off":
         gradient_checkpointing(model, load.gradient_checkpointing == "reentrant")
     return model, TextTokenizer(tokenizer, spec)
+
+
+def on_meta(name: str, device: torch.device, load: LoadConfig):
+    """(model on the meta device, tokenizer) of a transformers folder or hub id: its config's shapes, no weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    where = name if is_hub_id(name) else Path(name).expanduser()
+    with offline() if isinstance(where, Path) else nullcontext():
+        config = hf_call(where, AutoConfig.from_pretrained, where)
+        tokenizer = hf_call(where, AutoTokenizer.from_pretrained, where)
+    dtype = resolve_dtype(load.dtype, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None), device)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, **dtype_option(dtype)), tokenizer
 
 
 def is_hub_id(text: str) -> bool:

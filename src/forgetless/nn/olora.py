@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from forgetless.distributed import gathered
 from forgetless.errors import ForgetlessError
 from forgetless.nn.adapter import float_like, lora_pair
 
@@ -52,7 +53,7 @@ class OLoRALinear(nn.Module):
         if len(self.down) < 2:
             return None
         new = self.down[-1]                                           # (r, d_in)
-        old = torch.cat(list(self.down)[:-1])                         # ((t-1) r, d_in)
+        old = torch.cat([gathered(a) for a in list(self.down)[:-1]])  # ((t-1) r, d_in); task 1's sharded by FSDP
         return (old @ new.T).square().sum()
 
     def forward(self, x):  # (..., d_in)
