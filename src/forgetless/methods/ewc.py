@@ -46,7 +46,7 @@ class EWCConfig(EWCTermConfig, MethodConfig):
 class EWCTerm(Term):
     """A diagonal-Fisher penalty pulling the trainable parameters back to where the task started."""
     Config = EWCTermConfig
-    needs_previous, copies = True, 1
+    needs_previous, copies, weight_penalty = True, 1, True
 
     def __init__(self, cfg):
         super().__init__(cfg)
