@@ -200,7 +200,7 @@ def predict(method: str, shape: str, dtype: str, loss: str, batch: int, tokens: 
 
     from forgetless.memory import Setting, estimate, meta_model
     from forgetless.methods import build_method
-    setting = Setting(batch, tokens, retained=max(1, batch // 4), scored=0.25 if loss == "answer" else 1.0,
+    setting = Setting(batch, tokens, mix=max(1, batch // 4) / batch, scored=0.25 if loss == "answer" else 1.0,
                       dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
                       precision="bf16" if dtype == "fp32" else "fp32", every_position=True)  # Adapted's forward
     model = meta_model(LlamaConfig(**SHAPES[shape]), setting.dtype)

@@ -16,6 +16,7 @@ Not counted: transient peaks of start_task (EWC's Fisher pass, OSF's SVD) and al
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
@@ -46,18 +47,30 @@ ENV = "FORGETLESS_DEVICE_MEMORY"  # e.g. 8GiB: the device memory adapt checks ag
 
 @dataclass
 class Setting:
-    """What a run is, for the estimate: batch rows x tokens per row, retained rows per batch (the KL's second
-    forward), the fraction of positions scored, the weights' and autocast's precision, checkpointing, packed base."""
+    """What a run is, for the estimate: batch rows x tokens per row, the share of old rows mixed in (the KL's
+    second forward), the fraction of positions scored, the weights' and autocast's precision, checkpointing, the
+    packed base."""
     batch: int
     tokens: int
-    retained: int = 0
+    mix: float = 0.0
     scored: float = 1.0
     dtype: torch.dtype = torch.float32
     precision: str = "fp32"  # autocast: fp32 (none), bf16, fp16
     checkpointing: bool = False
     quantize: str = "none"
     every_position: bool = False  # the model's own forward (Adapted's, Trainer's) makes logits at every position and
-    # its output holds them; forgetless's own loop runs the head only at scored positions (loss.training_loss)
+    # its output holds them (counted as held through the backward, as by a loop that keeps `out`); forgetless's own
+    # loop runs the head only at scored positions (loss.training_loss) and drops them after the loss
+
+    def __str__(self):
+        precision = "no autocast" if self.precision == "fp32" else f"{self.precision} autocast"
+        return (f"{str(self.dtype).removeprefix('torch.')} weights{', 4-bit base' * (self.quantize == '4bit')}"
+                f"{', 8-bit base' * (self.quantize == '8bit')}, {precision}, batch {self.batch} x {self.tokens} tokens"
+                f"{', gradient checkpointing' * self.checkpointing}")
+
+    @property
+    def retained(self) -> int:
+        return math.ceil(self.mix * self.batch)
 
     @property
     def mode(self) -> str:
@@ -103,7 +116,8 @@ def estimate(model: nn.Module, method, s: Setting) -> Estimate:
     per_layer = sum(c * x for c, x in zip((TRAINED if every else FROZEN)[s.mode], (d, ffn, kv, heads, 1)))
     own = 0 if every else e * sum(m.in_features for m in adapted.modules()  # the method's trained linears' inputs
                                   if isinstance(m, nn.Linear) and m.weight.requires_grad)
-    rows = s.batch + (s.retained if getattr(method, "reads_retained", "") else 0)  # the KL's second forward
+    kl = "KL" in getattr(method, "reads_retained", "")  # distillation: a second forward of the retained rows
+    rows = s.batch + (s.retained if kl else 0)
     if s.checkpointing:  # each layer's input, one layer recomputed at a time
         saved = layers * CHECKPOINTED[s.mode] * d + per_layer + own / layers
     else:
@@ -112,7 +126,7 @@ def estimate(model: nn.Module, method, s: Setting) -> Estimate:
     positions = s.batch * (s.tokens if s.every_position else math.ceil(s.tokens * s.scored))
     held = positions * vocab * e if s.every_position else 0  # the output's logits, alive through the backward
     loss = positions * vocab * 12  # the loss's fp32 log-softmax, its gradient in and out (backward)
-    if "KL" in getattr(method, "reads_retained", ""):  # teacher, student, the student's gradient; fp32 chunks
+    if kl:  # teacher, student, the student's gradient; fp32 chunks
         kept = s.retained * math.ceil(s.tokens * s.scored) * vocab
         loss += kept * 3 * e + 3 * min(KL_CHUNK, 4 * kept)
     # the loss's backward ends before the layers' gradients pile up, which arrive as activations go; a penalty on
@@ -120,6 +134,84 @@ def estimate(model: nn.Module, method, s: Setting) -> Estimate:
     parts["penalty gradients"] = trained * w if getattr(method, "weight_penalty", False) else 0
     parts["logits or gradients"] = held + max(loss, trained * w)
     return Estimate(parts, trained, total)
+
+
+def fit(spec: str, label: str, make, cfg, device: torch.device, tokens: int, plan: bool = False):
+    """adapt's memory check of `make()` (the Method `label` names) on the model `spec` in `cfg` (after
+    settle_precision) with rows of `tokens` on `device`, before the model loads: (cfg, lines to print).
+    With `plan`, the lines are the estimates of the run and its alternatives. Else a run whose estimate is above
+    the device's memory (1.0x) turns gradient checkpointing on where that fits, or stops with a one-line error
+    naming the options that fit; a model or method the estimate cannot read is not checked."""
+    config, s = setting(spec, make(), cfg, device, tokens)
+    budget, what = device_memory(device)
+    try:
+        rows = alternatives(config, label, make, s)
+    except Exception as e:  # noqa: BLE001 (an estimate that cannot be made never blocks a run)
+        if plan:
+            raise ForgetlessError(f"no memory estimate for {label} on {spec}: {e}") from None
+        return cfg, []
+    if plan:
+        head = f"memory plan: {spec}, {s}; {device}: {gib(budget)} ({what}); a run stops above 1.0x of that"
+        return cfg, [head, *(f"  {'fits' if e.total <= budget else 'over':4s} {gib(e.total):>11s}  {flags}  ("
+                             + ", ".join(f"{k} {gib(v)}" for k, v in e.parts.items() if v) + ")"
+                             for flags, e in rows)]
+    (_, first), rest = rows[0], rows[1:]
+    if first.total <= budget:
+        return cfg, []
+    if not s.checkpointing and rest[0][1].total <= budget:
+        load = dataclasses.replace(cfg.load, gradient_checkpointing="on")
+        return dataclasses.replace(cfg, load=load), [
+            f"gradient checkpointing on: {label} needs about {gib(first.total)} without it, {gib(rest[0][1].total)} "
+            f"with it, and {device} has {gib(budget)} ({what})"]
+    fits = [f"{flags} ({gib(e.total)})" for flags, e in rest if e.total <= budget]
+    raise ForgetlessError(
+        f"{label} needs about {gib(first.total)} to train here, above the {gib(budget)} of {device} ({what}); "
+        + (f"options that fit: {'; '.join(fits)}" if fits else "none of --gradient-checkpointing, a smaller "
+           "batch, lora or a 4-bit base fits: use a smaller model or a larger device")
+        + f" (all estimates: adapt --plan; ${ENV} sets the memory checked against)")
+
+
+def setting(spec: str, method, cfg, device: torch.device, tokens: int):
+    """(the transformers config of `spec`, the Setting of training `method` on it as `cfg` says)."""
+    from forgetless.models.hf import model_config, resolve_dtype
+    config = model_config(spec)
+    saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    return config, Setting(cfg.adapt.batch_size, tokens, mix=method.training_config(cfg.adapt).mix,
+                           dtype=resolve_dtype(cfg.load.dtype, saved, device), precision=cfg.adapt.precision,
+                           checkpointing=cfg.load.gradient_checkpointing != "off", quantize=cfg.load.quantize)
+
+
+def per_method(spec: str, cfg, device: torch.device, tokens: int) -> list[tuple[str, Estimate | str]]:
+    """(name, estimate, or why there is none) of every registered method trained on `spec` as `cfg` says."""
+    from forgetless.methods.base import build_method, method_names
+    out = []
+    for name in method_names():
+        method = build_method(name, cfg.methods.get(name))
+        config, s = setting(spec, method, cfg, device, tokens)
+        try:
+            out.append((name, estimate(meta_model(config, s.dtype), method, s)))
+        except ForgetlessError as e:
+            out.append((name, str(e)))
+    return out
+
+
+def alternatives(config, label: str, make, s: Setting) -> list[tuple[str, Estimate]]:
+    """(flags, estimate) of the run as set (first, flags = `label`), then with gradient checkpointing, half the
+    batch, LoRA, LoRA on a 4-bit base, and all of these at once."""
+    from forgetless.methods.base import build_method
+    def lora():
+        return build_method("lora")
+    runs = [(label, make, s)]
+    if not s.checkpointing:
+        runs.append((f"{label} --gradient-checkpointing", make, dataclasses.replace(s, checkpointing=True)))
+    if s.batch > 1:
+        runs.append((f"{label} --adapt-batch-size {s.batch // 2}", make, dataclasses.replace(s, batch=s.batch // 2)))
+    if label != "lora":
+        runs.append(("--method lora", lora, s))
+    small = dataclasses.replace(s, quantize="4bit", checkpointing=True, batch=max(1, s.batch // 2))
+    runs += [("--method lora --quantize 4bit", lora, dataclasses.replace(s, quantize="4bit")),
+             (f"--method lora --quantize 4bit --gradient-checkpointing --adapt-batch-size {small.batch}", lora, small)]
+    return [(flags, estimate(meta_model(config, setting.dtype), build(), setting)) for flags, build, setting in runs]
 
 
 def text_config(model: nn.Module) -> tuple[int, int, int, int, int, int]:
@@ -166,7 +258,8 @@ def parse_bytes(text: str) -> int:
 
 
 def gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    """Bytes as GiB, or MiB below one GiB."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 class LivePeak(TorchDispatchMode):
