@@ -109,11 +109,11 @@ def test_adapt_plan_prints_the_run_and_its_alternatives_and_runs_nothing(folder,
 
 
 def test_a_run_whose_estimate_is_above_the_device_stops_before_loading(folder, tmp_path, monkeypatch):
-    monkeypatch.setenv(ENV, "1MiB")
+    monkeypatch.setenv(ENV, "100KiB")
     r, loads = adapt(monkeypatch, tmp_path, folder, "--method", "full")
     assert r.exit_code == 2 and not loads, r.output
-    assert "full needs about" in r.output and "above the 1.0 MiB of cpu ($FORGETLESS_DEVICE_MEMORY)" in r.output
-    assert "none of --gradient-checkpointing" in r.output  # 1 MiB: not even LoRA on a 4-bit base fits
+    assert "full needs about" in r.output and "above the 0.1 MiB of cpu ($FORGETLESS_DEVICE_MEMORY)" in r.output
+    assert "none of --gradient-checkpointing" in r.output  # 100 KiB: not even LoRA on a 4-bit base fits
 
 
 def test_checkpointing_turns_on_where_only_it_makes_the_run_fit(folder, tmp_path, monkeypatch):

@@ -73,7 +73,8 @@ DTYPE = typer.Option(None, "--dtype", help="with --model: the weights' dtype, fp
 QUANTIZE = typer.Option(None, "--quantize", help="with --model: none, 4bit (bitsandbytes NF4, a QLoRA base) or 8bit; "
                         "only methods that train added modules (lora, seq-lora, adapter, ...) run on it")
 CHECKPOINTING = typer.Option(False, "--gradient-checkpointing", help="with --model: recompute activations in backward "
-                             "(less memory); --load-gradient-checkpointing reentrant for the reentrant variant")
+                             "(less memory); --load-gradient-checkpointing reentrant for the reentrant variant. adapt "
+                             "turns it on by itself where the memory estimate says only it makes the run fit (--plan)")
 CONFIG = typer.Option(None, "--config", help="YAML/JSON file with sections model, pretrain, adapt, data, methods")
 PLAN = typer.Option(False, "--plan", help="with --model: print the estimated peak training memory of the run and of "
                     "its alternatives (LoRA, a 4-bit base, gradient checkpointing, half the batch) for this device, and "

@@ -202,7 +202,7 @@ def alternatives(config, label: str, make, s: Setting) -> list[tuple[str, Estima
     def lora():
         return build_method("lora")
     runs = [(label, make, s)]
-    if not s.checkpointing:
+    if not s.checkpointing and getattr(meta_model(config), "supports_gradient_checkpointing", False):
         runs.append((f"{label} --gradient-checkpointing", make, dataclasses.replace(s, checkpointing=True)))
     if s.batch > 1:
         runs.append((f"{label} --adapt-batch-size {s.batch // 2}", make, dataclasses.replace(s, batch=s.batch // 2)))
