@@ -106,17 +106,16 @@ def estimate(model: nn.Module, method, s: Setting) -> Estimate:
     linear = sum(m.weight.numel() for m in adapted.modules() if isinstance(m, nn.Linear))
     if head is not None and not isinstance(head, nn.Linear):
         linear += head.weight.numel()
-    copies = method.copies if hasattr(method, "copies") else 0
     parts = {"weights": (total - packed) * w + packed * QUANTIZED.get(s.quantize, w),
              "autocast copies": 2 * linear if s.mode == "amp" else 0,
-             "AdamW": 2 * trained * w, "method state": copies * trained * w}
+             "AdamW": 2 * trained * w, "method state": method.copies * trained * w}
     e = 4 if s.mode == "fp32" else 2  # bytes of an activation
     d, ffn, kv, heads, layers, vocab = text_config(model)
     every = trained == sum(p.numel() for p in params)  # every weight trains (full fine-tuning)
     per_layer = sum(c * x for c, x in zip((TRAINED if every else FROZEN)[s.mode], (d, ffn, kv, heads, 1)))
     own = 0 if every else e * sum(m.in_features for m in adapted.modules()  # the method's trained linears' inputs
                                   if isinstance(m, nn.Linear) and m.weight.requires_grad)
-    kl = "KL" in getattr(method, "reads_retained", "")  # distillation: a second forward of the retained rows
+    kl = "KL" in method.reads_retained  # distillation: a second forward of the retained rows
     rows = s.batch + (s.retained if kl else 0)
     if s.checkpointing:  # each layer's input, one layer recomputed at a time
         saved = layers * CHECKPOINTED[s.mode] * d + per_layer + own / layers
@@ -131,7 +130,7 @@ def estimate(model: nn.Module, method, s: Setting) -> Estimate:
         loss += kept * 3 * e + 3 * min(KL_CHUNK, 4 * kept)
     # the loss's backward ends before the layers' gradients pile up, which arrive as activations go; a penalty on
     # the weights (EWC's) makes its gradients first, and they wait through the whole backward
-    parts["penalty gradients"] = trained * w if getattr(method, "weight_penalty", False) else 0
+    parts["penalty gradients"] = trained * w if method.weight_penalty else 0
     parts["logits or gradients"] = held + max(loss, trained * w)
     return Estimate(parts, trained, total)
 
