@@ -141,11 +141,11 @@ def fit(spec: str, label: str, make, cfg, device: torch.device, tokens: int, pla
     With `plan`, the lines are the estimates of the run and its alternatives. Else a run whose estimate is above
     the device's memory (1.0x) turns gradient checkpointing on where that fits, or stops with a one-line error
     naming the options that fit; a model or method the estimate cannot read is not checked."""
-    config, s = setting(spec, make(), cfg, device, tokens)
     budget, what = device_memory(device)
     try:
+        config, s = setting(spec, make(), cfg, device, tokens)
         rows = alternatives(config, label, make, s)
-    except Exception as e:  # noqa: BLE001 (an estimate that cannot be made never blocks a run)
+    except Exception as e:  # noqa: BLE001 (an estimate that cannot be made never blocks a run; the load says why)
         if plan:
             raise ForgetlessError(f"no memory estimate for {label} on {spec}: {e}") from None
         return cfg, []
