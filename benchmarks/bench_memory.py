@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from forgetless.memory import LivePeak
+
 SHAPES = {  # LlamaConfig fields; 1b is Llama-3.2-1B's; xs for the tests
     "xs": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, vocab_size=512),
@@ -77,10 +79,32 @@ def main():
                     r = rows[-1]
                     print(f"{shape:3s} {dtype:5s} {loss:6s} {method:18s} params {r['params'] / 1e6:7.1f} M  "
                           + "  ".join(f"{p} {r['held'][p] / 2**20:7.1f}/{r['rss'][p] / 2**20:7.1f}" for p in PHASES)
-                          + " MiB (held/peak RSS)", flush=True)
+                          + " MiB (held/peak RSS)" + ratios(r), flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     print(table(rows))
+    print(estimates(rows))
+
+
+def ratios(r: dict) -> str:
+    if r["estimate"] is None:
+        return ""
+    live = r["live"]["step2"]
+    return (f"; estimate {r['estimate'] / 2**20:.1f} MiB = {r['estimate'] / live:.2f}x measured live peak "
+            f"{live / 2**20:.1f}, {r['estimate'] / r['peak']:.2f}x peak RSS")
+
+
+def estimates(rows: list[dict]) -> str:
+    """Markdown: forgetless.memory's estimate against the measured peak of live tensors (to step 2) and peak RSS."""
+    out = ["| shape | dtype | loss | method | estimate MiB | live peak MiB | estimate / live | peak RSS MiB | "
+           "estimate / RSS |", "|" + "---|" * 9]
+    for r in rows:
+        if r["estimate"] is not None:
+            live = r["live"]["step2"]
+            out.append(f"| {r['shape']} | {r['dtype']} | {r['loss']} | {r['method']} | {r['estimate'] / 2**20:.1f} | "
+                       f"{live / 2**20:.1f} | {r['estimate'] / live:.2f} | {r['peak'] / 2**20:.1f} | "
+                       f"{r['estimate'] / r['peak']:.2f} |")
+    return "\n".join(out)
 
 
 def table(rows: list[dict]) -> str:
@@ -133,7 +157,9 @@ def measure(method: str, shape: str, dtype: str, loss: str, batch: int, tokens: 
     retained = torch.arange(batch, device=device) < max(1, batch // 4)                     # (B,) old rows
     previous = torch.randint(vocab, (4, tokens + 1), generator=g)                          # (4, T+1) Fisher rows
     rss0, held0 = peak_rss(), held_bytes()
-    held, rss = {}, {}
+    held, rss, live = {}, {}, {}
+    predicted = predict(method, shape, dtype, loss, batch, tokens)
+    tracker = LivePeak().__enter__()  # every storage made from here on: the measured peak the estimate predicts
     model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape])).to(device, torch.bfloat16 if dtype == "bf16" else torch.float32)
     params = sum(p.numel() for p in model.parameters())
     if method == "peft-lora":
@@ -141,10 +167,10 @@ def measure(method: str, shape: str, dtype: str, loss: str, batch: int, tokens: 
         adapted = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
     else:
         adapted = forgetless.attach(model, method)
-    held["attach"], rss["attach"] = held_bytes() - held0, peak_rss() - rss0
+    held["attach"], rss["attach"], live["attach"] = held_bytes() - held0, peak_rss() - rss0, tracker.peak
     if method != "peft-lora":
         adapted.start_task(1, previous if adapted.method.needs_previous else None)
-    held["start"], rss["start"] = held_bytes() - held0, peak_rss() - rss0
+    held["start"], rss["start"], live["start"] = held_bytes() - held0, peak_rss() - rss0, tracker.peak
     trainable = [p for p in adapted.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-4)
     adapted.train()
@@ -155,13 +181,30 @@ def measure(method: str, shape: str, dtype: str, loss: str, batch: int, tokens: 
         held["step2"] = held_bytes() - held0  # gradients present, before the step frees them
         opt.step()
         opt.zero_grad(set_to_none=True)
-    rss["step2"] = peak_rss() - rss0
+    rss["step2"], live["step2"] = peak_rss() - rss0, tracker.peak
+    tracker.__exit__(None, None, None)
     with tempfile.TemporaryDirectory() as tmp:
         adapted.save_pretrained(tmp)
     held["save"], rss["save"] = held_bytes() - held0, peak_rss() - rss0
     return {"method": method, "shape": shape, "dtype": dtype, "loss": loss, "batch": batch, "tokens": tokens,
             "params": params, "trainable": sum(p.numel() for p in trainable), "held": held, "rss": rss,
-            "peak": max(rss.values())}
+            "peak": max(rss.values()), "live": live, "estimate": predicted}
+
+
+def predict(method: str, shape: str, dtype: str, loss: str, batch: int, tokens: int) -> float | None:
+    """forgetless.memory's estimate of the peak of this run (None for PEFT's LoRA, which has no forgetless method):
+    the same model on the meta device, the same rows, retained rows, scored share and precision."""
+    if method == "peft-lora":
+        return None
+    from transformers import LlamaConfig
+
+    from forgetless.memory import Setting, estimate, meta_model
+    from forgetless.methods import build_method
+    setting = Setting(batch, tokens, mix=max(1, batch // 4) / batch, scored=0.25 if loss == "answer" else 1.0,
+                      dtype=torch.bfloat16 if dtype == "bf16" else torch.float32,
+                      precision="bf16" if dtype == "fp32" else "fp32", every_position=True)  # Adapted's forward
+    model = meta_model(LlamaConfig(**SHAPES[shape]), setting.dtype)
+    return estimate(model, build_method(method), setting).total
 
 
 def held_bytes() -> int:

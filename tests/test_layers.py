@@ -18,7 +18,7 @@ LAYERS = [  # bottom to top; a unit is a top-level module or package ("": the pa
     {"train", "loss"},
     {"nn"},                                       # modules: the math, FFN kinds
     {"methods"},
-    {"presets", "export", "adapted", "hf_trainer"},
+    {"presets", "export", "adapted", "hf_trainer", "memory"},
     {"continual"},                                # protocols
     {"cli", "cliutil", "__main__", "serve", "hope", "aunn", "guide"},
 ]

@@ -73,8 +73,14 @@ DTYPE = typer.Option(None, "--dtype", help="with --model: the weights' dtype, fp
 QUANTIZE = typer.Option(None, "--quantize", help="with --model: none, 4bit (bitsandbytes NF4, a QLoRA base) or 8bit; "
                         "only methods that train added modules (lora, seq-lora, adapter, ...) run on it")
 CHECKPOINTING = typer.Option(False, "--gradient-checkpointing", help="with --model: recompute activations in backward "
-                             "(less memory); --load-gradient-checkpointing reentrant for the reentrant variant")
+                             "(less memory); --load-gradient-checkpointing reentrant for the reentrant variant. adapt "
+                             "turns it on by itself where the memory estimate says only it makes the run fit (--plan)")
 CONFIG = typer.Option(None, "--config", help="YAML/JSON file with sections model, pretrain, adapt, data, methods")
+PLAN = typer.Option(False, "--plan", help="with --model: print the estimated peak training memory of the run and of "
+                    "its alternatives (LoRA, a 4-bit base, gradient checkpointing, half the batch) for this device, and "
+                    "run nothing. Without it a run whose estimate is above 1.0x the device's memory (a GPU's total, "
+                    "else the RAM available; $FORGETLESS_DEVICE_MEMORY, e.g. 24GiB, sets it) stops before loading, "
+                    "or turns gradient checkpointing on where that fits")
 SET = typer.Option(None, "--set", help="a method option, METHOD.OPTION=VALUE (repeatable), e.g. lora.r=16")
 
 
@@ -256,7 +262,8 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
           quantize: Optional[str] = QUANTIZE, checkpointing: bool = CHECKPOINTING,
           fsdp: bool = typer.Option(False, "--fsdp", help="under torchrun: shard the --model over the processes "
                                     "(FSDP) instead of copying it to each; methods that `forgetless methods` says shard, with adamw"),
-          config_file: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET, flags: dict = None):
+          plan: bool = PLAN, config_file: Optional[Path] = CONFIG, set_: Optional[list[str]] = SET,
+          flags: dict = None):
     """Adapt a pretrained model to your data (--model M --data NEW [--retain OLD]): a report of both sides before
     and after and a model to serve; or a base to a corpus B (--domain-b), with retention on A."""
     from forgetless.adapted import check_fsdp
@@ -274,7 +281,7 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     device = resolve_device(device)
     if data is not None:
         return adapt_data(model, base, data, retain, method, out, max_length, seed, preset or "real", device,
-                          run_config(preset or "real", config_file, flags, set_), domain_b, fsdp)
+                          run_config(preset or "real", config_file, flags, set_), domain_b, fsdp, plan)
     if retain is not None:
         raise ForgetlessError("--retain goes with --data (your new data); with --domain-b, retention is measured on "
                               "--domain-a")
@@ -297,7 +304,13 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     m = spec.build(cfg.methods.get(spec.name))
     refuse_joint(spec.label, m, "choose another --method")
     m.check_quantized(cfg.load.quantize if model else None)
+    if plan and not model:
+        raise ForgetlessError("--plan estimates the memory of a pretrained --model's run; a forgetless GPT --base is "
+                              "small (use --model)")
     if model:
+        cfg = check_memory(model, spec, cfg, device, cfg.model.block_size, plan)
+        if plan:
+            return
         from forgetless.models.hf import load_model
         lm, text_tokenizer = load_model(model, device, cfg.load)
         tokenizer, block_size = text_tokenizer, cfg.model.block_size
@@ -319,13 +332,15 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
         f"wrote {out}")
 
 
-def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, preset, device, cfg, domain_b, fsdp):
+def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, preset, device, cfg, domain_b, fsdp,
+               plan=False):
     """`adapt --data`: a pretrained model on the user's own data (continual/user_adapt.py), on the resolved `device`;
-    `fsdp`: sharded over the processes of torchrun (ranks other than 0 build the model without weights)."""
+    `fsdp`: sharded over the processes of torchrun (ranks other than 0 build the model without weights); `plan`: the
+    memory estimate printed, nothing run."""
     from forgetless import distributed
     from forgetless.adapted import check_fsdp
     from forgetless.continual.protocol import refuse_joint
-    from forgetless.continual.user_adapt import MIN_HELD_OUT, adapt_on_data
+    from forgetless.continual.user_adapt import MIN_HELD_OUT, adapt_on_data, data_config
     from forgetless.guide import advice_for
     from forgetless.methods.base import as_specs, method_class
     from forgetless.models.hf import load_model
@@ -358,6 +373,10 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
     if fsdp:
         check_fsdp(None, m)
     cfg, _ = settle_precision(cfg, device)
+    trained = dataclasses.replace(cfg, adapt=data_config(m, cfg.adapt, retain is not None))  # what adapt trains at
+    cfg = dataclasses.replace(cfg, load=check_memory(model, spec, trained, device, max_length, plan, options).load)
+    if plan:
+        return
     lm, tokenizer = load_model(model, device, cfg.load, meta=fsdp and not distributed.is_main())
     m.check_base(lm)
     if fsdp:
@@ -582,8 +601,16 @@ def corpora(spec: Optional[list[str]] = typer.Argument(None, help="corpus specs 
 
 @app.command()
 @friendly
-def methods():
+@config_flags(load_sections, "config", covered=LOADING)
+def methods(memory: Optional[str] = typer.Option(None, "--memory", help="a pretrained model (as adapt --model takes "
+                                                 "it): print every method's estimated peak training memory on it "
+                                                 "instead (the real preset's batch, autocast as --precision auto)"),
+            tokens: int = typer.Option(512, help="with --memory: tokens per row"), device: str = DEVICE,
+            dtype: Optional[str] = DTYPE, quantize: Optional[str] = QUANTIZE, checkpointing: bool = CHECKPOINTING,
+            flags: dict = None):
     """Which method to use when (the evidence in docs/RESULTS.md), then every registered method and its options."""
+    if memory is not None:
+        return method_memory(memory, tokens, device, dtype, quantize, checkpointing, flags)
     from forgetless.continual.base_model import base_label
     from forgetless.guide import GUIDE, RESULTS, cli_text, settings, trainer_text
     from forgetless.methods import METHODS, build_method, method_names
@@ -620,6 +647,28 @@ def methods():
     out_console.print(guide)
     out_console.print(table)
     out_console.print(terms)
+
+
+def method_memory(model: str, tokens: int, device: str, dtype, quantize, checkpointing: bool, flags: dict):
+    """`methods --memory MODEL`: each method's estimated peak (forgetless.memory) on the real preset's settings."""
+    from forgetless.device import resolve_device
+    from forgetless.memory import device_memory, gib, per_method
+    from forgetless.presets import settle_precision
+    set_load(flags, dtype, quantize, checkpointing)
+    device = resolve_device(device)
+    cfg, _ = settle_precision(run_config("real", None, flags, None), device)
+    budget, what = device_memory(device)
+    table = Table(title=escape(f"Estimated peak training memory on {model} ({device}: {gib(budget)}, {what})"),
+                  title_justify="left")
+    for head in ("method", "peak (estimate)", "fits", "trained params", "parts"):
+        table.add_column(head, overflow="fold")
+    for name, e in per_method(model, cfg, device, tokens):
+        if isinstance(e, str):
+            table.add_row(name, "-", "-", "-", escape(e))
+        else:
+            parts = ", ".join(f"{k} {gib(v)}" for k, v in e.parts.items() if v)
+            table.add_row(name, gib(e.total), "yes" if e.total <= budget else "no", f"{e.trainable:,}", parts)
+    out_console.print(table)
 
 
 def serve_sections():
@@ -789,6 +838,17 @@ def check_load(cfg, pretrained: bool):
     if not pretrained and cfg.load != LoadConfig():
         raise ForgetlessError("--dtype, --quantize and --gradient-checkpointing load a pretrained --model; forgetless's "
                               "own GPT (byte-gpt, --base) trains in float32 (use --precision bf16 for autocast)")
+
+
+def check_memory(model: str, spec, cfg, device, tokens: int, plan: bool, options: dict | None = None):
+    """The run's estimated peak memory against the device's (forgetless.memory.fit): with `plan` printed; else cfg,
+    with gradient checkpointing turned on where only that makes it fit (said in one line)."""
+    from forgetless.memory import fit
+    cfg, lines = fit(model, spec.label, lambda: spec.build(options if options is not None else
+                                                           cfg.methods.get(spec.name)), cfg, device, tokens, plan)
+    for line in lines:
+        out_console.print(line, highlight=False, soft_wrap=True)
+    return cfg
 
 
 def writable(folder: Path) -> Path:

@@ -241,6 +241,8 @@ class Method(StepHooks):
     # updates by entropy; a method that defines it gets every position's logits (None here: only scored ones)
     token_weights = None
     copies = 0  # copies of the trained parameters it keeps as state (EWC: Fisher and anchor, 2): memory_text
+    weight_penalty = False  # its loss is a function of the trained weights themselves (EWC's penalty): their
+    # gradients from it are made at the backward's start and wait there for the LM loss's (forgetless.memory)
     takes_terms = True  # `METHOD+TERM` composes protecting terms with it (False: it anchors itself, e.g. ewc)
     attach_rounding = 0.0  # attach and start_task(1) change no logit bit for bit (the protocols reuse the base's
     # scores for the attached model's first point); > 0: by up to this much (tests/test_contract.py checks either)
@@ -376,6 +378,7 @@ class Term:
     reads_retained = ""  # acts on the batch's retained rows (Method.reads_retained)
     copies = 0  # copies of the trained parameters it keeps besides the composition's one start copy (EWC: Fisher)
     unshardable = "it was not tested under FSDP2"  # Method.unshardable; a composition shards where all its parts do
+    weight_penalty = False  # its loss is a function of the trained weights themselves (Method.weight_penalty)
     default_mix: float | None = None  # the composition's mix where the method sets none (rows for the term to read)
 
     def __init__(self, cfg):
@@ -414,6 +417,7 @@ class Composed(Method):
         self.base, self.terms, self.label = base, terms, label
         self.start: dict[str, torch.Tensor] = {}  # the trainable parameters at the task's start
         self.previous = None  # rows of the task learned last, for the terms at on_task_start
+        self.weight_penalty = base.weight_penalty or any(t.weight_penalty for t in terms)
         if label:  # `METHOD+TERM`: the method's traits, and the terms' needs (a registered one declares its own)
             for trait in ("name", "order", "trains", "injects", "merges", "export_form", "grows", "mixes_original",
                           "token_weights", "attach_rounding", "pretrained_lr", "default_for"):

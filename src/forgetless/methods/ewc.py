@@ -48,7 +48,7 @@ class EWCTerm(Term):
     """A diagonal-Fisher penalty pulling the trainable parameters back to where the task started."""
     Config = EWCTermConfig
     unshardable = ""
-    needs_previous, copies = True, 1
+    needs_previous, copies, weight_penalty = True, 1, True
 
     def __init__(self, cfg):
         super().__init__(cfg)

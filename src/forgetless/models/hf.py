@@ -146,6 +146,29 @@ def on_meta(name: str, device: torch.device, load: LoadConfig):
         return AutoModelForCausalLM.from_config(config, **dtype_option(dtype)), tokenizer
 
 
+def model_config(spec: str):
+    """The transformers config of the model `spec` names (as load_model reads it), without its weights: from a
+    folder's config.json, the hub cache, a cached GGUF conversion or the GGUF file's metadata."""
+    from transformers import AutoConfig
+    path = Path(spec[3:] if spec.startswith("hf:") else spec).expanduser()
+    if spec in MODELS:
+        path = shipped_path(spec)
+    if path.suffix == ".gguf":
+        cached, source = gguf_cache(path)
+        if cached.is_dir():
+            return AutoConfig.from_pretrained(cached)
+        with offline():
+            return hf_call(path, AutoConfig.from_pretrained, path.parent, gguf_file=path.name, local_files_only=True)
+    if spec.startswith("hf:") and is_hub_id(spec[3:]):
+        return hf_call(spec, AutoConfig.from_pretrained, spec[3:])
+    if spec.startswith("hf:"):
+        if not (path / "config.json").is_file():
+            raise ForgetlessError(f"hf:{path}: no config.json there; give a local transformers model folder or a hub "
+                                  "id hf:ORG/NAME")
+        return AutoConfig.from_pretrained(path)
+    raise ForgetlessError(f"unknown model {spec!r}; valid: {SPECS}")
+
+
 def is_hub_id(text: str) -> bool:
     """`org/name` that is no local path."""
     return HUB_ID.fullmatch(text) is not None and not text.startswith(".") and not Path(text).expanduser().exists()

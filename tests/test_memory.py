@@ -1,0 +1,138 @@
+"""The memory estimate (forgetless.memory): its per-layer constants are what autograd saves, it matches a measured
+peak, and `adapt --plan`, `methods --memory`, the refusal of a run that does not fit and checkpointing turned on
+where only that fits."""
+import json
+
+import pytest
+import torch
+from tiny_models import SENTENCES, bpe_tokenizer, quantizable_llama
+from transformers import LlamaConfig, LlamaForCausalLM
+from typer.testing import CliRunner
+
+import forgetless
+from forgetless.cli import app
+from forgetless.memory import ENV, FROZEN, TRAINED, LivePeak, Setting, estimate, meta_model
+from forgetless.methods import build_method
+from forgetless.models import hf
+
+
+def llama(layers: int, d: int = 48, ffn: int = 80, heads: int = 4, kv_heads: int = 2, vocab: int = 300):
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=d, intermediate_size=ffn, num_hidden_layers=layers,
+                                        num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab))
+
+
+def saved_bytes(model, tokens: int, amp: bool) -> int:
+    """Bytes of the tensors autograd saves in one forward (weights not counted)."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", enabled=amp):
+        model(input_ids=torch.randint(300, (2, tokens)))
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("mode", ["fp32", "amp"])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_activation_constants_are_what_autograd_saves_per_token_and_layer(mode, frozen):
+    """A width not used to count them (d 48, FFN 80, 4 heads over 2): one more layer and 16 more tokens."""
+    def per(layers, tokens):
+        model = llama(layers)
+        if frozen:
+            model.requires_grad_(False)
+            model.enable_input_require_grads()
+        return saved_bytes(model, tokens, mode == "amp")
+    measured = (per(2, 32) - per(1, 32) - per(2, 16) + per(1, 16)) / (2 * 16)  # bytes per token per layer
+    coefficients = (FROZEN if frozen else TRAINED)[mode]
+    assert measured == sum(c * x for c, x in zip(coefficients, (48, 80, 24, 4, 1)))
+
+
+@pytest.mark.parametrize("method", ["lora", "full", "lora+ewc"])
+def test_estimate_is_within_15_percent_of_the_measured_live_peak(method):
+    """Two AdamW steps on a random Llama (fp32, no autocast), the benchmark's way (bench_memory.measure): every
+    tensor storage made from the model's construction on counted alive at once (LivePeak). 15 %: the issue's goal
+    for the estimate; what it leaves out (allocator slack, small temporaries, the int64 ids) stays below that here
+    (bench_memory measured 1.00-1.01 for these three at its shape s)."""
+    shape = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=4000)
+    ids = torch.randint(4000, (4, 64), generator=torch.Generator().manual_seed(0))           # (B, T)
+    labels = ids.clone()
+    labels[:, :48] = -100  # answer-only: the last quarter scored
+    with LivePeak() as live:
+        torch.manual_seed(0)
+        adapted = forgetless.attach(LlamaForCausalLM(LlamaConfig(**shape)), method)
+        adapted.start_task(1, torch.randint(4000, (2, 65)) if adapted.method.needs_previous else None)
+        opt = torch.optim.AdamW([p for p in adapted.parameters() if p.requires_grad], lr=1e-4)
+        for _ in range(2):
+            out = adapted(input_ids=ids, labels=labels, retained=torch.tensor([True, False, False, False]))
+            out.loss.backward()  # `out` holds the logits through the backward, as most loops' outputs do
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    predicted = estimate(meta_model(LlamaConfig(**shape)), build_method(method),
+                         Setting(4, 64, mix=0.25, scored=0.25, every_position=True)).total
+    assert 0.85 < predicted / live.peak < 1.15, (predicted, live.peak)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    tok = bpe_tokenizer()
+    root = tmp_path_factory.mktemp("llama") / "model"
+    quantizable_llama(len(tok)).save_pretrained(root)
+    tok.save_pretrained(root)
+    return root
+
+
+def adapt(monkeypatch, tmp_path, folder, *args):
+    """`forgetless adapt --data` on the tiny Llama in this process; its loads are recorded."""
+    data = tmp_path / "new.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Q{i}", "answer": s}) + "\n" for i, s in enumerate(SENTENCES * 3)))
+    loads = []
+    real = hf.load_folder
+    monkeypatch.setattr(hf, "load_folder", lambda *a: loads.append(a) or real(*a))
+    r = CliRunner().invoke(app, ["adapt", "--model", f"hf:{folder}", "--data", str(data), "--out", str(tmp_path / "out"),
+                                 "--preset", "smoke", "--max-length", "24", "--adapt-steps", "1", *map(str, args)])
+    return r, loads
+
+
+def test_adapt_plan_prints_the_run_and_its_alternatives_and_runs_nothing(folder, tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV, "1GiB")
+    r, loads = adapt(monkeypatch, tmp_path, folder, "--method", "full", "--plan")
+    assert r.exit_code == 0, r.output
+    assert "memory plan" in r.output and "1.00 GiB ($FORGETLESS_DEVICE_MEMORY)" in r.output
+    for flags in ("full --gradient-checkpointing", "full --adapt-batch-size 4", "--method lora --quantize 4bit"):
+        assert f"MiB  {flags}" in r.output
+    assert not loads and not (tmp_path / "out" / "report.json").exists()
+
+
+def test_a_run_whose_estimate_is_above_the_device_stops_before_loading(folder, tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV, "100KiB")
+    r, loads = adapt(monkeypatch, tmp_path, folder, "--method", "full")
+    assert r.exit_code == 2 and not loads, r.output
+    assert "full needs about" in r.output and "above the 0.1 MiB of cpu ($FORGETLESS_DEVICE_MEMORY)" in r.output
+    assert "none of --gradient-checkpointing" in r.output  # 100 KiB: not even LoRA on a 4-bit base fits
+
+
+def test_checkpointing_turns_on_where_only_it_makes_the_run_fit(folder, tmp_path, monkeypatch):
+    from forgetless.memory import alternatives, setting
+    from forgetless.presets import build_config, settle_precision
+    cfg, _ = settle_precision(build_config("smoke", {"adapt": {"steps": 1}}), torch.device("cpu"))
+    config, s = setting(f"hf:{folder}", build_method("full"), cfg, torch.device("cpu"), 24)
+    (_, plain), (_, checkpointed), *_ = alternatives(config, "full", lambda: build_method("full"), s)
+    assert checkpointed.total < plain.total
+    monkeypatch.setenv(ENV, str(int((plain.total + checkpointed.total) / 2)))
+    r, loads = adapt(monkeypatch, tmp_path, folder, "--method", "full")
+    assert r.exit_code == 0 and loads, r.output
+    assert "gradient checkpointing on: full needs about" in r.output
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["load"]["gradient_checkpointing"] == "on"
+
+
+def test_methods_memory_lists_every_method_on_a_model(folder):
+    r = CliRunner().invoke(app, ["methods", "--memory", f"hf:{folder}", "--device", "cpu"])
+    assert r.exit_code == 0, r.output
+    assert "Estimated peak training memory" in r.output
+    for name in ("lora", "full", "ewc-distill"):
+        assert f"│ {name} " in r.output
