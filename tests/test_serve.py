@@ -60,12 +60,12 @@ def trained():
     return model.state_dict()
 
 
-def engine(trained, state_dir, **options) -> Engine:
+def engine(trained, state_dir, mix_from=None, **options) -> Engine:
     model = ours()
     model.load_state_dict(trained)
     canary = chunk_windows(ByteTokenizer().encode(TEXT[-3000:].encode()), 16)[:16]
     cfg = ServeConfig(**{"method": "full", "lr": 3e-3, "canary_every": 2, "snapshot_every": 4, **options})
-    return Engine(model, ByteTokenizer(), canary, 16, cfg, state_dir)
+    return Engine(model, ByteTokenizer(), canary, 16, cfg, state_dir, mix_from)
 
 
 def local(app) -> TestClient:
@@ -296,9 +296,9 @@ def serve_command(base, canary, state_dir, token_file, port) -> list[str]:
     return [str(a) for a in args]
 
 
-def start_server(base, canary, state_dir, token_file):
+def start_server(base, canary, state_dir, token_file, *extra):
     port = free_port()
-    proc = subprocess.Popen(serve_command(base, canary, state_dir, token_file, port),
+    proc = subprocess.Popen(serve_command(base, canary, state_dir, token_file, port) + [str(a) for a in extra],
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
@@ -655,12 +655,13 @@ BAD_BODIES = {  # endpoint -> bodies that must each get a one-line 4xx
                      '{"prompt": "hi", "max_tokens": "many"}', '{"prompt": "hi", "temperature": -1}',
                      '{"prompt": "hi", "temperature": Infinity}', '{"prompt": "hi", "temperature": NaN}',
                      '{"prompt": "hi", "temperature": 1e999}', '{"prompt": ""}', '{"text": "hi"}', "[]"],
+    "/v1/publish": ['{"version": 2}', '{"path": "/tmp/x"}', "[]", '"v1"', "{"],
 }
 
 
 FIELDS = {"/v1/score": {"text": "a short text"}, "/v1/learn": {"text": "a short text", "key": "k"},
           "/v1/generate": {"prompt": "ROMEO:", "max_tokens": 2, "temperature": 0.5, "seed": 1},
-          "/v1/rollback": {"seq": 0}}
+          "/v1/rollback": {"seq": 0}, "/v1/publish": {}}
 VALUES = [None, True, False, -1, 0, 2 ** 63 - 1, 2 ** 63, 2 ** 64 - 1, 2 ** 64, -2 ** 70, 10 ** 400, 1.5, -0.0, 5e-324,
           1e-300, 1e308, -1e308, "", " ", "0", "x" * 300, "\ud800", "\x00", [], {}, ["a"]]
 

@@ -415,6 +415,7 @@ def startup_cases(tmp_path, base, canary, token, trained):
     open_token.chmod(0o644)
     Engine(ours(), __import__("forgetless.data.tokenizers", fromlist=["ByteTokenizer"]).ByteTokenizer(),
            torch.zeros(4, 17, dtype=torch.long), 16, ServeConfig(method="full"), tmp_path / "full-state").close()
+    (tmp_path / "tiny.txt").write_text("O speak.")  # as a held-out canary read whole: shorter than one window
     (tmp_path / "bad-manifest").mkdir()
     (tmp_path / "bad-manifest" / "manifest.json").write_text("{not json")
     return [
@@ -439,6 +440,13 @@ def startup_cases(tmp_path, base, canary, token, trained):
         ("bad retention", ["--serve-log-retention", "forever"], "archive or drop"),
         ("NaN screen", ["--serve-screen-low-k", "nan"], "finite number"),
         ("negative compression", ["--serve-screen-min-compression", -1], "finite number"),
+        ("two methods", ["--serve-method", "lora,full"], "takes one method spec"),
+        ("a joint method", ["--serve-method", "mtl"], "(joint)"),
+        ("a method acting at task end", ["--serve-method", "wise-ft"], "cannot learn online"),
+        ("mixing with a held-out canary", ["--serve-method", "distill", "--held-out-canary"], "give --retain OLD"),
+        ("mix of 1", ["--serve-mix", 1], "serve.mix must be in [0, 1)"),
+        ("missing retained file", ["--retain", tmp_path / "old.txt"], "no such file"),
+        ("a tiny held-out canary", ["--canary", tmp_path / "tiny.txt", "--held-out-canary"], "fewer than one window"),
     ]
 
 

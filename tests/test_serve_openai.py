@@ -2,8 +2,14 @@
 `openai` client against a live server (a tiny random Llama with a chat template), a plain HTTP client against
 the byte-GPT smoke base, prompt/answer and chat documents with answer-only loss, and a chat completion corrected
 by its id that is learned and survives a restart."""
+import contextlib
 import json
+import os
+import signal
+import threading
+import time
 
+import httpx
 import pytest
 import torch
 
@@ -15,7 +21,7 @@ from forgetless.models.hf import TextTokenizer  # noqa: E402
 from forgetless.serve import wal  # noqa: E402
 from forgetless.serve.app import make_app, record  # noqa: E402
 from forgetless.serve.engine import WAL, Engine, ServeConfig  # noqa: E402
-from test_serve import AUTH, TOKEN, engine, local, served, trained  # noqa: E402,F401
+from test_serve import AUTH, DOCS, TOKEN, engine, learn, local, served, served_files, start_server, trained  # noqa: E402,F401
 from tiny_models import SENTENCES, bpe_tokenizer, gguf_llama  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -189,3 +195,55 @@ def test_every_field_of_the_new_endpoints_with_any_value_is_a_one_line_answer_wi
                 error = r.json()["error"]
                 message = error if path == "/v1/learn" else error["message"]
                 assert message and "\n" not in message, (path, field, value, r.text)
+
+
+def test_kill_9_during_a_streamed_completion_and_feedback_learning_loses_nothing_acknowledged(trained, tmp_path):
+    """A real server (the byte GPT) killed with SIGKILL while it streams a completion and learns a correction: the
+    restart holds every acknowledged document (the last one only in the log) and serves their weights; the
+    correction being learned is kept too when it reached the log, never half."""
+    base, canary, token_file = served_files(trained, tmp_path)
+    state, probe, answer = tmp_path / "state", {"text": DOCS[-1]}, "O speak again, bright angel."
+    steps = ("--serve-steps-per-doc", 40)  # a learn long enough (~1 s here) for the kill to land inside it
+    proc, url = start_server(base, canary, state, token_file, *steps)
+    answers: list = []
+    try:
+        learn(url, DOCS[:3])
+        done = httpx.post(f"{url}/v1/completions", json={"prompt": "NURSE:", "max_tokens": 4}).json()
+        fed = httpx.post(f"{url}/v1/feedback", json={"id": done["id"], "answer": answer}, headers=AUTH, timeout=60)
+        assert fed.status_code == 200 and fed.json()["seq"] == 4, fed.text
+        learn(url, DOCS[3:4])  # document 5: after the snapshot at 4, only in the log
+        loss = httpx.post(f"{url}/v1/score", json=probe).json()["loss"]
+
+        def correct():
+            with contextlib.suppress(httpx.HTTPError):  # cut off by the kill: not acknowledged
+                answers.append(httpx.post(f"{url}/v1/feedback", json={"id": done["id"], "answer": answer + " Again."},
+                                          headers=AUTH, timeout=60))
+
+        sender = threading.Thread(target=correct, daemon=True)
+        received = []
+        with contextlib.suppress(httpx.HTTPError), httpx.stream(
+                "POST", f"{url}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 500, "stream": True},
+                timeout=60) as r:
+            for line in r.iter_lines():
+                received.append(line)
+                if line.startswith("data: {") and not sender.is_alive() and proc.poll() is None:
+                    sender.start()  # streaming has begun: a correction goes to the learner, then the kill
+                    time.sleep(0.3)
+                    os.kill(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        sender.join(60)
+    finally:
+        proc.kill()
+    assert any(line.startswith("data: {") for line in received) and "data: [DONE]" not in received  # cut mid-stream
+    acknowledged = 6 if answers and answers[0].status_code == 200 else 5
+    records = [json.loads(line) for line in (state / WAL).read_text().splitlines()]
+    proc, url = start_server(base, canary, state, token_file, *steps)
+    try:
+        seq = httpx.get(f"{url}/v1/health").json()["seq"]
+        assert acknowledged <= seq <= 6 and seq == records[-1]["seq"]  # a logged, unacknowledged one is kept too
+        if seq == 6:
+            assert json.loads(records[-1]["text"]) == {"prompt": "NURSE:", "answer": answer + " Again."}
+        else:
+            assert httpx.post(f"{url}/v1/score", json=probe).json()["loss"] == loss  # the same weights
+    finally:
+        proc.kill()

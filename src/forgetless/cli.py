@@ -421,18 +421,28 @@ def evaluate_cmd(checkpoint: Optional[Path] = typer.Option(None, help="base chec
 @app.command()
 @friendly
 def export(run: Path = typer.Argument(..., help="a bench output folder (results.json and arms/), an `adapt --data` "
-                                       "output (report.json and model/), or a folder written by save_pretrained"),
+                                       "output (report.json and model/), a folder written by save_pretrained, or a "
+                                       "`forgetless serve` --state-dir (its newest kept state, as the next version "
+                                       "under STATE_DIR/publish)"),
            method: Optional[str] = typer.Option(None, help="bench runs: the arm to export, as in the results table, "
                                                 "e.g. lora or lora\\[r=16]"),
-           out: Path = typer.Option(..., help="folder to write (must not exist or be empty)"),
+           out: Optional[Path] = typer.Option(None, help="folder to write (must not exist or be empty); a serve "
+                                              "state folder: where its versions go (default STATE_DIR/publish)"),
            seed: int = typer.Option(0, help="bench runs: which seed's arm"),
-           model: Optional[str] = typer.Option(None, "--model", help="save_pretrained folders: the base it was "
-                                               "trained on (smollm2-135m, hf:PATH or a .gguf file)")):
+           model: Optional[str] = typer.Option(None, "--model", help="save_pretrained and serve state folders: the "
+                                               "base it was trained on (smollm2-135m, hf:PATH, a .gguf file; serve: "
+                                               "or a forgetless base .safetensors)")):
     """Export a trained method for serving: a PEFT adapter (LoRA on a local transformers folder), merged weights
     where the method folds exactly into them, else the forgetless folder with its loading example."""
     from forgetless.continual.export_run import export as run_export
+    from forgetless.serve.publish import export_state, is_state_folder
 
-    form, folder = run_export(run, method, out, seed, model)
+    if is_state_folder(run):
+        form, folder = export_state(run, out, model)
+    elif out is None:
+        raise ForgetlessError("give --out FOLDER (a new or empty folder) to write the export into")
+    else:
+        form, folder = run_export(run, method, out, seed, model)
     what = {"peft": "a PEFT adapter (AutoPeftModelForCausalLM.from_pretrained(folder))",
             "merged": "the merged model (no forgetless needed to load it)",
             "forgetless": "the forgetless folder (forgetless.from_pretrained; see LOADING.md)"}[form]
@@ -624,6 +634,11 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
           canary: Optional[str] = typer.Option(None, help="corpus whose held-out windows are the canary (default: "
                                                "the base's domain A)"),
           canary_windows: int = typer.Option(32, help="held-out windows in the canary"),
+          held_out_canary: bool = typer.Option(False, "--held-out-canary", help="--canary is your own held-out file: "
+                                               "all of it is the canary (evenly spaced windows) and none of it is "
+                                               "mixed into learning (default: a held-out share of it is the canary)"),
+          retain: Optional[str] = typer.Option(None, "--retain", help="old data (a text file or corpus) whose rows are "
+                                               "mixed into every learning batch, --serve-mix of them (default 0.2)"),
           block_size: int = typer.Option(256, help="with --model: context in tokens"),
           state_dir: Path = typer.Option(Path("serve-state"), help="snapshots and the write-ahead log; a restart "
                                          "resumes from them"),
@@ -643,7 +658,7 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     import os
 
     from forgetless.serve import wal
-    from forgetless.serve.engine import WAL, Engine, ServeConfig
+    from forgetless.serve.engine import WAL, Engine, ServeConfig, online_method
     if repair:
         with wal.lock_folder(state_dir):
             out_console.print(escape(wal.repair(state_dir / WAL)), highlight=False)
@@ -651,7 +666,8 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     from forgetless.device import resolve_device
     from forgetless.config import from_dict
     from forgetless.continual.base_model import load_base
-    from forgetless.data.domains import load_domains
+    from forgetless.data.domains import load_domains, make_tokenizer
+    from forgetless.data.splits import eval_windows
 
     try:
         import uvicorn
@@ -664,6 +680,11 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     if (base is None) == (model is None) or model and not canary:
         raise ForgetlessError("give --base (a forgetless GPT) or --model with --canary (the text whose retention is "
                               "checked), not both")
+    if retain is not None and cfg.mix == 0:
+        cfg = dataclasses.replace(cfg, mix=0.2)  # replay, as adapt --retain
+    if held_out_canary and retain is None and online_method(cfg.method).build().own("mix", cfg.mix) > 0:
+        raise ForgetlessError(f"{cfg.method} mixes in old rows, and --held-out-canary keeps the canary out of learning: "
+                              "give --retain OLD (rows to mix), or set --serve-mix 0")
     token = load_token(token_file, os.environ.get("FORGETLESS_SERVE_TOKEN", ""))
     hosts = allowed(host, allowed_hosts)
     wal.check_folder(state_dir)
@@ -676,9 +697,15 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     else:
         lm, tok, meta = load_base(base)
         tokenizer, block_size, canary = tok.to_dict(), lm.config.block_size, canary or meta["domain"]
-    (original,), corpus_tokenizer = load_domains([canary], tokenizer, block_size, 0.1, canary_windows)
-    engine = Engine(lm if model else lm.to(device), corpus_tokenizer, original.windows, block_size, cfg, state_dir,
-                    original.train)
+    if held_out_canary:  # the user's held-out file, whole
+        corpus_tokenizer = make_tokenizer(tokenizer, [], [])
+        windows, mix_from = eval_windows(whole(canary, corpus_tokenizer, block_size), block_size, canary_windows), None
+    else:
+        (original,), corpus_tokenizer = load_domains([canary], tokenizer, block_size, 0.1, canary_windows)
+        windows, mix_from = original.windows, original.train
+    if retain is not None:
+        mix_from = whole(retain, corpus_tokenizer, block_size)
+    engine = Engine(lm if model else lm.to(device), corpus_tokenizer, windows, block_size, cfg, state_dir, mix_from)
     if engine.recovered:
         out_console.print(escape(engine.recovered), highlight=False)
     out_console.print(f"serving {escape(cfg.method)} on http://{host}:{port} (state in {escape(str(state_dir))}: "
@@ -687,6 +714,16 @@ def serve(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
                       highlight=False)
     app = make_app(engine, token, hosts, str(model or "forgetless"))
     uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+
+
+def whole(spec: str, tokenizer, block_size: int):
+    """(N,) tokens of every document of corpus `spec` (a file of the user's, read whole: no held-out split)."""
+    from forgetless.data.corpora import load_corpus
+    ids = tokenizer.encode(b"\n".join(d.data for d in load_corpus(spec).docs), spec)
+    if len(ids) <= block_size:
+        raise ForgetlessError(f"{spec} has {len(ids)} tokens, fewer than one window of {block_size + 1}; give more "
+                              "text (or a smaller --block-size)")
+    return ids
 
 
 def allowed(host: str, names: str | None) -> tuple[str, ...]:

@@ -75,13 +75,22 @@ def save_peft(adapted: Adapted, out: Path, tokenizer, spec: str) -> Path:
 
     cfg = adapted.method.cfg
     targets = [n for n, m in adapted.model.named_modules() if hasattr(m, "lora_A") and "default" in m.lora_A]
-    LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets, task_type="CAUSAL_LM",
+    LoraConfig(r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=short_names(adapted.model, targets),
+               task_type="CAUSAL_LM",
                base_model_name_or_path=spec,
                fan_in_fan_out=any(type(m).__name__ == "Conv1D" for m in adapted.model.modules())).save_pretrained(out)
     tensors = {f"base_model.model.{k}": v.contiguous().cpu() for k, v in adapted.method_state().items()}
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     save_tokenizer(tokenizer, out)
     return out
+
+
+def short_names(model: nn.Module, targets: list[str]) -> list[str]:
+    """The targets' last name parts (q_proj, v_proj) where those select exactly the same modules of `model` (peft
+    matches a target by suffix; serving engines such as SGLang take only the short form), else the full names."""
+    short = sorted({t.rpartition(".")[2] for t in targets})
+    selected = {n for n, _ in model.named_modules() if n.rpartition(".")[2] in short}
+    return short if selected == set(targets) else targets
 
 
 def save_merged(model: nn.Module, out: Path, tokenizer) -> Path:

@@ -1,6 +1,7 @@
 """The HTTP API of `forgetless serve` (FastAPI): score, generate (streamed), learn (bearer token), metrics
 (Prometheus text), stats (JSON) and the dashboard page that draws them, health, snapshot, rollback (to the last
-good state or a kept one), states (the kept ones). Bad
+good state or a kept one), states (the kept ones), publish (the last good state as a versioned adapter or merged
+model: serve/publish.py). Bad
 input gets a 4xx with a one-line reason, as JSON `{"error": "..."}`: the token is checked before the body
 is read, and the body is capped while it is read, before it is parsed.
 
@@ -192,8 +193,8 @@ def shaped(path: str, status: int, message: str) -> dict:
 
 def make_app(engine: Engine, token: str | None, allowed_hosts: tuple[str, ...] = LOCAL_HOSTS,
              model_name: str = "forgetless") -> FastAPI:
-    """The app around `engine`; `token` guards /v1/learn, /v1/feedback, /v1/snapshot and /v1/rollback (None: they
-    are refused); requests must name one of `allowed_hosts` in their Host header ("*": any). The OpenAI-compatible
+    """The app around `engine`; `token` guards /v1/learn, /v1/feedback, /v1/snapshot, /v1/rollback and /v1/publish
+    (None: they are refused); requests must name one of `allowed_hosts` in their Host header ("*": any). The OpenAI-compatible
     endpoints serve the model as `model_name`."""
     app = FastAPI(title="forgetless serve", docs_url=None, redoc_url=None)
     app.add_middleware(Guard, allowed=tuple(allowed_hosts))
@@ -411,6 +412,12 @@ def make_app(engine: Engine, token: str | None, allowed_hosts: tuple[str, ...] =
     async def snapshot(request: Request):
         authorize(request, "a snapshot")
         return await learner.run(engine.snapshot)
+
+    @app.post("/v1/publish")
+    async def publish(request: Request):
+        authorize(request, "publishing")
+        await parsed(request, Strict, optional=True)  # no fields: an empty body or {}
+        return await learner.run(engine.release, model_name)
 
     @app.post("/v1/rollback")
     async def rollback(request: Request):

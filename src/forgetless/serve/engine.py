@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import hashlib
 import json
 import logging
 import math
@@ -48,12 +49,15 @@ import torch.nn.functional as F
 from forgetless.checkpoint import load_optimizer, optimizer_tensors
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.learner import Learner, chunk_windows
+from forgetless.continual.protocol import refuse_joint
 from forgetless.data.splits import Batch, Sampler
 from forgetless.data.user import chat_rows, prompt_rows, render
 from forgetless.errors import ForgetlessError
+from forgetless.methods import Method, MethodSpec
 from forgetless.methods.base import as_specs
 from forgetless.models.gpt import logits_of
 from forgetless.nn.apn import APN, routing
+from forgetless.serve.publish import PUBLISH, write_version
 from forgetless.serve.store import KEPT, SNAPSHOT, Damaged, Store, kept_name
 from forgetless.serve.wal import Unavailable, WriteAheadLog, lock_folder
 from forgetless.train import TrainConfig, TrainingDiverged
@@ -82,6 +86,9 @@ class ServeConfig:
     method: str = field(default="lora", metadata={"help": "method that learns from /v1/learn: a name or spec as in "
                                                            "bench --methods, e.g. lora, full, dynamic-eval"})
     lr: float = field(default=1e-3, metadata={"help": "learning rate (a method's own lr option wins)"})
+    mix: float = field(default=0.0, metadata={
+        "help": "share of retained rows (--retain FILE) mixed into each learning batch: round(mix x rows), at least "
+                "one; 0: none, or 0.2 with --retain (a method's own mix option wins)"})
     steps_per_doc: int = field(default=1, metadata={"help": "updates on each accepted document"})
     canary_every: int = field(default=8, metadata={"help": "score the canary every N accepted documents"})
     max_canary_rise: float = field(default=0.05, metadata={
@@ -140,9 +147,29 @@ class ServeConfig:
                                   f"{self.screen_max_symbol_share}")
         if self.log_retention not in ("archive", "drop"):
             raise ForgetlessError(f"serve.log_retention must be archive or drop, got {self.log_retention!r}")
+        if not 0 <= self.mix < 1:
+            raise ForgetlessError(f"serve.mix must be in [0, 1), got {self.mix}")
+        online_method(self.method)
         if self.screen_warmup > self.screen_window:
             raise ForgetlessError(f"serve.screen_warmup ({self.screen_warmup}) must not exceed serve.screen_window "
                                   f"({self.screen_window})")
+
+
+def online_method(text: str) -> MethodSpec:
+    """The one method spec of `text` (composed terms included: lora+ewc), or a one-line ForgetlessError where the
+    method cannot learn from a stream: several specs, a joint arm, or a method that acts at the end of a task (a
+    stream has none)."""
+    specs = as_specs([text])
+    if len(specs) != 1:
+        raise ForgetlessError(f"--serve-method takes one method spec, got {len(specs)} in {text!r}; serve one, e.g. "
+                              "lora or lora+ewc")
+    method = specs[0].build()
+    refuse_joint(specs[0].label, method, "serve it without joint")
+    core = getattr(method, "base", method)  # a composition acts through its method
+    if type(core).on_task_end is not Method.on_task_end:
+        raise ForgetlessError(f"{specs[0].label} acts at the end of a task ({type(core).__name__}.on_task_end), which a "
+                              "served stream never reaches, so it cannot learn online; serve full or lora instead")
+    return specs[0]
 
 
 class Engine:
@@ -161,11 +188,14 @@ class Engine:
             self.close()
             raise
         torch.manual_seed(cfg.seed)
-        (spec,) = as_specs([cfg.method])
-        self.learner = Learner(model, spec.build(), TrainConfig(lr=cfg.lr, warmup=0), canary, mix_from, cfg.seed)
+        self.learner = Learner(model, online_method(cfg.method).build(), TrainConfig(lr=cfg.lr, warmup=0), canary,
+                               mix_from, cfg.seed, cfg.mix)
+        # the rows mixed in, by hash: a restart must mix the same ones to replay the same updates
+        self.mixed = hashlib.sha256(mix_from.cpu().numpy().tobytes()).hexdigest()[:16] if self.learner.mix > 0 else None
         self.device = self.learner.device
         self.lock = threading.Lock()
-        self.seq, self.snapshot_seq, self.good, self.undone_to, self.ops = 0, 0, None, 0, 0
+        self.seq, self.snapshot_seq, self.good, self.ops = 0, 0, None, 0
+        self.undone: list[list[int]] = []  # [first, last] seq of the documents each rollback undid, in order
         self.recovered: str | None = None  # how a start from a damaged snapshot recovered, in words
         self.counters = {"accepted": 0, "rollbacks": 0, "undone": 0, "score": 0, "generate": 0, "replayed": 0}
         self.rejected: dict[str, int] = {}
@@ -437,13 +467,25 @@ class Engine:
         log.warning("rollback to document %d (%s; undone: %s)", self.good["meta"]["seq"], why, undone)
         self.restore(self.good, keep_seq=True)
         self.counters["rollbacks"] += 1
-        undone = self.seq - max(self.good["meta"]["seq"], self.undone_to)  # not counting those undone before
+        before = sum(b - a + 1 for a, b in self.undone)
+        self.undone = self.undone_ranges(self.good["meta"]["seq"])
+        undone = sum(b - a + 1 for a, b in self.undone) - before  # not counting those undone before
         self.counters["undone"] += undone
-        self.undone_to = self.seq
         self.history["rollbacks"].append((self.seq, undone))
         self.canary_last = self.canary_loss()
         self.history["canary"].append((self.seq, self.canary_last))
         return True
+
+    def undone_ranges(self, good_seq: int) -> list[list[int]]:
+        """The undone ranges after a rollback to the state of document `good_seq` now: those before, plus the
+        documents after it not undone already."""
+        new, start = [], good_seq + 1
+        for first, last in self.undone:  # in order, disjoint
+            if first > start:
+                new.append([start, min(first - 1, self.seq)])
+            start = max(start, last + 1)
+        new.append([start, self.seq])
+        return sorted([*self.undone, *(r for r in new if r[0] <= r[1])])
 
     def canary_loss(self) -> float:
         return evaluate(self.learner.model, self.canary)["loss"]
@@ -463,6 +505,15 @@ class Engine:
             p.requires_grad_(False)
             p.grad = None
         self.serving = (self.seq, model)
+
+    def release(self, name: str | None = None) -> dict:
+        """Publish the last good state as the next version under STATE_DIR/publish (serve/publish.py); `name`: the
+        base's, for the manifest. Returns the manifest."""
+        with self.lock:
+            good = self.good
+            twin = detached(self.learner.adapted, good["tensors"])
+        tokenizer = self.hf if self.hf is not None else self.tokenizer
+        return write_version(self.state_dir / PUBLISH, twin, good["meta"], tokenizer, None, name)
 
     # ---- manual snapshot and rollback ------------------------------------------------------------
     def snapshot(self) -> dict:
@@ -493,8 +544,8 @@ class Engine:
         self.ops, passed = n, True
         try:
             if op == "rollback":
-                self.write_snapshot({"tensors": state["tensors"], "meta": {**state["meta"], "seq": self.seq}},
-                                    keep=False)
+                self.write_snapshot({"tensors": state["tensors"], "meta": {
+                    **state["meta"], "seq": self.seq, "undone": self.undone_ranges(state["meta"]["seq"])}}, keep=False)
                 why = "asked for by /v1/rollback" if target is None else \
                     f"to the kept state of document {target}, asked for by /v1/rollback"
                 self.good = state
@@ -549,6 +600,7 @@ class Engine:
         tensors = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
         meta = {"kind": "serve", "seq": self.seq, "steps": learner.steps, "optim_groups": groups,
                 "reference": self.reference, "canary": self.canary_last, "method": self.cfg.method,
+                "undone": [list(r) for r in self.undone], "mixed": self.mixed,
                 "sampler": [learner.sampler.batch_size, learner.sampler.block_size] if learner.sampler else None}
         return {"tensors": tensors, "meta": meta}
 
@@ -573,6 +625,7 @@ class Engine:
         self.reference, self.canary_last = meta["reference"], meta["canary"]
         if not keep_seq:
             self.seq = self.snapshot_seq = meta["seq"]
+            self.undone = [list(r) for r in meta.get("undone", [])]
             self.good = state
 
     def write_snapshot(self, state: dict | None = None, keep: bool = True):
@@ -595,6 +648,9 @@ class Engine:
         if meta.get("kind") != "serve" or meta.get("method") != self.cfg.method:
             raise ForgetlessError(f"{self.state_dir} holds a snapshot of another method ({meta.get('method')} vs "
                                   f"{self.cfg.method}); give another --state-dir or the same --serve-method")
+        if meta.get("mixed", self.mixed) != self.mixed:
+            raise ForgetlessError(f"{self.state_dir} was learned with other mixed rows (--retain, --serve-mix); give the "
+                                  "same ones, or another --state-dir")
         return {"tensors": tensors, "meta": meta}
 
     def close(self):
@@ -709,6 +765,17 @@ def answer_loss(model, batch: Batch) -> float:
 
 def text_checksum(text: str) -> str:
     return f"{zlib.crc32(text.encode()):08x}"
+
+
+def detached(adapted, tensors: dict[str, torch.Tensor]):
+    """A copy of `adapted` (its model and method) holding the weights `tensors` ("model.NAME": a state's keys), so
+    exporting it (a merge folds modules away) leaves the learner as it is."""
+    memo = graph_free(adapted.model)
+    twin = copy.deepcopy(adapted, memo)
+    twin._base = {id(memo[i]) for i in adapted._base if i in memo}  # what the base owns, by the copies' ids
+    twin._base_modules = {id(memo[i]) for i in adapted._base_modules if i in memo}
+    twin.model.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
+    return twin
 
 
 def graph_free(model) -> dict:
