@@ -69,8 +69,9 @@ class Batcher:
     def run(self):
         active: list[Sequence] = []
         while True:
+            new = []
             try:  # wait only when nothing is running
-                new = [self.incoming.get(block=not active)]
+                new.append(self.incoming.get(block=not active))
                 while True:
                     new.append(self.incoming.get_nowait())
             except queue.Empty:
@@ -79,7 +80,7 @@ class Batcher:
                 for s in active:
                     s.out.put(DONE)
                 return
-            active = [s for s in active + [s for s in new if s is not DONE] if not s.abandoned]
+            active = [s for s in active + new if not s.abandoned]
             by_model: dict[int, list[Sequence]] = {}
             for s in active:
                 by_model.setdefault(id(s.model), []).append(s)
