@@ -128,7 +128,7 @@ async def run_arm(url: str, streams: int, tokens: int, learn: bool) -> dict:
             try:
                 await client.post("/learn", cast_to=object, body=doc)
                 learned += 1
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - counted and named
                 errors.append(f"learn {type(e).__name__}: {e}"[:200])
             i += 1
 

@@ -5,12 +5,10 @@ import concurrent.futures
 
 import pytest
 import torch
+from tiny_models import hf_gpt2, hf_llama, ours
 
 from forgetless.models.gpt import logits_of
 from forgetless.serve.batch import DONE, Batcher, Sequence, pick
-from tiny_models import hf_gpt2, hf_llama, ours
-
-pytest.importorskip("fastapi", reason="forgetless serve needs FastAPI (bash scripts/setup.sh dev or serve)")
 
 
 def alone(model, ids: list[int], n: int, block: int, temperature: float = 0.0, seed: int = 0) -> list[int]:
@@ -70,10 +68,12 @@ def test_a_sequence_gets_its_tokens_then_done_and_an_abandoned_one_leaves_the_ba
 
 
 def test_16_concurrent_openai_streams_complete_equal_to_sequential_and_while_learning(tmp_path):
+    pytest.importorskip("fastapi", reason="forgetless serve needs FastAPI (bash scripts/setup.sh dev or serve)")
     openai = pytest.importorskip("openai")
-    from forgetless.serve.app import make_app
     from test_serve import TOKEN, served
     from test_serve_openai import QUESTION, chat_engine
+
+    from forgetless.serve.app import make_app
 
     e = chat_engine(tmp_path / "state")
     try:

@@ -87,7 +87,7 @@ class Batcher:
             for group in by_model.values():
                 try:
                     self.step(group)
-                except Exception as e:  # noqa: BLE001 - a failed forward ends its requests, not the server
+                except Exception as e:  # a failed forward ends its requests, not the server
                     log.exception("generation step failed")
                     for s in group:
                         s.out.put(e)

@@ -340,7 +340,7 @@ class Engine:
         sampled by the batcher with every other request's sequences (serve/batch.py). `prompt`: text, or token
         ids. With `usage` (a dict), also stop at the end-of-text token and count there the prompt and completion
         tokens and why it ended ("length" or "stop")."""
-        version, model = self.serving
+        _, model = self.serving
         self.counters["generate"] += 1
         ids = self.encode(prompt).tolist() if isinstance(prompt, str) else list(prompt)
         if not ids:
