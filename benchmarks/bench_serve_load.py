@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -29,10 +28,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
 from _timing import provenance
-from bench_serve import CORPUS, TOKEN, free_port
+from bench_serve import CORPUS, TOKEN, free_port, launch
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -78,20 +76,7 @@ def start_server(args, model: str, folder: Path) -> tuple[subprocess.Popen, str]
                "2", "--block-size", "256", "--state-dir", folder / "state", "--token-file", folder / "token", "--port",
                port, "--serve-method", "lora", "--serve-learn-per-minute", "0", "--serve-screen-k", "0",
                "--serve-screen-low-k", "0", "--serve-max-canary-rise", "100", "--device", "cpu"]
-    proc = subprocess.Popen([str(c) for c in command], env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        try:
-            httpx.get(f"{url}/v1/health", timeout=1).raise_for_status()
-            return proc, url
-        except httpx.HTTPError:
-            if proc.poll() is not None:
-                sys.exit(f"the server did not start:\n{proc.stderr.read().decode()[-2000:]}")
-            time.sleep(0.5)
-    proc.kill()
-    sys.exit("the server did not answer within 900 s")
+    return launch(command, args.threads, 900)
 
 
 def question(i: int) -> list[dict]:
