@@ -58,10 +58,17 @@ def start_server(args, folder: Path) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "forgetless", "serve", "--base", folder / "base.safetensors", "--state-dir",
                folder / "state", "--token-file", folder / "token", "--port", port, "--serve-method", args.method,
                "--serve-learn-per-minute", "0", "--device", "cpu"]
-    proc = subprocess.Popen([str(c) for c in command], env={**os.environ, "OMP_NUM_THREADS": str(args.threads)},
+    return launch(command, args.threads, 300)
+
+
+def launch(command: list, threads: int, seconds: float) -> tuple[subprocess.Popen, str]:
+    """`forgetless serve` `command` (its last `--port` on loopback) with `threads` torch threads, once it answers
+    /v1/health (within `seconds`, else exit with the reason); returns the process and its URL."""
+    port = command[command.index("--port") + 1]
+    proc = subprocess.Popen([str(c) for c in command], env={**os.environ, "OMP_NUM_THREADS": str(threads)},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
             httpx.get(f"{url}/v1/health", timeout=1).raise_for_status()
@@ -71,7 +78,7 @@ def start_server(args, folder: Path) -> tuple[subprocess.Popen, str]:
                 sys.exit(f"the server did not start:\n{proc.stderr.read().decode()[-2000:]}")
             time.sleep(0.2)
     proc.kill()
-    sys.exit("the server did not answer within 300 s")
+    sys.exit(f"the server did not answer within {seconds:.0f} s")
 
 
 async def run_arm(url: str, texts: list[str], docs: list[str], clients: int, learn: bool) -> dict:

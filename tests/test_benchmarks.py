@@ -149,3 +149,15 @@ def test_bench_memory_counts_the_terms_state_over_what_trains(tmp_path):
     grown = {m: r["held"]["start"] - r["held"]["attach"] for m, r in rows.items()}
     assert grown["ewc-distill"] >= 2 * weights and grown["lora+ewc"] < 0.1 * weights
     assert "| fp32 | answer | lora+ewc |" in run.stdout
+
+
+def test_bench_serve_load_quick_runs_every_arm_and_the_baseline_without_errors():
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serve_load.py"), "--quick", "--threads", "1",
+                          "--streams", "4"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    one, off, on = out["arms"]
+    assert [a["streams"] for a in out["arms"]] == [1, 4, 4] and [a["learn"] for a in out["arms"]] == [False, False, True]
+    assert all(not a["errors"] and 0 < a["tokens"] <= a["streams"] * 4 and a["ttft_p99_s"] > 0 for a in out["arms"])
+    assert on["learned"] >= 1 and out["baseline"]["sequential"]["tokens"] > 0
+    assert out["ratios"]["p99_ttft_on_over_off"] == on["ttft_p99_s"] / off["ttft_p99_s"]

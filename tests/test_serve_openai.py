@@ -203,7 +203,9 @@ def test_kill_9_during_a_streamed_completion_and_feedback_learning_loses_nothing
     correction being learned is kept too when it reached the log, never half."""
     base, canary, token_file = served_files(trained, tmp_path)
     state, probe, answer = tmp_path / "state", {"text": DOCS[-1]}, "O speak again, bright angel."
-    steps = ("--serve-steps-per-doc", 40)  # a learn long enough (~1 s here) for the kill to land inside it
+    # a learn long enough (~1 s here) for the kill to land inside it; a stream far longer than that (the batcher
+    # samples ahead of the client, so 500 tokens of the byte GPT can be sent before the kill)
+    steps = ("--serve-steps-per-doc", 40, "--serve-max-new-tokens", 100_000)
     proc, url = start_server(base, canary, state, token_file, *steps)
     answers: list = []
     try:
@@ -222,7 +224,7 @@ def test_kill_9_during_a_streamed_completion_and_feedback_learning_loses_nothing
         sender = threading.Thread(target=correct, daemon=True)
         received = []
         with contextlib.suppress(httpx.HTTPError), httpx.stream(
-                "POST", f"{url}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 500, "stream": True},
+                "POST", f"{url}/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 100_000, "stream": True},
                 timeout=60) as r:
             for line in r.iter_lines():
                 received.append(line)

@@ -57,6 +57,7 @@ from forgetless.methods import Method, MethodSpec
 from forgetless.methods.base import as_specs
 from forgetless.models.gpt import logits_of
 from forgetless.nn.apn import APN, routing
+from forgetless.serve.batch import DONE, Batcher, Sequence
 from forgetless.serve.publish import PUBLISH, write_version
 from forgetless.serve.store import KEPT, SNAPSHOT, Damaged, Store, kept_name
 from forgetless.serve.wal import Unavailable, WriteAheadLog, lock_folder
@@ -207,6 +208,7 @@ class Engine:
         self.routed = any(isinstance(m, APN) for m in self.learner.model.modules())
         self.usage: list[list[float]] | None = None  # routed methods: share of each patch per layer, last document
         self.started = time.time()
+        self.batcher = Batcher(block_size)
         try:
             self.start()
         except BaseException:
@@ -331,42 +333,41 @@ class Engine:
         result = evaluate(model, self.windows(text))
         return {"loss": result["loss"], "ppl": result["ppl"], "tokens": len(self.encode(text)), "version": version}
 
-    @torch.no_grad()
     def generate(self, prompt: str | list[int], max_tokens: int, temperature: float, seed: int, top_p: float = 1.0,
                  usage: dict | None = None):
         """Yield the text of up to `max_tokens` sampled tokens (greedy at temperature 0; nucleus sampling
-        below `top_p`), one piece per token that completes a character, all from one published set of weights.
-        `prompt`: text, or token ids. With `usage` (a dict), also stop at the end-of-text token and count
-        there the prompt and completion tokens and why it ended ("length" or "stop")."""
-        version, model = self.serving
+        below `top_p`), one piece per token that completes a character, all from one published set of weights,
+        sampled by the batcher with every other request's sequences (serve/batch.py). `prompt`: text, or token
+        ids. With `usage` (a dict), also stop at the end-of-text token and count there the prompt and completion
+        tokens and why it ended ("length" or "stop")."""
+        _, model = self.serving
         self.counters["generate"] += 1
-        ids = (self.encode(prompt) if isinstance(prompt, str) else torch.tensor(prompt, dtype=torch.long))
-        ids = ids.to(self.device)[None]  # (1, n)
-        if ids.shape[1] == 0:
+        ids = self.encode(prompt).tolist() if isinstance(prompt, str) else list(prompt)
+        if not ids:
             raise ForgetlessError("the prompt is empty; send at least one character")
         eos = getattr(getattr(self.tokenizer, "text", None), "eos_id", None) if usage is not None else None
         if usage is not None:
-            usage.update(prompt_tokens=ids.shape[1], completion_tokens=0, finish_reason="length")
+            usage.update(prompt_tokens=len(ids), completion_tokens=0, finish_reason="length")
         generator = torch.Generator(device=self.device).manual_seed(seed)
+        sequence = self.batcher.submit(Sequence(model, ids, min(max_tokens, self.cfg.max_new_tokens), temperature,
+                                                top_p, generator))
         new, sent = [], ""
-        for _ in range(min(max_tokens, self.cfg.max_new_tokens)):
-            logits = logits_of(model, ids[:, -self.block_size:])[:, -1].float()  # (1, V)
-            scaled = logits / temperature if temperature else logits             # (1, V)
-            if temperature == 0 or not torch.isfinite(scaled).all():  # a temperature so small it is greedy
-                token = logits.argmax(-1, keepdim=True)                           # (1, 1)
-            else:
-                token = torch.multinomial(nucleus(F.softmax(scaled, -1), top_p), 1, generator=generator)
-            if usage is not None:
-                usage["completion_tokens"] += 1
-                if eos is not None and int(token) == eos:
-                    usage["finish_reason"] = "stop"
-                    return
-            ids = torch.cat([ids, token], 1)
-            new.append(int(token))
-            text = self.tokenizer.decode(new)
-            if not text.endswith("\ufffd"):  # a character split across tokens waits for its last byte
-                yield text[len(sent):]
-                sent = text
+        try:
+            while (token := sequence.out.get()) is not DONE:
+                if isinstance(token, Exception):
+                    raise token
+                if usage is not None:
+                    usage["completion_tokens"] += 1
+                    if eos is not None and token == eos:
+                        usage["finish_reason"] = "stop"
+                        return
+                new.append(token)
+                text = self.tokenizer.decode(new)
+                if not text.endswith("\ufffd"):  # a character split across tokens waits for its last byte
+                    yield text[len(sent):]
+                    sent = text
+        finally:  # ended, stopped or dropped by its client: the batcher stops sampling it
+            sequence.abandoned = True
 
     # ---- learning --------------------------------------------------------------------------------
     def learn(self, text: str, key: str | None = None, form: str = "text") -> dict:
@@ -657,6 +658,8 @@ class Engine:
         """Close the log and release the state folder."""
         if hasattr(self, "wal"):
             self.wal.close()
+        if hasattr(self, "batcher"):
+            self.batcher.close()
         self.folder_lock.close()
 
     def prequential_mean(self) -> float:
@@ -740,16 +743,6 @@ def loss_screen(loss: float, recent: list[float], cfg: ServeConfig) -> tuple[str
                              "(text the model already knows, or repeated); if it is good data, raise "
                              "--serve-screen-low-k (0: off)")
     return None
-
-
-def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:  # (1, V) -> (1, V)
-    """`probs` kept on the fewest most likely tokens whose mass reaches `top_p` (the rest 0)."""
-    if top_p >= 1:
-        return probs
-    sorted_probs, order = probs.sort(-1, descending=True)                      # (1, V)
-    drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p                     # (1, V): mass before it reached
-    drop[:, 0] = False  # the most likely token stays (a top_p below float32's least number is 0 there)
-    return probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0))
 
 
 @torch.no_grad()
