@@ -52,10 +52,10 @@ def test_activation_constants_are_what_autograd_saves_per_token_and_layer(mode, 
 
 
 @pytest.mark.parametrize("method", ["lora", "full", "lora+ewc"])
-def test_estimate_is_within_15_percent_of_the_measured_live_peak(method):
+def test_estimate_is_within_8_percent_of_the_measured_live_peak(method):
     """Two AdamW steps on a random Llama (fp32, no autocast), the benchmark's way (bench_memory.measure): every
-    tensor storage made from the model's construction on counted alive at once (LivePeak). 15 %: the issue's goal
-    for the estimate; what it leaves out (allocator slack, small temporaries, the int64 ids) stays below that here
+    tensor storage made from the model's construction on counted alive at once (LivePeak). The goal for the estimate
+    is 15 %; what it leaves out (allocator slack, small temporaries, the int64 ids) stays below that here
     (bench_memory measured 1.00-1.01 for these three at its shape s)."""
     shape = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=4000)
@@ -74,7 +74,9 @@ def test_estimate_is_within_15_percent_of_the_measured_live_peak(method):
             opt.zero_grad(set_to_none=True)
     predicted = estimate(meta_model(LlamaConfig(**shape)), build_method(method),
                          Setting(4, 64, mix=0.25, scored=0.25, every_position=True)).total
-    assert 0.85 < predicted / live.peak < 1.15, (predicted, live.peak)
+    # 8 %, not the goal's 15 %: here the activations are 14-19 % of the estimate, so at 15 % an estimate without them
+    # still passed (0.855, a review's finding); the band was set after seeing 1.00-1.03 for these three
+    assert 0.92 < predicted / live.peak < 1.08, (predicted, live.peak)
 
 
 @pytest.fixture(scope="module")
