@@ -69,7 +69,7 @@ def test_a_sequence_gets_its_tokens_then_done_and_an_abandoned_one_leaves_the_ba
 
 def test_16_concurrent_openai_streams_complete_equal_to_sequential_and_while_learning(tmp_path):
     pytest.importorskip("fastapi", reason="forgetless serve needs FastAPI (bash scripts/setup.sh dev or serve)")
-    openai = pytest.importorskip("openai")
+    openai = pytest.importorskip("openai", reason="the streams are the official openai client's (bash scripts/setup.sh dev)")
     from test_serve import TOKEN, served
     from test_serve_openai import QUESTION, chat_engine
 

@@ -136,10 +136,10 @@ def load_model(spec: str, device="auto", load: LoadConfig | None = None,
 
 def on_meta(name: str, device: torch.device, load: LoadConfig):
     """(model on the meta device, tokenizer) of a transformers folder or hub id: its config's shapes, no weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    config = model_config(f"hf:{name}")
     where = name if is_hub_id(name) else Path(name).expanduser()
     with offline() if isinstance(where, Path) else nullcontext():
-        config = hf_call(where, AutoConfig.from_pretrained, where)
         tokenizer = hf_call(where, AutoTokenizer.from_pretrained, where)
     dtype = resolve_dtype(load.dtype, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None), device)
     with torch.device("meta"):
