@@ -7,26 +7,36 @@
 # Run it again to resume: a stopped study loses at most the arm it was in.
 #   bash scripts/study-standard.sh [OUT]        (default OUT: ~/forgetless-study)
 #   stop:  kill -- -$(cat OUT/pid)
-# EXTRA adds flags (e.g. EXTRA="--order1-seeds 3" for more seeds on order 1);
-# precision fp32 on purpose: an arm records its precision, and auto would be bf16 on one CPU and fp32 on another,
-# so arms run on one machine would not be reused on the next.
+# EXTRA adds flags (e.g. EXTRA="--order1-seeds 3" for more seeds on order 1).
+# Precision bf16, given (not auto): an arm records its precision, and auto would be bf16 on one CPU and fp32 on
+# another, so the arms of one folder would mix. bf16 autocast costs about 0.65x of fp32's time on a CPU that runs
+# it natively (AVX-512 BF16 / AMX; the arm benchmark), and 20-100x more where it is emulated (AVX2 only): the script
+# refuses there. PRECISION=fp32 starts a study that any CPU can continue (its arms are others: the folder's arms
+# are per precision).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=$(realpath -m "${1:-$HOME/forgetless-study}")
 METHODS=(mtl seq-lora 'seq-lora[mix=0.2]' o-lora lora+ewc lora+distill moram osf)
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+PRECISION=${PRECISION:-bf16}
+if [ "$PRECISION" = bf16 ] && ! python -c 'import sys; from forgetless.device import cpu_bf16; sys.exit(not cpu_bf16())' \
+    2>/dev/null; then
+  echo "study-standard: this CPU has no native bf16 (AVX-512 BF16 or AMX): the folder's bf16 arms would run 20-100x" \
+    "slower here; continue on a CPU that has it, or start another folder with PRECISION=fp32" >&2
+  exit 2
+fi
 mkdir -p "$OUT"
 grow() {  # one study per prefix of METHODS; --force: the folder's run.json names the previous, shorter list
   local n list
   for n in $(seq 2 ${#METHODS[@]}); do
     list=$(IFS=,; echo "${METHODS[*]:0:$n}")
     echo "=== $(date -u '+%F %T') study with: $list"
-    python -m forgetless study standard --model smollm2-135m --methods "$list" --precision fp32 --seeds 1 \
+    python -m forgetless study standard --model smollm2-135m --methods "$list" --precision "$PRECISION" --seeds 1 \
       --order1-seeds 1 --force ${EXTRA:-} --out "$OUT/standard" || return
   done
   echo "=== $(date -u '+%F %T') study complete"
 }
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-export OUT EXTRA="${EXTRA:-}"
+export OUT PRECISION EXTRA="${EXTRA:-}"
 setsid nice -n 19 nohup bash -c "$(declare -p METHODS); $(declare -f grow); grow" >> "$OUT/log.txt" 2>&1 < /dev/null &
 echo $! > "$OUT/pid"
 echo "study started (process group $(cat "$OUT/pid")), log: $OUT/log.txt; stop: kill -- -$(cat "$OUT/pid")"
