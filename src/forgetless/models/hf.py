@@ -32,6 +32,7 @@ import torch.nn as nn
 
 from forgetless.checkpoint import private_folder
 from forgetless.config import cache_dir, stable_hash
+from forgetless.data.tokenizers import TextTokenizer
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPTConfig
 
@@ -74,29 +75,6 @@ class LoadConfig:
                             ("gradient_checkpointing", ("off", "on", "reentrant"))):
             if getattr(self, name) not in valid:
                 raise ForgetlessError(f"load.{name} {getattr(self, name)!r} is not one of {', '.join(valid)}")
-
-
-
-class TextTokenizer:
-    """A transformers tokenizer with the byte tokenizer's names (`kind`, `vocab_size`, `decode`, `to_dict`)."""
-    kind = "hf"
-
-    def __init__(self, hf, spec: str):
-        self.hf, self.spec = hf, spec
-        self.vocab_size = len(hf)
-        self.eos_id = hf.eos_token_id
-        self.bos_id = hf.bos_token_id  # may be None
-        self.pad_id = hf.pad_token_id if hf.pad_token_id is not None else self.eos_id
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, no special tokens added."""
-        return self.hf(text, add_special_tokens=False)["input_ids"]
-
-    def decode(self, ids) -> str:
-        return self.hf.decode([int(i) for i in ids])
-
-    def to_dict(self) -> dict:
-        return {"kind": self.kind, "model": self.spec, "name_or_path": self.hf.name_or_path}
 
 
 def load_model(spec: str, device="auto", load: LoadConfig | None = None,
