@@ -12,7 +12,8 @@ from forgetless.errors import ForgetlessError
 from forgetless.methods import build_method
 from forgetless.models.gpt import GPT, GPTConfig
 from forgetless.nn.cms import Level
-from forgetless.train import StepHooks, TrainConfig, train
+from forgetless.hooks import StepHooks
+from forgetless.train import TrainConfig, train
 
 TINY = dict(n_layer=2, n_head=2, d_model=16, block_size=8)
 

@@ -19,7 +19,7 @@ from forgetless.data.instructions import Example, InstructionTask, head, keep_en
 from forgetless.data.splits import check_length, eval_windows
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import takes_logits_to_keep
-from forgetless.train import autocast
+from forgetless.device import autocast
 
 
 # ---- label accuracy --------------------------------------------------------------------------

@@ -20,10 +20,10 @@ import torch.nn as nn
 from forgetless.config import as_saved, from_dict
 from forgetless.data.splits import Batch
 from forgetless.errors import ForgetlessError
+from forgetless.hooks import StepHooks
 from forgetless.models.gpt import GPT, GPTConfig, ffn_signature
 from forgetless.nn.adapter import Beside, FFNSpan, linear_shape
 from forgetless.optim import OPTIMIZERS
-from forgetless.train import StepHooks
 
 
 @dataclass

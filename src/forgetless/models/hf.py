@@ -337,12 +337,11 @@ def resolve_dtype(dtype: str, saved, device: torch.device) -> torch.dtype:
     """The torch dtype `dtype` (fp32, bf16, fp16, auto) means for a checkpoint saved in `saved` (its config's dtype,
     None if it names none) on `device`. auto: the checkpoint's dtype (bf16 where it names none) where the device runs
     it natively (bf16: CUDA with bf16, a CPU with AVX-512 BF16 or AMX; fp16: CUDA), else fp32."""
-    from forgetless.device import cpu_bf16
+    from forgetless.device import resolve_precision
     if dtype != "auto":
         return DTYPES[dtype]
     wanted = str(saved or "bfloat16").removeprefix("torch.")
-    bf16 = torch.cuda.is_bf16_supported() if device.type == "cuda" else device.type == "cpu" and cpu_bf16() is not None
-    native = {"bfloat16": bf16, "float16": device.type == "cuda"}
+    native = {"bfloat16": resolve_precision("auto", device)[0] == "bf16", "float16": device.type == "cuda"}
     return getattr(torch, wanted) if native.get(wanted) else torch.float32
 
 
