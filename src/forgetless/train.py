@@ -22,9 +22,9 @@ from forgetless.config import stable_hash
 from forgetless.data.splits import Batch, Sampler
 from forgetless.device import PRECISIONS, autocast
 from forgetless.errors import ForgetlessError
+from forgetless.hooks import HookChain, StepHooks, module_hooks
 from forgetless.optim import OPTIMIZERS, build_optimizer
 from forgetless.progress import progress_task
-from forgetless.hooks import HookChain, StepHooks, module_hooks
 
 
 @dataclass

@@ -36,13 +36,13 @@ from forgetless.data.domains import Domain, load_domains
 from forgetless.data.instructions import IGNORE, Encoded, InstructionSampler, InstructionTask, encode, load_task
 from forgetless.data.splits import eval_windows
 from forgetless.errors import ForgetlessError
+from forgetless.hooks import HookChain, StepHooks
 from forgetless.methods import Method, MethodSpec
 from forgetless.monitor import PeakRSS
 from forgetless.presets import RunConfig, resolve_run
 from forgetless.progress import progress_task
 from forgetless.report.results import RunResult
 from forgetless.stats import mean_nested, mean_std, per_seed
-from forgetless.hooks import HookChain, StepHooks
 from forgetless.train import train
 
 METRICS = ["op", "op_tasks", "bwt", "bwt_drop", "bwt_tasks", "bwt_drop_clipped", "forgetting", "forgetting_tasks",

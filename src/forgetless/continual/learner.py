@@ -12,11 +12,11 @@ import torch.nn as nn
 
 from forgetless.adapted import attach
 from forgetless.data.splits import Batch, Sampler
+from forgetless.device import autocast
 from forgetless.errors import ForgetlessError
+from forgetless.hooks import HookChain, module_hooks
 from forgetless.methods import Method
 from forgetless.optim import build_optimizer
-from forgetless.device import autocast
-from forgetless.hooks import HookChain, module_hooks
 from forgetless.train import TrainConfig, TrainingDiverged
 
 

@@ -35,12 +35,12 @@ from forgetless.continual.plan import saved_arm
 from forgetless.continual.protocol import build_arms, fresh, provenance
 from forgetless.data.streams import DEFAULT_GRID, HELD_OUT, LR_RULE
 from forgetless.errors import ForgetlessError
+from forgetless.hooks import StepHooks
 from forgetless.methods import MethodSpec
 from forgetless.presets import RunConfig, resolve_run
 from forgetless.progress import duration
 from forgetless.report.results import RunResult
 from forgetless.stats import mean_nested
-from forgetless.hooks import StepHooks
 
 TIE = 1e-9  # validation OPs this close are a tie (LR_RULE)
 # every test row; 50 validation rows per task carved from training; between tasks only the cells the metrics use
