@@ -152,3 +152,9 @@ def test_every_name_imported_from_forgetless_exists():
                         if not hasattr(module, a.name) and not is_module(f"{node.module}.{a.name}")]
     if missing:
         pytest.fail("imported names that do not exist: " + ", ".join(missing))
+
+
+if __name__ == "__main__":  # python tests/test_layers.py: the graph's arrows up and a circle, if any
+    print("arrows up:", *(f"{a} -> {b}" + ("" if (a, b) in UP else "  (not allowed)") for a, b in arrows_up(EDGES)),
+          sep="\n  ")
+    print("circle:", " -> ".join(circle(EDGES)) or "none")
