@@ -16,9 +16,9 @@ LAYERS = [  # bottom to top; a unit is a top-level module or package ("": the pa
     {"report"},                                   # results files and figures, of any protocol and method
     {"data"},                                     # corpora, splits, tokenizers (a pretrained model's too)
     {"models", "optim"},
-    {"nn"},                                       # modules: the math, FFN kinds
+    {"nn", "loss"},                               # modules: the math, FFN kinds; a model's training loss
     {"methods"},
-    {"train", "loss"},                            # the loop: methods are its StepHooks (hooks.py), not its imports
+    {"train"},                                    # the loop: methods are its StepHooks (hooks.py), not its imports
     {"presets", "export", "adapted", "hf_trainer", "memory"},
     {"continual"},                                # protocols
     {"cli", "cliutil", "__main__", "serve", "hope", "aunn", "guide"},
