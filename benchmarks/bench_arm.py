@@ -37,12 +37,11 @@ from _timing import provenance
 from bench_precision import load, metric_check
 
 from forgetless.continual import instruct, scoring
-from forgetless.adapted import resolve_device
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.instruct import load_stream, run_on
 from forgetless.data.instructions import load_task
+from forgetless.device import autocast, cpu_bf16, resolve_device
 from forgetless.presets import build_config
-from forgetless.train import autocast, cpu_bf16
 
 ROOT = Path(__file__).resolve().parents[1]
 OLD_REV = "ec11510"  # the commit before the lean scoring (label scores on a cropped cache, length-sorted batches)

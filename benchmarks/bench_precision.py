@@ -41,13 +41,12 @@ import torch
 from _timing import provenance
 
 import forgetless
-from forgetless.adapted import resolve_device
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.instruct import load_stream, run_on
 from forgetless.data.splits import Batch
+from forgetless.device import autocast, resolve_device, resolve_precision
 from forgetless.monitor import PeakRSS
 from forgetless.presets import build_config
-from forgetless.train import autocast, resolve_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,

@@ -53,16 +53,16 @@ from _timing import provenance, spread
 from peft import LoraConfig, get_peft_model
 
 import forgetless
-from forgetless.adapted import resolve_device
 from forgetless.continual.evaluate import training_loss
 from forgetless.data.splits import Batch
+from forgetless.device import autocast, resolve_device
+from forgetless.hooks import HookChain, StepHooks, module_hooks
 from forgetless.methods import method_names
 from forgetless.methods.base import parse_method_specs
 from forgetless.models.hf import describe, load_model
 from forgetless.monitor import PeakRSS, release_memory, rss_mb
 from forgetless.optim import build_optimizer
 from forgetless.presets import build_config
-from forgetless.train import HookChain, StepHooks, autocast, module_hooks
 
 TARGET = 1.3
 BASELINE = "peft-lora-r8-qv"

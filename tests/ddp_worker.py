@@ -23,12 +23,13 @@ import torch
 from forgetless import attach, distributed
 from forgetless.checkpoint import save_checkpoint
 from forgetless.continual.evaluate import evaluate
+from forgetless.hooks import StepHooks
 from forgetless.loss import training_loss
 from forgetless.data.splits import Batch, Sampler, eval_windows
 from forgetless.errors import ForgetlessError
 from forgetless.methods.base import parse_method_specs
 from forgetless.models.gpt import GPT, GPTConfig
-from forgetless.train import StepHooks, TrainConfig, train
+from forgetless.train import TrainConfig, train
 
 SMOKE = GPTConfig(n_layer=2, n_head=2, d_model=32, block_size=32)
 

@@ -19,7 +19,8 @@ from forgetless import attach, distributed
 from forgetless.checkpoint import save_checkpoint
 from forgetless.continual.evaluate import evaluate
 from forgetless.data.splits import Sampler, eval_windows
-from forgetless.train import StepHooks, TrainConfig, train
+from forgetless.hooks import StepHooks
+from forgetless.train import TrainConfig, train
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_models import gguf_llama

@@ -192,3 +192,17 @@ def test_answers_only_loss_runs_the_output_head_only_where_rows_are_scored(optio
     adapted.model.get_output_embeddings().register_forward_hook(lambda m, i, out: widths.append(out.shape[1]))
     loss = adapted.loss(Batch(x, y, torch.zeros(2, dtype=torch.bool)))
     assert widths == [head_positions] and torch.isfinite(loss)
+
+
+def test_live_stats_are_each_layers_patch_usage_and_a_composition_keeps_them():
+    """What `forgetless serve`'s dashboard draws (the trait Method.live_stats): per APN layer, the share of a
+    document's tokens routed to each patch (top_k 1: one patch a token, so a layer's shares sum to 1 in steps of
+    1/tokens); `apn+distill` keeps the trait, a method without APN modules declares none."""
+    windows = torch.arange(27).reshape(3, 9) % 11                             # (W, T+1): 24 tokens
+    for name in ("apn", "apn+distill"):
+        method = build_method(name, {"apn": SMALL})
+        usage = method.live_stats(attach(apn_model(method), method).model, windows)["usage"]
+        assert len(usage) == DENSE.n_layer and all(len(row) == SMALL["n_patches"] for row in usage), name
+        for row in usage:
+            assert sum(row) == pytest.approx(1) and all(24 * s == pytest.approx(round(24 * s)) for s in row), name
+    assert build_method("lora").live_stats is None and build_method("lora+distill").live_stats is None

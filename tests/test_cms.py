@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from forgetless import attach
+from forgetless.hooks import StepHooks
 from forgetless.loss import training_loss
 from forgetless.data.splits import Sampler
 from forgetless.errors import ForgetlessError
 from forgetless.methods import build_method
 from forgetless.models.gpt import GPT, GPTConfig
 from forgetless.nn.cms import Level
-from forgetless.train import StepHooks, TrainConfig, train
+from forgetless.train import TrainConfig, train
 
 TINY = dict(n_layer=2, n_head=2, d_model=16, block_size=8)
 

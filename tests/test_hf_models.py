@@ -12,10 +12,11 @@ import torch
 from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
 
 import forgetless
+from forgetless.data.tokenizers import TextTokenizer
 from forgetless.errors import ForgetlessError
 from forgetless.export import local_base
 from forgetless.models import hf
-from forgetless.models.hf import MODELS, TextTokenizer, describe, load_model
+from forgetless.models.hf import MODELS, describe, load_model
 from tiny_models import SENTENCES, bpe_tokenizer, gguf_llama, ours, write_llama_gguf
 
 TEXT = "The capital of France is Paris, o Romeo!"

@@ -120,8 +120,8 @@ def test_a_run_whose_estimate_is_above_the_device_stops_before_loading(folder, t
 
 def test_checkpointing_turns_on_where_only_it_makes_the_run_fit(folder, tmp_path, monkeypatch):
     from forgetless.memory import alternatives, setting
-    from forgetless.presets import build_config, settle_precision
-    cfg, _ = settle_precision(build_config("smoke", {"adapt": {"steps": 1}}), torch.device("cpu"))
+    from forgetless.presets import build_config, resolve_run
+    _, cfg, _ = resolve_run(build_config("smoke", {"adapt": {"steps": 1}}), torch.device("cpu"))
     config, s = setting(f"hf:{folder}", build_method("full"), cfg, torch.device("cpu"), 24)
     (_, plain), (_, checkpointed), *_ = alternatives(config, "full", lambda: build_method("full"), s)
     assert checkpointed.total < plain.total

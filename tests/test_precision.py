@@ -10,7 +10,7 @@ from forgetless.continual import evaluate as evaluate_module
 from forgetless.continual.instruct import run_on
 from forgetless.continual.two_domain import run_two_domain
 from forgetless.errors import ForgetlessError
-from forgetless.presets import PRESETS, build_config, settle_precision
+from forgetless.presets import PRESETS, build_config, resolve_run
 from tiny_lm import tiny_llama, tiny_tokenizer
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -28,72 +28,72 @@ def cpu_probes(monkeypatch):
 def test_auto_is_bf16_on_a_cuda_device_with_bf16_else_fp32(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Test GPU")
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    used, why = train.resolve_precision("auto", CUDA)
+    used, why = devices.resolve_precision("auto", CUDA)
     assert used == "bf16" and "Test GPU" in why
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
-    assert train.resolve_precision("auto", CUDA) == ("fp32", "auto: Test GPU has no bf16")
+    assert devices.resolve_precision("auto", CUDA) == ("fp32", "auto: Test GPU has no bf16")
 
 
 def test_auto_on_a_cpu_follows_its_bf16_instructions(cpu_probes):
     cpu_probes(avx512_bf16=True)
-    assert train.resolve_precision("auto", CPU) == ("bf16", "auto: the CPU has AVX-512 BF16")
+    assert devices.resolve_precision("auto", CPU) == ("bf16", "auto: the CPU has AVX-512 BF16")
     cpu_probes(amx=True)
-    assert train.resolve_precision("auto", CPU) == ("bf16", "auto: the CPU has AMX")
+    assert devices.resolve_precision("auto", CPU) == ("bf16", "auto: the CPU has AMX")
     cpu_probes()
-    used, why = train.resolve_precision("auto", CPU)
+    used, why = devices.resolve_precision("auto", CPU)
     assert used == "fp32" and "no native bf16" in why
-    assert train.resolve_precision("auto", torch.device("mps"))[0] == "fp32"
+    assert devices.resolve_precision("auto", torch.device("mps"))[0] == "fp32"
 
 
 def test_without_torchs_probes_the_cpu_flags_decide(monkeypatch):
     for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
         monkeypatch.delattr(torch.cpu, probe)
     monkeypatch.setattr(devices, "cpu_flags", lambda: {"avx2", "avx512f", "avx512_bf16"})
-    assert train.resolve_precision("auto", CPU) == ("bf16", "auto: the CPU has AVX-512 BF16")
+    assert devices.resolve_precision("auto", CPU) == ("bf16", "auto: the CPU has AVX-512 BF16")
     monkeypatch.setattr(devices, "cpu_flags", lambda: {"avx2", "amx_tile", "amx_bf16"})
-    assert train.resolve_precision("auto", CPU)[1] == "auto: the CPU has AMX"
+    assert devices.resolve_precision("auto", CPU)[1] == "auto: the CPU has AMX"
     monkeypatch.setattr(devices, "cpu_flags", lambda: {"avx2", "fma"})
-    assert train.resolve_precision("auto", CPU)[0] == "fp32"
+    assert devices.resolve_precision("auto", CPU)[0] == "fp32"
 
 
 def test_an_explicit_precision_is_kept_and_auto_runs_in_autocast(cpu_probes):
     cpu_probes()
     for precision in ("fp32", "bf16", "fp16"):
-        assert train.resolve_precision(precision, CPU) == (precision, "asked for")
-    with train.autocast(CPU, "auto"):
+        assert devices.resolve_precision(precision, CPU) == (precision, "asked for")
+    with devices.autocast(CPU, "auto"):
         assert not torch.is_autocast_enabled("cpu")
     cpu_probes(avx512_bf16=True)
-    with train.autocast(CPU, "auto"):
+    with devices.autocast(CPU, "auto"):
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     with pytest.raises(ForgetlessError, match="unknown precision 'bf32'; valid: auto, fp32"):
         train.TrainConfig(precision="bf32")
 
 
-def test_a_run_settles_auto_once_and_says_why(cpu_probes, capsys):
+def test_a_run_resolves_its_device_and_auto_once_and_says_why(cpu_probes, capsys):
     cpu_probes()
-    cfg, record = settle_precision(build_config("real"), CPU)
-    assert (cfg.adapt.precision, cfg.pretrain.precision) == ("fp32", "fp32")
+    device, cfg, record = resolve_run(build_config("real"), "cpu")  # the device and the precisions, in one call
+    assert device == CPU and (cfg.adapt.precision, cfg.pretrain.precision) == ("fp32", "fp32")
     assert record["used"] == "fp32" and record["requested"] == "auto" and "no native bf16" in record["why"]
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("precision fp32 (auto: the CPU has no native bf16")
     cpu_probes(avx512_bf16=True)
-    cfg, record = settle_precision(build_config("real"), CPU)
+    _, cfg, record = resolve_run(build_config("real"), CPU)
     assert cfg.adapt.precision == "bf16" and record["why"] == "auto: the CPU has AVX-512 BF16"
     assert capsys.readouterr().err == "precision bf16 (auto: the CPU has AVX-512 BF16)\n"
 
 
 def test_bf16_asked_for_on_a_cpu_without_it_warns_in_one_line(cpu_probes, capsys):
     cpu_probes()
-    cfg, record = settle_precision(build_config("smoke", {"adapt": {"precision": "bf16"}}), CPU)
+    _, cfg, record = resolve_run(build_config("smoke", {"adapt": {"precision": "bf16"}}), CPU)
     assert cfg.adapt.precision == "bf16" and record == {"used": "bf16", "requested": "bf16", "why": "asked for"}
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "warning:" in err and "emulated" in err and "use --precision fp32 or auto" in err
     cpu_probes(avx512_bf16=True)
-    settle_precision(build_config("smoke", {"adapt": {"precision": "bf16"}}), CPU)
-    settle_precision(build_config("smoke"), CPU)  # fp32 asked for: nothing to say
+    resolve_run(build_config("smoke", {"adapt": {"precision": "bf16"}}), CPU)
+    resolve_run(build_config("smoke"), CPU)  # fp32 asked for: nothing to say
     assert capsys.readouterr().err == ""
     with pytest.raises(ForgetlessError, match="fp16 needs a CUDA device"):
-        settle_precision(build_config("smoke", {"adapt": {"precision": "fp16"}}), CPU)
+        resolve_run(build_config("smoke", {"adapt": {"precision": "fp16"}}), CPU)
 
 
 def test_auto_is_the_default_for_pretrained_models_and_fp32_for_the_byte_gpt():

@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 from forgetless import from_pretrained
 from forgetless.adapted import CONFIG
 from forgetless.cli import app
+from forgetless.device import resolve_precision
 from forgetless.methods.base import FINE_TUNING_LR
-from forgetless.train import resolve_precision
 from tiny_models import bpe_tokenizer, gguf_llama
 
 runner = CliRunner()

@@ -16,8 +16,7 @@ import torch
 pytest.importorskip("fastapi", reason="forgetless serve needs FastAPI (bash scripts/setup.sh dev or serve)")
 
 from forgetless.continual.learner import chunk_windows  # noqa: E402
-from forgetless.data.tokenizers import PretrainedCorpusTokenizer  # noqa: E402
-from forgetless.models.hf import TextTokenizer  # noqa: E402
+from forgetless.data.tokenizers import PretrainedCorpusTokenizer, TextTokenizer  # noqa: E402
 from forgetless.serve import wal  # noqa: E402
 from forgetless.serve.app import make_app, record  # noqa: E402
 from forgetless.serve.engine import WAL, Engine, ServeConfig  # noqa: E402

@@ -23,8 +23,7 @@ from typer.testing import CliRunner  # noqa: E402
 from forgetless.cli import app  # noqa: E402
 from forgetless.continual.base_model import load_base  # noqa: E402
 from forgetless.continual.learner import chunk_windows  # noqa: E402
-from forgetless.data.tokenizers import PretrainedCorpusTokenizer  # noqa: E402
-from forgetless.models.hf import TextTokenizer  # noqa: E402
+from forgetless.data.tokenizers import PretrainedCorpusTokenizer, TextTokenizer  # noqa: E402
 from forgetless.serve import publish  # noqa: E402
 from forgetless.serve.app import make_app  # noqa: E402
 from forgetless.serve.engine import Engine, ServeConfig, detached  # noqa: E402

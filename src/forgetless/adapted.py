@@ -26,7 +26,7 @@ from forgetless import __version__, distributed
 from forgetless.checkpoint import load_checkpoint, save_checkpoint, shared, writable_dir, write_json
 from forgetless.loss import loss_terms, training_loss
 from forgetless.data.splits import Batch
-from forgetless.device import resolve_device  # noqa: F401 (its home before device.py; bench scripts import it here)
+from forgetless.device import resolve_device
 from forgetless.errors import ForgetlessError
 from forgetless.export import check_empty, export_adapted
 from forgetless.methods import Method, build_method
@@ -188,7 +188,7 @@ class Adapted(nn.Module):
         this rank's GPU, else the CPU). `precision` bf16: FSDP's bf16 mixed precision (gradients reduced in fp32)."""
         check_fsdp(self.model, self.method)
         if self.device.type == "meta":
-            self.device = torch.device(device or distributed.local_device())
+            self.device = resolve_device(device or "auto")
         base = {name for name, t in self._named_tensors() if id(t) in self._base}
         distributed.shard_model(self.model, self.device, precision)  # replaces the parameters by shards (same names)
         self._base = {id(t) for name, t in self._named_tensors() if name in base}

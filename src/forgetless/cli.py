@@ -213,16 +213,14 @@ def pretrain(out: Path = typer.Option(..., help="base checkpoint to write (.safe
              device: str = DEVICE, precision: Optional[str] = PRECISION,
              config_file: Optional[Path] = CONFIG, flags: dict = None):
     """Pretrain a base GPT on one corpus (checkpointed; --resume continues exactly)."""
-    from forgetless.device import resolve_device
     from forgetless.continual.base_model import pretrain as run_pretrain
     from forgetless.data.domains import load_domains
-    from forgetless.presets import settle_precision
+    from forgetless.presets import resolve_run
 
     if domain_a:
         flags.setdefault("data", {})["domain_a"] = domain_a
     set_precision(flags, precision)
-    device = resolve_device(device)
-    cfg, _ = settle_precision(run_config(preset, config_file, flags, None), device)
+    device, cfg, _ = resolve_run(run_config(preset, config_file, flags, None), device)
     if out.exists():
         raise ForgetlessError(f"{out} exists; choose another --out or delete it")
     ckpt = out.with_name(out.name + ".training.safetensors")
@@ -267,18 +265,16 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
     """Adapt a pretrained model to your data (--model M --data NEW [--retain OLD]): a report of both sides before
     and after and a model to serve; or a base to a corpus B (--domain-b), with retention on A."""
     from forgetless.adapted import check_fsdp
-    from forgetless.device import resolve_device
     from forgetless.checkpoint import write_json
     from forgetless.continual.arm import run_arm
     from forgetless.continual.protocol import refuse_joint
     from forgetless.continual.base_model import load_base
     from forgetless.data.domains import load_domains
     from forgetless.methods.base import as_specs
-    from forgetless.presets import default_preset, settle_precision
+    from forgetless.presets import default_preset, resolve_run
 
     set_precision(flags, precision)
     set_load(flags, dtype, quantize, checkpointing)
-    device = resolve_device(device)
     if data is not None:
         return adapt_data(model, base, data, retain, method, out, max_length, seed, preset or "real", device,
                           run_config(preset or "real", config_file, flags, set_), domain_b, fsdp, plan)
@@ -293,7 +289,7 @@ def adapt(base: Optional[Path] = typer.Option(None, help="base checkpoint from `
                               f"{domain_b} (with --model)")
     preset = preset or (default_preset(model) if model else "quick")  # a pretrained model: real (methods' options
     # for pretrained weights, auto precision)
-    cfg, _ = settle_precision(run_config(preset, config_file, flags, set_), device)
+    device, cfg, _ = resolve_run(run_config(preset, config_file, flags, set_), device)
     check_load(cfg, model is not None)
     if (base is None) == (model is None) or model and not domain_a:
         raise ForgetlessError("give --base (a pretrained forgetless GPT) or --model with --domain-a (the text whose "
@@ -344,7 +340,7 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
     from forgetless.guide import advice_for
     from forgetless.methods.base import as_specs, method_class
     from forgetless.models.hf import load_model
-    from forgetless.presets import settle_precision
+    from forgetless.presets import resolve_run
 
     if model is None or base is not None or domain_b is not None:
         raise ForgetlessError("--data trains a pretrained --model (smollm2-135m, hf:PATH, a .gguf) on your data; "
@@ -372,7 +368,7 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
     m.check_quantized(cfg.load.quantize)  # before the load
     if fsdp:
         check_fsdp(None, m)
-    cfg, _ = settle_precision(cfg, device)
+    device, cfg, _ = resolve_run(cfg, device)
     trained = dataclasses.replace(cfg, adapt=data_config(m, cfg.adapt, retain is not None))  # what adapt trains at
     cfg = dataclasses.replace(cfg, load=check_memory(model, spec, trained, device, max_length, plan, options).load)
     if plan:
@@ -651,12 +647,10 @@ def methods(memory: Optional[str] = typer.Option(None, "--memory", help="a pretr
 
 def method_memory(model: str, tokens: int, device: str, dtype, quantize, checkpointing: bool, flags: dict):
     """`methods --memory MODEL`: each method's estimated peak (forgetless.memory) on the real preset's settings."""
-    from forgetless.device import resolve_device
     from forgetless.memory import device_memory, gib, per_method
-    from forgetless.presets import settle_precision
+    from forgetless.presets import resolve_run
     set_load(flags, dtype, quantize, checkpointing)
-    device = resolve_device(device)
-    cfg, _ = settle_precision(run_config("real", None, flags, None), device)
+    device, cfg, _ = resolve_run(run_config("real", None, flags, None), device)
     budget, what = device_memory(device)
     table = Table(title=escape(f"Estimated peak training memory on {model} ({device}: {gib(budget)}, {what})"),
                   title_justify="left")

@@ -1,4 +1,5 @@
-"""Which device a run uses: `--device` resolved once, where a command starts; the torch.device is passed down."""
+"""Which device a run uses and in what precision: `--device` and `--precision` resolved here, once, where a command
+starts (presets.resolve_run); the torch.device and the resolved precision are passed down."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -25,6 +26,38 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
     if kind == "cuda" and not torch.cuda.is_available() or kind == "mps" and not torch.backends.mps.is_available():
         raise ForgetlessError(f"device {name} is not available on this machine; use --device cpu (or auto)")
     return torch.device(name)
+
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(device: torch.device, precision: str):
+    """Autocast context for `precision` on `device` (a no-op for fp32; auto: `resolve_precision`)."""
+    precision = resolve_precision(precision, device)[0]
+    if precision == "fp16" and device.type != "cuda":
+        raise ForgetlessError(f"precision fp16 needs a CUDA device, not {device.type}; use bf16 or fp32")
+    return torch.autocast(device.type, dtype=PRECISIONS[precision], enabled=precision != "fp32")
+
+
+def resolve_precision(precision: str, device: torch.device) -> tuple[str, str]:
+    """(the precision `precision` means on `device`, why). auto: bf16 where the hardware runs it natively (a CUDA
+    device with bf16, a CPU with AMX or AVX-512 BF16), else fp32 (elsewhere bf16 is emulated: many times slower)."""
+    if precision != "auto":
+        return precision, "asked for"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return ("bf16", f"auto: {name} runs bf16 natively") if torch.cuda.is_bf16_supported() else \
+            ("fp32", f"auto: {name} has no bf16")
+    if device.type == "cpu":
+        native = cpu_bf16()
+        return ("bf16", f"auto: the CPU has {native}") if native else \
+            ("fp32", "auto: the CPU has no native bf16 (AVX-512 BF16 or AMX), where bf16 is emulated and many times slower")
+    return "fp32", f"auto: fp32 on {device.type}"
+
+
+def emulated_bf16(precision: str, device: torch.device) -> bool:
+    """True when bf16 would run on a CPU without native bf16 (emulated: many times slower than fp32 there)."""
+    return precision == "bf16" and device.type == "cpu" and cpu_bf16() is None
 
 
 CPU_BF16 = (("AMX", "_is_amx_tile_supported", "amx_bf16"), ("AVX-512 BF16", "_is_avx512_bf16_supported", "avx512_bf16"))

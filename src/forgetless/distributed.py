@@ -21,16 +21,12 @@ import os
 import sys
 import time
 import contextlib
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from forgetless.errors import ForgetlessError
-
-if TYPE_CHECKING:  # no import at run time: data/ sits above this module
-    from forgetless.data.splits import Batch
 
 
 def world_size() -> int:
@@ -59,11 +55,6 @@ def init_from_env():
         console.quiet = True
 
 
-def local_device() -> torch.device:
-    """This rank's device: its GPU (init_from_env set it from LOCAL_RANK), else the CPU."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
 def meta_unless_main():
     """A context in which ranks other than 0 build a model on the meta device (shapes, no weights) for
     `shard_model` to fill from rank 0; rank 0 (and one process) builds it as usual."""
@@ -90,8 +81,8 @@ def barrier():
         dist.barrier()
 
 
-def shard(batch: Batch) -> tuple[Batch, float]:
-    """(this rank's rows of the global `batch`, its share of the scored tokens * world size): the loss
+def shard(batch):
+    """(this rank's rows of the global `batch` (a data.splits.Batch; this module sits below data/), its share of the scored tokens * world size): the loss
     weight that makes the average of the ranks' gradients the global batch's gradient."""
     n = world_size()
     if n == 1:

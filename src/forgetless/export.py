@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch.nn as nn
 
@@ -21,13 +20,11 @@ from forgetless.errors import ForgetlessError
 from forgetless.methods.base import PEFT, quantized
 from forgetless.models.gpt import GPT
 
-if TYPE_CHECKING:  # adapted.py sits above: it exports through this module
-    from forgetless.adapted import Adapted
 
-
-def export_adapted(adapted: Adapted, spec: str | None, tokenizer, out: Path) -> tuple[str, Path]:
-    """Write `adapted` (on the base `spec` names; None: the folder the model was loaded from, if any) to
-    `out` in the most portable form it allows; returns (form, folder)."""
+def export_adapted(adapted, spec: str | None, tokenizer, out: Path) -> tuple[str, Path]:
+    """Write `adapted` (an adapted.Adapted: it exports through this module, which so never imports it) on the base
+    `spec` names (None: the folder the model was loaded from, if any) to `out` in the most portable form it allows;
+    returns (form, folder)."""
     out = writable_dir(out)
     base = local_base(adapted.model, spec)
     form = form_of(adapted, base)
@@ -58,7 +55,7 @@ def check_empty(out: Path):
         raise ForgetlessError(f"{out} exists and is not an empty folder; choose another one")
 
 
-def form_of(adapted: Adapted, base: Path | None) -> str:
+def form_of(adapted, base: Path | None) -> str:
     """How `adapted` is exported, from its method's traits: a PEFT adapter where its `export_form` says so, on a
     local transformers `base`, after one task (later tasks: merged); the merged model where it `merges` (not into
     a quantized base's packed weights) or injected nothing; else the forgetless folder."""
@@ -71,7 +68,7 @@ def form_of(adapted: Adapted, base: Path | None) -> str:
     return "merged" if merges or not adapted.injected() else "forgetless"
 
 
-def save_peft(adapted: Adapted, out: Path, tokenizer, spec: str) -> Path:
+def save_peft(adapted, out: Path, tokenizer, spec: str) -> Path:
     """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors, PEFT's key names) that
     `PeftModel.from_pretrained(base, out)` loads onto the base model."""
     from peft import LoraConfig

@@ -19,7 +19,8 @@ from transformers import TrainerCallback
 from forgetless.adapted import Adapted, warn
 from forgetless.checkpoint import load_checkpoint, save_checkpoint
 from forgetless.errors import ForgetlessError
-from forgetless.train import HookChain, TrainConfig, module_hooks
+from forgetless.hooks import HookChain, module_hooks
+from forgetless.train import TrainConfig
 
 STATE_FILE = "forgetless_state.safetensors"  # inside each checkpoint-N folder: the method's loop state
 

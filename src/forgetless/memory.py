@@ -137,7 +137,7 @@ def estimate(model: nn.Module, method, s: Setting) -> Estimate:
 
 def fit(spec: str, label: str, make, cfg, device: torch.device, tokens: int, plan: bool = False):
     """adapt's memory check of `make()` (the Method `label` names) on the model `spec` in `cfg` (after
-    settle_precision) with rows of `tokens` on `device`, before the model loads: (cfg, lines to print).
+    resolve_run) with rows of `tokens` on `device`, before the model loads: (cfg, lines to print).
     With `plan`, the lines are the estimates of the run and its alternatives. Else a run whose estimate is above
     the device's memory (1.0x) turns gradient checkpointing on where that fits, or stops with a one-line error
     naming the options that fit; a model or method the estimate cannot read is not checked."""

@@ -5,13 +5,16 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import torch
+
 from forgetless.config import from_dict, replace
 from forgetless.data.tokenizers import TOKENIZERS
+from forgetless.device import autocast, emulated_bf16, resolve_device, resolve_precision
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPTConfig
 from forgetless.models.hf import LoadConfig
 from forgetless.progress import console
-from forgetless.train import PretrainConfig, TrainConfig, autocast, emulated_bf16, resolve_precision
+from forgetless.train import PretrainConfig, TrainConfig
 
 
 R_CELLS = ("all", "metrics")  # data.r_cells: which R cells an instruction arm scores after each task
@@ -113,10 +116,13 @@ class RunConfig:
         return out
 
 
-def settle_precision(cfg: RunConfig, device) -> tuple[RunConfig, dict]:
-    """The run's config with its precisions resolved once on `device` (auto: `train.resolve_precision`), and
-    results.json's `precision` record: {used, requested, why} of the arms' training and scoring. A precision the
-    device lacks is refused before any work; one line says what auto chose, one warns of emulated bf16."""
+def resolve_run(cfg: RunConfig, device: str | torch.device = "auto") -> tuple[torch.device, RunConfig, dict]:
+    """Where and in what precision a run trains, resolved once where it starts: (the torch.device `device` names
+    (device.resolve_device), the run's config with its precisions resolved there (auto: device.resolve_precision),
+    results.json's `precision` record: {used, requested, why} of the arms' training and scoring). A device or a
+    precision the machine lacks is refused before any work; one line says what auto chose, one warns of emulated
+    bf16."""
+    device = resolve_device(device)
     sections, record = {}, {}
     for name in ("pretrain", "adapt"):
         section = getattr(cfg, name)
@@ -130,7 +136,7 @@ def settle_precision(cfg: RunConfig, device) -> tuple[RunConfig, dict]:
         console.print("[bold yellow]warning:[/bold yellow] bf16 on this CPU is emulated (no AVX-512 BF16 or AMX) and "
                       "many times slower than fp32 (a SmolLM2 LoRA step ~25x on an AVX2 EPYC); use --precision fp32 "
                       "or auto", highlight=False, soft_wrap=True)
-    return dataclasses.replace(cfg, **sections), record
+    return device, dataclasses.replace(cfg, **sections), record
 
 
 SECTIONS = {"model": GPTConfig, "pretrain": PretrainConfig, "adapt": AdaptConfig, "data": DataConfig,
@@ -162,7 +168,7 @@ PRESETS: dict[str, dict] = {
     # pretrained models (--model smollm2-135m, hf:PATH, a .gguf): the instruction stream of the MoRAM /
     # O-LoRA papers; `model` only sets the context (tokens), `pretrain` is unused; `pretrained`: every method
     # starts from its options on a pretrained model (pretrained_options); precision auto: bf16 where the hardware
-    # runs it natively (train.resolve_precision), else fp32
+    # runs it natively (device.resolve_precision), else fp32
     "real": dict(  # minutes per task on a CPU
         model=dict(block_size=256),
         adapt=dict(steps=32, batch_size=8, lr=5e-4, warmup=3, eval_every=1000, ckpt_every=8, precision="auto"),

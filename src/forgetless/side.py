@@ -9,7 +9,7 @@ modules by that type, never by an attribute's name.
     Monitored  a Recorded module whose `stats()` sums its last recorded forward into numbers (APN's routing
                monitors), averaged over the modules into the curves (continual.evaluate.module_stats)
     LoopHooks  `training_hooks(model, params)`: the loop hooks a module asks for (CMS's chunked updates,
-               train.module_hooks)
+               hooks.module_hooks)
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class Monitored(Recorded):
 
 
 class LoopHooks:
-    """Mixin of an nn.Module that asks the training loop for hooks (a train.StepHooks, or None: none now)."""
+    """Mixin of an nn.Module that asks the training loop for hooks (a hooks.StepHooks, or None: none now)."""
 
     @staticmethod
     def training_hooks(model: nn.Module, params: list[tuple[str, nn.Parameter]]):

@@ -20,11 +20,11 @@ from forgetless import distributed
 from forgetless.checkpoint import load_checkpoint, load_optimizer, optimizer_tensors, save_checkpoint
 from forgetless.config import stable_hash
 from forgetless.data.splits import Batch, Sampler
-from forgetless.device import cpu_bf16
+from forgetless.device import PRECISIONS, autocast
 from forgetless.errors import ForgetlessError
+from forgetless.hooks import HookChain, StepHooks, module_hooks
 from forgetless.optim import OPTIMIZERS, build_optimizer
 from forgetless.progress import progress_task
-from forgetless.side import LoopHooks
 
 
 @dataclass
@@ -65,38 +65,6 @@ class PretrainConfig(TrainConfig):
     seed: int = field(default=0, metadata={"help": "random seed of the base's initialisation and batches"})
 
 
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def autocast(device: torch.device, precision: str):
-    """Autocast context for `precision` on `device` (a no-op for fp32; auto: `resolve_precision`)."""
-    precision = resolve_precision(precision, device)[0]
-    if precision == "fp16" and device.type != "cuda":
-        raise ForgetlessError(f"precision fp16 needs a CUDA device, not {device.type}; use bf16 or fp32")
-    return torch.autocast(device.type, dtype=PRECISIONS[precision], enabled=precision != "fp32")
-
-
-def resolve_precision(precision: str, device: torch.device) -> tuple[str, str]:
-    """(the precision `precision` means on `device`, why). auto: bf16 where the hardware runs it natively (a CUDA
-    device with bf16, a CPU with AMX or AVX-512 BF16), else fp32 (elsewhere bf16 is emulated: many times slower)."""
-    if precision != "auto":
-        return precision, "asked for"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return ("bf16", f"auto: {name} runs bf16 natively") if torch.cuda.is_bf16_supported() else \
-            ("fp32", f"auto: {name} has no bf16")
-    if device.type == "cpu":
-        native = cpu_bf16()
-        return ("bf16", f"auto: the CPU has {native}") if native else \
-            ("fp32", "auto: the CPU has no native bf16 (AVX-512 BF16 or AMX), where bf16 is emulated and many times slower")
-    return "fp32", f"auto: fp32 on {device.type}"
-
-
-def emulated_bf16(precision: str, device: torch.device) -> bool:
-    """True when bf16 would run on a CPU without native bf16 (emulated: many times slower than fp32 there)."""
-    return precision == "bf16" and device.type == "cpu" and cpu_bf16() is None
-
-
 def lr_at(step: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
@@ -116,60 +84,6 @@ class History:
 
 
 LossFn = Callable[[nn.Module, Batch], tuple[torch.Tensor, torch.Tensor]]  # -> (total loss, LM loss)
-
-
-class StepHooks:
-    """What a method (or an FFN kind with its own update rule) may add to the loop; all optional.
-    `step` counts finished optimizer steps (1 after the first); `last` is true on the final step."""
-
-    def make_optimizer(self, params: list[tuple[str, nn.Parameter]], cfg: TrainConfig) -> torch.optim.Optimizer | None:
-        return None  # None: the config's optimizer (AdamW by default)
-
-    def before_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, last: bool):
-        """After backward and clipping, before the optimizer step (e.g. mask or clip gradients)."""
-
-    def after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, last: bool):
-        """After the optimizer step (e.g. project weights, allocate patches)."""
-
-    def hook_state(self) -> dict[str, torch.Tensor]:
-        """Tensors the hooks need for an exact resume."""
-        return {}
-
-    def load_hook_state(self, tensors: dict[str, torch.Tensor]):
-        pass
-
-
-class HookChain(StepHooks):
-    """Several hooks run in order (before_step in order, after_step in reverse); the first that
-    makes an optimizer makes it; their states are saved under "<i>." prefixes."""
-
-    def __init__(self, hooks: list[StepHooks]):
-        self.hooks = hooks
-
-    def make_optimizer(self, params, cfg):
-        return next((opt for h in self.hooks if (opt := h.make_optimizer(params, cfg)) is not None), None)
-
-    def before_step(self, model, optimizer, step, last):
-        for h in self.hooks:
-            h.before_step(model, optimizer, step, last)
-
-    def after_step(self, model, optimizer, step, last):
-        for h in reversed(self.hooks):
-            h.after_step(model, optimizer, step, last)
-
-    def hook_state(self):
-        return {f"{i}.{k}": v for i, h in enumerate(self.hooks) for k, v in h.hook_state().items()}
-
-    def load_hook_state(self, tensors):
-        for i, h in enumerate(self.hooks):
-            h.load_hook_state({k[len(f"{i}."):]: v for k, v in tensors.items() if k.startswith(f"{i}.")})
-
-
-def module_hooks(model: nn.Module, params: list[tuple[str, nn.Parameter]]) -> list[StepHooks]:
-    """Loop hooks that the LoopHooks modules of `model` ask for (`training_hooks(model, params)`, e.g. CMS levels
-    updated every C steps), one per module class."""
-    makers = {type(m): m.training_hooks for m in model.modules() if isinstance(m, LoopHooks)}
-    return [h for make in makers.values() if (h := make(model, params)) is not None]
 
 
 def train(model: nn.Module, params: list[tuple[str, nn.Parameter]], sampler: Sampler, cfg: TrainConfig,

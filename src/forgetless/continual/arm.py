@@ -11,10 +11,11 @@ from forgetless.adapted import Adapted, attach
 from forgetless.continual.evaluate import evaluate, module_stats
 from forgetless.data.domains import Domain
 from forgetless.data.splits import Sampler
+from forgetless.device import autocast
 from forgetless.methods import Method
 from forgetless.monitor import PeakRSS
 from forgetless.presets import AdaptConfig
-from forgetless.train import autocast, train
+from forgetless.train import train
 
 
 def adapt_task(adapted: Adapted, task: Domain, replay_from: Domain, cfg: AdaptConfig, task_index: int,

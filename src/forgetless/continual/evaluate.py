@@ -8,10 +8,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from forgetless import distributed
+from forgetless.device import autocast
 from forgetless.loss import training_loss  # noqa: F401 (its home before loss.py; benchmark scripts import it here)
 from forgetless.models.gpt import logits_of, recorded_forward
 from forgetless.side import Monitored
-from forgetless.train import autocast
 
 
 @torch.no_grad()

@@ -36,13 +36,14 @@ from forgetless.data.domains import Domain, load_domains
 from forgetless.data.instructions import IGNORE, Encoded, InstructionSampler, InstructionTask, encode, load_task
 from forgetless.data.splits import eval_windows
 from forgetless.errors import ForgetlessError
+from forgetless.hooks import HookChain, StepHooks
 from forgetless.methods import Method, MethodSpec
 from forgetless.monitor import PeakRSS
-from forgetless.presets import RunConfig, settle_precision
+from forgetless.presets import RunConfig, resolve_run
 from forgetless.progress import progress_task
 from forgetless.report.results import RunResult
 from forgetless.stats import mean_nested, mean_std, per_seed
-from forgetless.train import HookChain, StepHooks, train
+from forgetless.train import train
 
 METRICS = ["op", "op_tasks", "bwt", "bwt_drop", "bwt_tasks", "bwt_drop_clipped", "forgetting", "forgetting_tasks",
            "fwt", "la", "general_ppl_change"]
@@ -96,7 +97,7 @@ def run_on(lm: nn.Module, tokenizer, cfg: RunConfig, methods, seeds: list[int], 
            model: str, scored: str = "both") -> RunResult:
     """The protocol on a loaded model (each arm adapts its own copy) and its tokenizer; `scored`: which rows
     every arm scores (`scored_on`)."""
-    cfg, precision = settle_precision(cfg, next(lm.parameters()).device)
+    _, cfg, precision = resolve_run(cfg, next(lm.parameters()).device)
     built, arms = run_arms_on(lm, tokenizer, cfg, methods, seeds, out, model, scored)
     return sequence_results(cfg, built, arms, seeds, preset, scored).with_keys(precision=precision)
 

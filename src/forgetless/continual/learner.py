@@ -12,10 +12,12 @@ import torch.nn as nn
 
 from forgetless.adapted import attach
 from forgetless.data.splits import Batch, Sampler
+from forgetless.device import autocast
 from forgetless.errors import ForgetlessError
+from forgetless.hooks import HookChain, module_hooks
 from forgetless.methods import Method
 from forgetless.optim import build_optimizer
-from forgetless.train import HookChain, TrainConfig, TrainingDiverged, autocast, module_hooks
+from forgetless.train import TrainConfig, TrainingDiverged
 
 
 class Learner:

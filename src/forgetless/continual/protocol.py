@@ -17,11 +17,10 @@ import torch
 from forgetless import __version__
 from forgetless.config import code_fingerprint, git_commit
 from forgetless.continual.workers import check_workers
-from forgetless.device import resolve_device
 from forgetless.errors import ForgetlessError
 from forgetless.methods import MethodSpec, build_method
 from forgetless.methods.base import as_specs
-from forgetless.presets import RunConfig, settle_precision
+from forgetless.presets import RunConfig, resolve_run
 from forgetless.report.results import RunResult
 
 
@@ -36,17 +35,16 @@ class RunContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     base_seeds: int = 1                               # forgetless bases pretrained per run (seed s: base s mod N)
     workers: int | None = 1                           # processes side by side (CPU); None: auto (plan.make_plan)
-    precision: dict = field(default_factory=dict)     # results.json's record: {used, requested, why} (settle_precision)
+    precision: dict = field(default_factory=dict)     # results.json's record: {used, requested, why} (resolve_run)
 
 
 def run_context(cfg: RunConfig, seeds: list[int], out: Path, preset: str, device: str | torch.device = "auto",
                 model: str = "byte-gpt", base_seeds: int = 1, workers: int | None = 1, pretrains: bool = True) -> RunContext:
     """The context of a run, checked before any work: `device` resolved (auto: CUDA when there is one), a
     precision it lacks refused (the pretraining's too where the protocol `pretrains` bases), and `workers`."""
-    device = resolve_device(device)
+    device, cfg, precision = resolve_run(cfg, device)  # auto resolved; a device or precision it lacks refused
     if pretrains:
         check_workers(workers, device)
-    cfg, precision = settle_precision(cfg, device)  # auto resolved; a precision the device lacks refused
     return RunContext(cfg, list(seeds), Path(out), preset, model, device, base_seeds, workers, precision)
 
 

@@ -17,9 +17,9 @@ import torch.nn as nn
 from forgetless.continual.evaluate import evaluate
 from forgetless.data.instructions import Example, InstructionTask, head, keep_end, prompt_ids, text_ids
 from forgetless.data.splits import check_length, eval_windows
+from forgetless.device import autocast
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import takes_logits_to_keep
-from forgetless.train import autocast
 
 
 # ---- label accuracy --------------------------------------------------------------------------

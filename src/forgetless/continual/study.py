@@ -35,13 +35,12 @@ from forgetless.continual.plan import saved_arm
 from forgetless.continual.protocol import build_arms, fresh, provenance
 from forgetless.data.streams import DEFAULT_GRID, HELD_OUT, LR_RULE
 from forgetless.errors import ForgetlessError
+from forgetless.hooks import StepHooks
 from forgetless.methods import MethodSpec
-from forgetless.device import resolve_device
-from forgetless.presets import RunConfig, settle_precision
+from forgetless.presets import RunConfig, resolve_run
 from forgetless.progress import duration
 from forgetless.report.results import RunResult
 from forgetless.stats import mean_nested
-from forgetless.train import StepHooks
 
 TIE = 1e-9  # validation OPs this close are a tie (LR_RULE)
 # every test row; 50 validation rows per task carved from training; between tasks only the cells the metrics use
@@ -58,8 +57,7 @@ def loaded(model: str, device: str, cfg: RunConfig):
     """(the pretrained model on its device, its tokenizer, `cfg` with its precision settled there, the provenance
     of a results file)."""
     from forgetless.models.hf import describe, load_model
-    device = resolve_device(device)
-    cfg, precision = settle_precision(cfg, device)  # auto resolved; a precision the device lacks refused
+    device, cfg, precision = resolve_run(cfg, device)  # auto resolved; a device or precision it lacks refused
     lm, tokenizer = load_model(model, device, cfg.load)
     return lm, tokenizer, cfg, {**provenance(device), "model": model, "bases": {model: describe(lm)},
                                 "precision": precision, "load": dataclasses.asdict(cfg.load)}

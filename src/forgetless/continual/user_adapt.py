@@ -20,13 +20,14 @@ from forgetless.adapted import attach
 from forgetless.checkpoint import write_json
 from forgetless.data.instructions import Encoded, InstructionSampler
 from forgetless.data.user import Collator, load
+from forgetless.device import autocast
 from forgetless.errors import ForgetlessError
 from forgetless.methods import Method
 from forgetless.models.hf import LoadConfig, describe
 from forgetless.monitor import PeakRSS
 from forgetless.presets import AdaptConfig
 from forgetless.progress import console, progress_task
-from forgetless.train import autocast, train
+from forgetless.train import train
 
 HELD_OUT = 0.1  # of each data set, scored before and after
 REPLAY = 0.2  # of each batch from --retain where neither the config nor the method sets a mix

@@ -23,7 +23,7 @@ class ByteTokenizer:
 
 
 class PretrainedCorpusTokenizer:
-    """A pretrained model's tokenizer (`encode(text) -> ids`, e.g. models.hf.TextTokenizer) over corpus bytes."""
+    """A pretrained model's tokenizer (`encode(text) -> ids`, e.g. a TextTokenizer) over corpus bytes."""
     kind = "pretrained"
 
     def __init__(self, text_tokenizer):
@@ -39,6 +39,28 @@ class PretrainedCorpusTokenizer:
     def to_dict(self) -> dict:
         record = self.text.to_dict() if hasattr(self.text, "to_dict") else {}
         return {**record, "kind": self.kind}
+
+
+class TextTokenizer:
+    """A transformers tokenizer with the byte tokenizer's names (`kind`, `vocab_size`, `decode`, `to_dict`)."""
+    kind = "hf"
+
+    def __init__(self, hf, spec: str):
+        self.hf, self.spec = hf, spec
+        self.vocab_size = len(hf)
+        self.eos_id = hf.eos_token_id
+        self.bos_id = hf.bos_token_id  # may be None
+        self.pad_id = hf.pad_token_id if hf.pad_token_id is not None else self.eos_id
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`, no special tokens added."""
+        return self.hf(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids) -> str:
+        return self.hf.decode([int(i) for i in ids])
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "model": self.spec, "name_or_path": self.hf.name_or_path}
 
 
 class CharTokenizer:

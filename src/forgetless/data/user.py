@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from forgetless.data.instructions import IGNORE, Example, encode, first_line, quiet_datasets
+from forgetless.data.tokenizers import TextTokenizer
 from forgetless.errors import ForgetlessError, need
 from forgetless.progress import progress_task
 
@@ -219,7 +220,6 @@ def text_rows(texts, hf, max_length: int) -> list[dict]:
 def prompt_rows(prompts, answers, hf, max_length: int) -> list[dict]:
     """Prompt + answer + eos, only the answer and eos trained; a long prompt loses its beginning
     (the bench's encoding of instruction tasks, data.instructions.encode)."""
-    from forgetless.models.hf import TextTokenizer
     examples = []
     for i, (prompt, answer) in enumerate(zip(prompts, answers)):
         if prompt is None or answer is None:

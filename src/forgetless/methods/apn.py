@@ -28,7 +28,7 @@ from forgetless.errors import ForgetlessError
 from forgetless.methods.base import Method, MethodConfig, find_ffns, put_beside, register_method
 from forgetless.models.gpt import GPT, GPTConfig
 from forgetless.nn.adapter import input_width, n_params, width_for
-from forgetless.nn.apn import APN, APNConfig, routing_report
+from forgetless.nn.apn import APN, APNConfig, patch_usage, routing_report
 from forgetless.progress import console
 
 PER_PATCH = ("prototypes", "gate_a", "gate_b", "decoders", "offset_in", "offset_out")  # first dim = K
@@ -291,6 +291,9 @@ class APNMethod(Method):
 
     def report(self, model, windows_a, windows_b):
         return {**routing_report(model, windows_a, windows_b), "allocations": self.allocations}
+
+    def live_stats(self, model, windows):
+        return {"usage": patch_usage(model, windows)}
 
 
 def arm(name: str, order: int, doc: str, **defaults):

@@ -20,10 +20,10 @@ import torch.nn as nn
 from forgetless.config import as_saved, from_dict
 from forgetless.data.splits import Batch
 from forgetless.errors import ForgetlessError
+from forgetless.hooks import StepHooks
 from forgetless.models.gpt import GPT, GPTConfig, ffn_signature
 from forgetless.nn.adapter import Beside, FFNSpan, linear_shape
 from forgetless.optim import OPTIMIZERS
-from forgetless.train import StepHooks
 
 
 @dataclass
@@ -240,6 +240,9 @@ class Method(StepHooks):
     # token_weights(logits (B, T, V), batch) -> (B, T) weights of each token's LM loss (None: all 1), e.g. to gate
     # updates by entropy; a method that defines it gets every position's logits (None here: only scored ones)
     token_weights = None
+    # live_stats(model, windows (W, T+1)) -> {key: JSON-able}: what `forgetless serve`'s dashboard draws of the model
+    # from each document it learns (GET /v1/stats; APN: `usage`, its patch usage per layer); None: nothing
+    live_stats = None
     copies = 0  # copies of the trained parameters it keeps as state (EWC: Fisher and anchor, 2): memory_text
     weight_penalty = False  # its loss is a function of the trained weights themselves (EWC's penalty): their
     # gradients from it are made at the backward's start and wait there for the LM loss's (forgetless.memory)
@@ -420,7 +423,7 @@ class Composed(Method):
         self.weight_penalty = base.weight_penalty or any(t.weight_penalty for t in terms)
         if label:  # `METHOD+TERM`: the method's traits, and the terms' needs (a registered one declares its own)
             for trait in ("name", "order", "trains", "injects", "merges", "export_form", "grows", "mixes_original",
-                          "token_weights", "attach_rounding", "pretrained_lr", "default_for"):
+                          "token_weights", "live_stats", "attach_rounding", "pretrained_lr", "default_for"):
                 setattr(self, trait, label if trait == "name" else getattr(base, trait))
             self.takes_terms = False
             self.unshardable = base.unshardable or next((f"its term {t.name}: {t.unshardable}" for t in terms

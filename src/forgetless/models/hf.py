@@ -32,6 +32,7 @@ import torch.nn as nn
 
 from forgetless.checkpoint import private_folder
 from forgetless.config import cache_dir, stable_hash
+from forgetless.data.tokenizers import TextTokenizer
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPTConfig
 
@@ -74,29 +75,6 @@ class LoadConfig:
                             ("gradient_checkpointing", ("off", "on", "reentrant"))):
             if getattr(self, name) not in valid:
                 raise ForgetlessError(f"load.{name} {getattr(self, name)!r} is not one of {', '.join(valid)}")
-
-
-
-class TextTokenizer:
-    """A transformers tokenizer with the byte tokenizer's names (`kind`, `vocab_size`, `decode`, `to_dict`)."""
-    kind = "hf"
-
-    def __init__(self, hf, spec: str):
-        self.hf, self.spec = hf, spec
-        self.vocab_size = len(hf)
-        self.eos_id = hf.eos_token_id
-        self.bos_id = hf.bos_token_id  # may be None
-        self.pad_id = hf.pad_token_id if hf.pad_token_id is not None else self.eos_id
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, no special tokens added."""
-        return self.hf(text, add_special_tokens=False)["input_ids"]
-
-    def decode(self, ids) -> str:
-        return self.hf.decode([int(i) for i in ids])
-
-    def to_dict(self) -> dict:
-        return {"kind": self.kind, "model": self.spec, "name_or_path": self.hf.name_or_path}
 
 
 def load_model(spec: str, device="auto", load: LoadConfig | None = None,
@@ -359,12 +337,11 @@ def resolve_dtype(dtype: str, saved, device: torch.device) -> torch.dtype:
     """The torch dtype `dtype` (fp32, bf16, fp16, auto) means for a checkpoint saved in `saved` (its config's dtype,
     None if it names none) on `device`. auto: the checkpoint's dtype (bf16 where it names none) where the device runs
     it natively (bf16: CUDA with bf16, a CPU with AVX-512 BF16 or AMX; fp16: CUDA), else fp32."""
-    from forgetless.device import cpu_bf16
+    from forgetless.device import resolve_precision
     if dtype != "auto":
         return DTYPES[dtype]
     wanted = str(saved or "bfloat16").removeprefix("torch.")
-    bf16 = torch.cuda.is_bf16_supported() if device.type == "cuda" else device.type == "cpu" and cpu_bf16() is not None
-    native = {"bfloat16": bf16, "float16": device.type == "cuda"}
+    native = {"bfloat16": resolve_precision("auto", device)[0] == "bf16", "float16": device.type == "cuda"}
     return getattr(torch, wanted) if native.get(wanted) else torch.float32
 
 

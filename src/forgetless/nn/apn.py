@@ -233,6 +233,14 @@ def routing(model: nn.Module, windows: torch.Tensor) -> list[Routing]:
     return [m.last_routing for m in apns]
 
 
+@torch.no_grad()
+def patch_usage(model: nn.Module, windows: torch.Tensor) -> list[list[float]]:
+    """Share of the tokens of `windows` (W, T+1) routed to each patch, per APN layer: (layers, K) as lists."""
+    apns = [m for m in model.modules() if isinstance(m, APN)]
+    return [(torch.bincount(r.index.reshape(-1), minlength=m.cfg.n_patches).float() / r.index.numel()).tolist()
+            for m, r in zip(apns, routing(model, windows))]
+
+
 def overlap_histogram(index_a: torch.Tensor, index_b: torch.Tensor) -> list[float]:
     """Share of token pairs whose active sets share j = 0..k patches (the source's interference
     proxy |S(x) & S(x')| / k); token t of `index_a` (N, k) is paired with token t of `index_b`."""

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 
 from forgetless.config import from_dict
 from forgetless.errors import ForgetlessError
+from forgetless.hooks import StepHooks
 from forgetless.models.gpt import GPTConfig, register_ffn
 from forgetless.side import LoopHooks
-from forgetless.train import StepHooks
 
 ACCUMULATE = ("grads", "updates")
 
@@ -130,7 +130,7 @@ class CMS(LoopHooks, nn.Module):
 
     @staticmethod
     def training_hooks(model: nn.Module, params) -> ChunkedUpdates | None:
-        """Asked by the training loop (train.module_hooks): multi-frequency updates of the levels
+        """Asked by the training loop (hooks.module_hooks): multi-frequency updates of the levels
         whose period is > 1 among the trained `params`, whoever trains them (CMS methods, `full`, ...)."""
         hooks = ChunkedUpdates(model, params)
         return hooks if hooks.slow else None

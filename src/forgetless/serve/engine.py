@@ -56,7 +56,6 @@ from forgetless.errors import ForgetlessError
 from forgetless.methods import Method, MethodSpec
 from forgetless.methods.base import as_specs
 from forgetless.models.gpt import logits_of
-from forgetless.nn.apn import APN, routing
 from forgetless.serve.batch import DONE, Batcher, Sequence
 from forgetless.serve.publish import PUBLISH, write_version
 from forgetless.serve.store import KEPT, SNAPSHOT, Damaged, Store, kept_name
@@ -205,8 +204,7 @@ class Engine:
         self.last_prequential, self.prequential_sum = float("nan"), 0.0
         # the dashboard's curves: (seq, prequential loss), (seq, canary loss), (seq, documents undone)
         self.history = {k: collections.deque(maxlen=HISTORY) for k in ("prequential", "canary", "rollbacks")}
-        self.routed = any(isinstance(m, APN) for m in self.learner.model.modules())
-        self.usage: list[list[float]] | None = None  # routed methods: share of each patch per layer, last document
+        self.live: dict = {}  # the method's live_stats of the last document (Method.live_stats; APN: usage)
         self.started = time.time()
         self.batcher = Batcher(block_size)
         try:
@@ -426,8 +424,8 @@ class Engine:
             prequential = self.example_loss(self.learner.model, windows)  # before it is learned
         if math.isfinite(prequential):
             self.recent.append(prequential)
-        if self.routed and torch.is_tensor(windows):
-            self.usage = patch_usage(self.learner.model, windows)
+        if self.learner.method.live_stats is not None and torch.is_tensor(windows):
+            self.live = self.learner.method.live_stats(self.learner.model, windows)
         self.seq = seq
         self.counters["accepted"] += 1
         self.last_prequential = prequential
@@ -688,14 +686,15 @@ class Engine:
         }
 
     def stats(self) -> dict:
-        """What the dashboard draws (GET /v1/stats): counters, the curves, the patch usage of routed methods."""
+        """What the dashboard draws (GET /v1/stats): counters, the curves, the method's live_stats (APN: its patch
+        usage; null for others)."""
         mean = self.prequential_mean()
         return {"method": self.cfg.method, "seq": self.seq, "snapshot_seq": self.snapshot_seq,
                 "updates": self.learner.steps, "counters": dict(self.counters), "rejected": dict(self.rejected),
                 "canary_reference": self.reference_loss(), "canary_limit": self.limit(),
                 "canary_loss": self.canary_last, "prequential_mean": mean, "uptime_seconds": time.time() - self.started,
                 **{k: [list(p) for p in list(v)] for k, v in self.history.items()},  # list(deque): one C call
-                "usage": self.usage}
+                "usage": None, **self.live}
 
 
 def byte_screen(data: bytes, cfg: ServeConfig) -> tuple[str, str] | None:
@@ -777,11 +776,3 @@ def graph_free(model) -> dict:
     kept = [t for m in model.modules() for v in vars(m).values()
             for t in (v if isinstance(v, (tuple, list)) else (v,)) if torch.is_tensor(t) and t.grad_fn is not None]
     return {id(t): None for t in kept}
-
-
-@torch.no_grad()
-def patch_usage(model, windows: torch.Tensor) -> list[list[float]]:
-    """Share of the tokens of `windows` (W, T+1) routed to each patch, per APN layer: (layers, K) as lists."""
-    apns = [m for m in model.modules() if isinstance(m, APN)]
-    return [(torch.bincount(r.index.reshape(-1), minlength=m.cfg.n_patches).float() / r.index.numel()).tolist()
-            for m, r in zip(apns, routing(model, windows))]
