@@ -20,7 +20,7 @@ from tiny_lm import tiny_llama, trained_bpe
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "forgetless"
 REGISTRY = protocols()
-SMOKE = ["--preset", "smoke", "--seeds", "2", "--methods", "full,lora", "--workers", "1"]
+SMOKE = ["--preset", "smoke", "--seeds", "1", "--methods", "full,lora", "--workers", "1"]
 TASKS = ["--preset", "real", "--tasks", "dbpedia,agnews", "--data-train-examples", "16", "--data-test-rows", "6",
          "--data-dev-rows", "4", "--data-eval-windows", "8", "--adapt-steps", "2", "--adapt-batch-size", "4",
          "--methods", "lora,mtl", "--seeds", "1", "--workers", "1"]

@@ -96,8 +96,8 @@ SET = typer.Option(None, "--set", help="a method option, METHOD.OPTION=VALUE (re
 def bench(preset: Optional[str] = in_panel(BENCH_PRESET, RUN),
           protocol: str = typer.Option("two-domain", help="two-domain, sequence (base on --domain-a, then --tasks), "
                                        "online (a stream from A to B, each chunk scored then learned; --online-* flags); "
-                                       "also instructions (sequence's with instruction --tasks), optimizers (two-domain's "
-                                       "with --optimizers) and study (the --tasks as one order of `forgetless study`)",
+                                       "also instructions (sequence's, on instruction tasks), optimizers (two-domain's, "
+                                       "with --optimizers) and study (the tasks as one order of `forgetless study`)",
                                        rich_help_panel=RUN),
           methods: str = typer.Option("default", help="comma-separated method names; 'all' (the protocol's whole set, "
                                       "see `forgetless methods`) or 'default' (the preset's short list, else all); "
