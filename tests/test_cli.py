@@ -203,7 +203,8 @@ def test_out_naming_a_file_and_unavailable_devices_are_one_line_errors(tmp_path,
     (["bench", "--domain-a", "no-such-corpus"], "unknown corpus 'no-such-corpus'"),
     (["bench", "--preset", "huge"], "unknown preset 'huge'; valid: smoke, first, quick, paper"),
     (["bench", "--seeds", "0"], "--seeds must be positive"),
-    (["bench", "--protocol", "three"], "unknown protocol 'three'; valid: online, sequence, two-domain"),
+    (["bench", "--protocol", "three"], "unknown protocol 'three'; valid: instructions, online, optimizers, sequence, "
+                                       "study, two-domain"),
     (["bench", "--model-n-layer", "0"], "model.n_layer must be positive"),
     (["bench", "--adapt-lr", "fast"], "adapt.lr: cannot read 'fast' as float"),
     (["bench", "--set", "lora.rank=4", "--preset", "smoke"], "unknown config key methods.lora.rank"),
@@ -544,9 +545,14 @@ def test_bench_defaults_to_the_first_run(args, preset, methods, tmp_path, monkey
 
 
 def test_pretrained_models_default_to_the_real_preset():
-    from forgetless.presets import default_methods, default_preset
+    from forgetless.continual import protocols
+    from forgetless.continual.protocol import Request
+    from forgetless.methods import method_names
+    from forgetless.presets import build_config, default_preset
     assert default_preset("smollm2-135m") == "real" and default_preset("hf:/m") == "real"
-    assert default_preset("byte-gpt") == "first" and default_methods("real", "sequence") == "all"
+    sequence = protocols()["sequence"]
+    arms = sequence.arms(Request("sequence", build_config("real"), "real"))  # no list for real: all
+    assert default_preset("byte-gpt") == "first" and [s.label for s in arms] == method_names("sequence")
 
 
 def test_plan_counts_and_estimates():

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -33,8 +32,9 @@ def config_sections():
 
 
 def training_sections():
-    """The sections adapt and study read (all but the online protocol's)."""
-    return {name: cls for name, cls in config_sections().items() if name != "online"}
+    """The sections adapt and study read (all but those only a bench protocol reads)."""
+    from forgetless.presets import BENCH_ONLY
+    return {name: cls for name, cls in config_sections().items() if name not in BENCH_ONLY}
 
 
 def pretrain_sections():
@@ -53,9 +53,14 @@ LOADING = ("load.dtype", "load.quantize", "load.gradient_checkpointing")  # unde
 RUN, ARMS, DATA, COMPUTE = "run", "arms: methods, seeds, sweeps", "data", "model and compute"  # bench's help panels
 
 
-def run_config(preset: str, config_file, flags, sets):
+def run_config(preset: str, config_file, flags, sets, defaults: dict | None = None):
+    """The preset's config under the --config file, the flags and --set; a protocol's `defaults` ({section: {key:
+    value}}) go over the preset's and under the rest."""
     from forgetless.presets import build_config
-    return build_config(preset, merge_overrides(config_file, flags, sets, ("methods",), "METHOD.OPTION", "lora.r=16"))
+    overrides = merge_overrides(config_file, flags, sets, ("methods",), "METHOD.OPTION", "lora.r=16")
+    for section, values in (defaults or {}).items():
+        overrides[section] = {**values, **(overrides.get(section) or {})}
+    return build_config(preset, overrides)
 
 
 PRESET = typer.Option("quick", help="smoke (seconds), quick (minutes on a laptop CPU), paper (GPU)")
@@ -89,8 +94,11 @@ SET = typer.Option(None, "--set", help="a method option, METHOD.OPTION=VALUE (re
 @config_flags(config_sections, "config (default: the preset's)",
               covered=("data.domain_a", "data.domain_b", "data.tasks", "adapt.mix", *LOADING))
 def bench(preset: Optional[str] = in_panel(BENCH_PRESET, RUN),
-          protocol: str = typer.Option("two-domain", help="two-domain, sequence (base on --domain-a, then --tasks) or "
-                                       "online (a stream from A to B, each chunk scored then learned; --online-* flags)", rich_help_panel=RUN),
+          protocol: str = typer.Option("two-domain", help="two-domain, sequence (base on --domain-a, then --tasks), "
+                                       "online (a stream from A to B, each chunk scored then learned; --online-* flags); "
+                                       "also instructions (sequence's, on instruction tasks), optimizers (two-domain's, "
+                                       "with --optimizers) and study (the tasks as one order of `forgetless study`)",
+                                       rich_help_panel=RUN),
           methods: str = typer.Option("default", help="comma-separated method names; 'all' (the protocol's whole set, "
                                       "see `forgetless methods`) or 'default' (the preset's short list, else all); "
                                       "NAME[OPTION=VALUE;...] adds an arm with other options, e.g. 'lora,lora\\[r=16]'", rich_help_panel=ARMS),
@@ -128,21 +136,12 @@ def bench(preset: Optional[str] = in_panel(BENCH_PRESET, RUN),
     """Pretrain (cached) or load a pretrained model, adapt every method, write results.json/csv/md and figures."""
     code_fingerprint(), git_commit()  # of the code this process runs, before anything can edit or commit files
     from forgetless.continual import protocols
-    from forgetless.continual.instruct import Instructions
-    from forgetless.continual.optimizers import Optimizers
-    from forgetless.continual.protocol import run_context
-    from forgetless.data.instructions import is_task_spec
-    from forgetless.methods import MethodSpec, method_names
-    from forgetless.methods.base import parse_method_specs, sweep_specs
-    from forgetless.report import terminal_table, write_report
+    from forgetless.continual.protocol import Request, choose, run_context
+    from forgetless.presets import default_preset
+    from forgetless.report import write_report
     from forgetless.report.tables import seeds_text
 
-    from forgetless.presets import default_methods, default_preset
-
     preset = preset or default_preset(model)
-    registry = protocols()
-    if protocol not in registry:
-        raise ForgetlessError(f"unknown protocol {protocol!r}; valid: {', '.join(registry)}")
     if tasks:
         flags.setdefault("data", {})["tasks"] = tasks
     if mix is not None:
@@ -157,49 +156,23 @@ def bench(preset: Optional[str] = in_panel(BENCH_PRESET, RUN),
     set_load(flags, dtype, quantize, checkpointing)
     cfg = run_config(preset, config_file, flags, set_)
     check_load(cfg, model != "byte-gpt")
-    workers = parse_workers(workers)
-    with contextlib.ExitStack() as stack:  # a folder this run made is removed if it fails before writing in it
-        if optimizers:
-            if sweep:
-                raise ForgetlessError("--sweep does not go with --optimizers; sweep learning rates there with --lrs")
-            if protocol != "two-domain" or pretrain_seeds <= 0:
-                raise ForgetlessError("--optimizers runs the two-domain protocol with --pretrain-seeds >= 1")
-            names = ["full"] if methods in ("all", "default") else methods.split(",")
-            out = stack.enter_context(claim(
-                out or Path("runs") / f"optimizers-{preset}", force, preset=preset, model=model, methods=names,
-                optimizers=optimizers.split(","), lrs=lrs, pretrain_seeds=pretrain_seeds, base_seeds=base_seeds,
-                config=cfg.to_dict()))
-            run = Optimizers(optimizers.split(","), pretrain_seeds, lrs.split(",") if lrs else None)
-            results = run.run(run_context(cfg, seed_list, out, preset, device, model, base_seeds, workers), names)
-        else:
-            methods = default_methods(preset, protocol) if methods == "default" else methods
-            every = method_names("two-domain" if protocol == "online" else protocol)  # online: two-domain's set
-            specs = [MethodSpec(n) for n in every] if methods == "all" else parse_method_specs(methods)
-            specs = sweep_specs(specs, sweep, lrs)
-            out = stack.enter_context(claim(
-                out or Path("runs") / f"{protocol}-{preset}", force, protocol=protocol, preset=preset, model=model,
-                methods=sorted(spec.label for spec in specs), base_seeds=base_seeds, config=cfg.to_dict(),
-                online=dataclasses.asdict(cfg.online) if protocol == "online" else None))
-            instructions = protocol == "sequence" and any(is_task_spec(t) for t in cfg.data.tasks)
-            if instructions and model == "byte-gpt":
-                raise ForgetlessError("instruction tasks need a pretrained model: add --model smollm2-135m (or hf:PATH, "
-                                      "a .gguf file); byte-gpt takes text corpora as tasks")
-            if base_seeds < 1 or base_seeds > 1 and model != "byte-gpt":
-                raise ForgetlessError(f"--base-seeds {base_seeds}: give N >= 1 bases to pretrain; a pretrained --model "
-                                      "has one base (its variance is not sampled)")
-            if instructions and workers is not None and workers > 1:
-                raise ForgetlessError("--workers runs forgetless's own bases and arms side by side; an instruction stream "
-                                      "on a pretrained model runs in one process (use --workers 1)")
-            run = Instructions() if instructions else registry[protocol]
-            ctx = run_context(cfg, seed_list, out, preset, device, model, base_seeds, workers, run.pretrains)
-            results = run.run(ctx, specs)
+    request = Request(protocol, cfg, preset, model, methods, base_seeds, parse_workers(workers), tuple(sweep or ()),
+                      lrs, optimizers, pretrain_seeds)
+    run = choose(protocols(), request)  # the registry's: --protocol's, or the one that refines it for this request
+    if defaults := run.config_defaults(cfg.data.tasks):
+        request = dataclasses.replace(request, cfg=run_config(preset, config_file, flags, set_, defaults))
+    arms = run.arms(request)
+    folder = out or Path("runs") / f"{run.folder(request)}-{preset}"
+    with claim(folder, force, **run.configuration(request, arms)):  # a folder this run made is removed if it fails
+        ctx = run_context(request.cfg, seed_list, folder, preset, device, model, base_seeds, request.workers,
+                          run.pretrains)
+        results = run.run(ctx, arms)
+    out = folder
     files = write_report(results, out)
-    where = " → ".join(results.extra["tasks"]) if protocol == "sequence" else \
-        f"A={cfg.data.domain_a} → B={cfg.data.domain_b}"
-    title = " · ".join([protocol, preset, *([model] if model != "byte-gpt" else []), where])
-    table = terminal_table(results, title, f"{seeds_text(results.seeds, results.base_seeds)}; "
-                                           f"all columns in {out / 'results.md'}")
-    out_console.print(table)
+    title = " · ".join([protocol, preset, *([model] if model != "byte-gpt" else []), run.report.where(results)])
+    for table in run.report.terminal(results, title, f"{seeds_text(results.seeds, results.base_seeds)}; "
+                                                    f"all columns in {out / 'results.md'}"):
+        out_console.print(table)
     out_console.print("wrote " + ", ".join(str(f) for f in files))
 
 
@@ -486,8 +459,9 @@ def study(stream: str = typer.Argument("standard", help="standard (O-LoRA's orde
                                        "separated by commas, orders by ';'"),
           orders: Optional[str] = typer.Option(None, "--orders", help="the orders to run at the chosen lrs, e.g. 1 or "
                                                "1,2,3 [default: all of the stream's]"),
-          methods: Optional[str] = typer.Option(None, help="arms, as for bench [default: seq-lora, mtl (the joint "
-                                                "ceiling), seq-lora\\[mix=0.2] (replay), ewc-distill, osf, o-lora, moram]"),
+          methods: Optional[str] = typer.Option(None, help="arms, as for bench [default: the study protocol's list: "
+                                                "the floor, the joint ceiling, replay and the field's baselines "
+                                                "(continual/study.py)]"),
           lr_grid: Optional[list[str]] = typer.Option(None, "--lr-grid", help="the lrs each method runs at on order 1, "
                                                       "scoring validation rows only, before its lr is chosen: factors of "
                                                       "its own lr (x1/3,x1,x3, the default), lrs (1e-4,3e-4,1e-3), "
@@ -521,52 +495,39 @@ def study(stream: str = typer.Argument("standard", help="standard (O-LoRA's orde
     then every order at that lr (more seeds on order 1); OP, BWT and general-PPL change with intervals over test rows
     and seeds, beside the published rows (results.json/md, R matrices, OP against BWT)."""
     code_fingerprint(), git_commit()
-    from forgetless.continual.study import (check_study, fit_budget, loaded, parse_budget, parse_grid, plan_study,
-                                            run_study, study_defaults)
-    from forgetless.data.streams import DEFAULT_METHODS, pick_orders, stream_orders
-    from forgetless.methods.base import parse_method_specs
-    from forgetless.presets import build_config
+    from forgetless.continual import protocols
+    from forgetless.continual.protocol import Request, run_context
+    from forgetless.continual.study import Settings, check_study, loaded, parse_budget, parse_grid, plan_study
+    from forgetless.data.streams import pick_orders, stream_orders
     from forgetless.report import write_report
-    from forgetless.report.study import plan_markdown, terminal_tables
+    from forgetless.report.study import plan_markdown
 
     chosen_orders, grid_order = pick_orders(stream, orders), stream_orders(stream)["1"]
-    if model == "byte-gpt":
-        raise ForgetlessError("a study runs instruction tasks on a pretrained model: give --model smollm2-135m, hf:PATH "
-                              "or a .gguf file")
     if seeds <= 0 or order1_seeds < seeds or seed_start < 0 or resamples < 100:
         raise ForgetlessError(f"give --seeds >= 1, --order1-seeds >= --seeds, --seed-start >= 0 and --resamples >= 100 "
                               f"(got {seeds}, {order1_seeds}, {seed_start}, {resamples})")
+    seconds = parse_budget(budget) if budget is not None else None
+    run = dataclasses.replace(protocols()["study"], settings=Settings(stream, orders, tuple(lr_grid or ()), order1_seeds,
+                                                                      paired_with, resamples, seconds))
     set_precision(flags, precision)
     set_load(flags, dtype, quantize, checkpointing)
-    overrides = merge_overrides(config_file, flags, set_, ("methods",), "METHOD.OPTION", "lora.r=16")
-    for section, values in study_defaults(stream).items():
-        overrides[section] = {**values, **(overrides.get(section) or {})}
-    cfg = build_config(preset, overrides)
-    specs, grid = parse_method_specs(methods or DEFAULT_METHODS), parse_grid(lr_grid)
     seed_list = list(range(seed_start, seed_start + seeds))
-    order1_list = list(range(seed_start, seed_start + order1_seeds))
-    check_study(cfg, specs, grid, seed_list, order1_list, paired_with)
-    seconds = parse_budget(budget) if budget is not None else None
+    cfg = run_config(preset, config_file, flags, set_, run.config_defaults([]))
+    request = Request("study", cfg, preset, model, methods or "default")
+    run.check(request)
+    specs, grid = run.arms(request), parse_grid(lr_grid)
+    check_study(cfg, specs, grid, seed_list, run.seeds(seed_list), paired_with)
     out = out or Path("runs") / f"study-{stream if ',' not in stream else 'tasks'}-{preset}"
     if plan:
         lm, tokenizer, cfg, _ = loaded(model, device, cfg)
         typer.echo(plan_markdown(plan_study(lm, tokenizer, cfg, specs, chosen_orders, grid_order, seed_list,
-                                            order1_list, grid, out, model)))
+                                            run.seeds(seed_list), grid, out, model)))
         return
-    with claim(out, force, study=stream, orders=list(chosen_orders), preset=preset, model=model,
-               methods=[s.label for s in specs], lr_grid=lr_grid, config=cfg.to_dict()) as out:
-        lm, tokenizer, cfg, made_by = loaded(model, device, cfg)
-        if seconds is not None:
-            os.nice(19 - os.nice(0))  # the lowest priority: a study shares the machine for hours
-            estimate = plan_study(lm, tokenizer, cfg, specs, chosen_orders, grid_order, seed_list, order1_list, grid,
-                                  out, model)
-            order1_list, line = fit_budget(estimate, seconds, seed_list, order1_list)
-            typer.echo(plan_markdown(estimate) + "\n" + line)
-        results = run_study(lm, tokenizer, cfg, specs, stream, chosen_orders, grid_order, seed_list, order1_list,
-                            grid, out, preset, model, resamples, paired_with).with_keys(**made_by)
+    with claim(out, force, **run.configuration(request, specs)) as out:
+        results = run.run(run_context(cfg, seed_list, out, preset, device, model, pretrains=False), specs)
     files = write_report(results, out)
-    for table in terminal_tables(results, f"study · {stream} · {preset} · {model}",
-                                 f"intervals: 95 % over test rows and seeds; all of it in {out / 'results.md'}"):
+    for table in run.report.terminal(results, f"study · {stream} · {preset} · {model}",
+                                     f"intervals: 95 % over test rows and seeds; all of it in {out / 'results.md'}"):
         out_console.print(table)
     out_console.print("wrote " + ", ".join(str(f) for f in files))
 

@@ -141,6 +141,7 @@ def resolve_run(cfg: RunConfig, device: str | torch.device = "auto") -> tuple[to
 
 SECTIONS = {"model": GPTConfig, "pretrain": PretrainConfig, "adapt": AdaptConfig, "data": DataConfig,
             "online": OnlineConfig, "load": LoadConfig}
+BENCH_ONLY = ("online",)  # sections only a bench protocol reads (the online protocol's): not adapt's, study's
 
 PRESETS: dict[str, dict] = {
     "smoke": dict(
@@ -184,20 +185,10 @@ PRESETS: dict[str, dict] = {
 }
 
 
-# what `--methods default` runs per preset and protocol (else the protocol's whole set, `--methods all`): the
-# first run keeps one base (apn-retrofit, not an APN base) and one method per family
-DEFAULT_METHODS = {"first": {"two-domain": "full,lora,ewc,neutral,apn-retrofit", "sequence": "full,lora,ewc,moram,seq-lora",
-                             "online": "full,lora,ewc,neutral,apn-retrofit"}}
-
 
 def default_preset(model: str) -> str:
     """`forgetless bench`'s preset when none is given: minutes on a CPU for the byte GPT or a pretrained model."""
     return "first" if model == "byte-gpt" else "real"
-
-
-def default_methods(preset: str, protocol: str) -> str:
-    """The method list `--methods default` means for this preset and protocol."""
-    return DEFAULT_METHODS.get(preset, {}).get(protocol, "all")
 
 
 def pretrained_options() -> dict:

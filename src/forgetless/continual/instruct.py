@@ -29,11 +29,12 @@ from forgetless.adapted import architecture_fingerprint, attach
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.metrics import DEV_METRICS, dev_metrics, sequence_metrics
 from forgetless.continual.plan import Job, Plan, run_or_reuse_arm, saved_arm
-from forgetless.continual.protocol import Protocol, RunContext, build_arms, fresh, provenance
+from forgetless.continual.protocol import Protocol, Request, RunContext, build_arms, fresh, provenance, register_protocol
 from forgetless.continual.scoring import task_hits
-from forgetless.continual.sequence import dev_summary
+from forgetless.continual.sequence import Sequence, dev_summary
 from forgetless.data.domains import Domain, load_domains
-from forgetless.data.instructions import IGNORE, Encoded, InstructionSampler, InstructionTask, encode, load_task
+from forgetless.data.instructions import (IGNORE, Encoded, InstructionSampler, InstructionTask, encode, is_task_spec,
+                                          load_task)
 from forgetless.data.splits import eval_windows
 from forgetless.errors import ForgetlessError
 from forgetless.hooks import HookChain, StepHooks
@@ -41,6 +42,7 @@ from forgetless.methods import Method, MethodSpec
 from forgetless.monitor import PeakRSS
 from forgetless.presets import RunConfig, resolve_run
 from forgetless.progress import progress_task
+from forgetless.report import SEQUENCE
 from forgetless.report.results import RunResult
 from forgetless.stats import mean_nested, mean_std, per_seed
 from forgetless.train import train
@@ -77,11 +79,29 @@ class Scored(NamedTuple):
     window_loss: list[float]  # the general text's mean loss per window
 
 
+@register_protocol
 class Instructions(Protocol):
     """The task sequence over instruction tasks on a pretrained model (`bench --protocol sequence` with
     instruction --tasks and a --model)."""
     name = "instructions"
     pretrains = False
+    report = SEQUENCE  # its results are a sequence's (`kind` instructions)
+    refines = "sequence"
+    method_set, default_methods = "sequence", Sequence.default_methods
+    result_keys = ("kind", "tasks", "held_out_tasks", "score", "config", "bases")
+    method_keys = ("op", "op_tasks", "bwt", "bwt_tasks", "la", "general_ppl_change", "general_ppl", "r_matrix")
+
+    def takes(self, request: Request) -> bool:
+        return any(is_task_spec(t) for t in request.cfg.data.tasks)
+
+    def check(self, request: Request):
+        if request.model == "byte-gpt":
+            raise ForgetlessError("instruction tasks need a pretrained model: add --model smollm2-135m (or hf:PATH, "
+                                  "a .gguf file); byte-gpt takes text corpora as tasks")
+        super().check(request)
+        if request.workers is not None and request.workers > 1:
+            raise ForgetlessError("--workers runs forgetless's own bases and arms side by side; an instruction stream "
+                                  "on a pretrained model runs in one process (use --workers 1)")
 
     def run(self, ctx: RunContext, methods: list[MethodSpec | str]) -> RunResult:
         """Every (method, seed) arm over the instruction tasks `cfg.data.tasks` on the pretrained `ctx.model`."""

@@ -22,14 +22,16 @@ import torch.nn as nn
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.learner import Learner, chunk_windows
 from forgetless.continual.plan import run_arms
-from forgetless.continual.protocol import (PROTOCOLS, Protocol, RunContext, build_arms, fresh, load_pretrained,
-                                           opening, register_protocol)
+from forgetless.continual.protocol import (PROTOCOLS, Protocol, Request, RunContext, build_arms, fresh,
+                                           load_pretrained, opening, register_protocol)
+from forgetless.continual.two_domain import TwoDomain
 from forgetless.data.domains import Domain, load_domains
 from forgetless.errors import ForgetlessError
 from forgetless.methods import Method, MethodSpec
 from forgetless.methods.base import as_specs
 from forgetless.monitor import PeakRSS
 from forgetless.presets import AdaptConfig, OnlineConfig
+from forgetless.report.online import ONLINE
 from forgetless.report.results import RunResult
 from forgetless.stats import band, mean_std
 
@@ -92,6 +94,13 @@ def run_online_arm(model: nn.Module, method: Method, chunks: list[torch.Tensor],
 class Online(Protocol):
     """One stream from A to B, each chunk scored, then learned; a canary of A's held-out windows."""
     name = "online"
+    report = ONLINE
+    method_set, default_methods = "two-domain", TwoDomain.default_methods  # two-domain's arms
+    result_keys = ("domains", "held_out", "data_fingerprints", "stream", "config", "bases")
+    method_keys = tuple(METRICS)
+
+    def configuration(self, request: Request, arms: list) -> dict:
+        return {**super().configuration(request, arms), "online": dataclasses.asdict(request.cfg.online)}
 
     def run(self, ctx: RunContext, methods: list[MethodSpec | str]) -> RunResult:
         """The `frozen` and `dynamic-eval` arms plus every (method, seed) arm over one stream (bases as in the

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from forgetless.continual.base_model import base_path, cached_base, load_base
-from forgetless.continual.protocol import Protocol, RunContext
+from forgetless.continual.protocol import Protocol, Request, RunContext, register_protocol
 from forgetless.continual.two_domain import TwoDomain
 from forgetless.continual.workers import run_jobs
 from forgetless.data.domains import load_domains
@@ -24,19 +24,53 @@ from forgetless.methods import MethodSpec, build_method
 from forgetless.optim import OPTIMIZERS
 from forgetless.presets import RunConfig
 from forgetless.progress import progress_task
+from forgetless.report import TWO_DOMAIN
 from forgetless.report.results import RunResult
 from forgetless.stats import band, mean_std
 
 
+@register_protocol
 @dataclass
 class Optimizers(Protocol):
     """The two-domain protocol with every method adapted by each optimizer (at each of `lrs`, if given: the
     optimizers compared along their retention/adaptation trade-off rather than at one lr), plus each
     optimizer's pretraining curves over `pretrain_seeds` bases (`bench --optimizers`)."""
-    optimizers: list[str]
+    optimizers: list[str] = field(default_factory=list)
     pretrain_seeds: int = 1
     lrs: list[str] | None = None
     name = "optimizers"
+    report = TWO_DOMAIN
+    refines = "two-domain"
+    options = ("optimizers", "pretrain_seeds")
+    result_keys = (*TwoDomain.result_keys, "optimizers", "pretraining")
+    method_keys = TwoDomain.method_keys
+
+    def takes(self, request: Request) -> bool:
+        return request.optimizers is not None
+
+    def check(self, request: Request):
+        if request.sweep:
+            raise ForgetlessError("--sweep does not go with --optimizers; sweep learning rates there with --lrs")
+        if not request.optimizers or request.pretrain_seeds <= 0:
+            raise ForgetlessError("--optimizers runs the two-domain protocol with --pretrain-seeds >= 1: give "
+                                  "--optimizers adamw,muon,... (the optimizers to compare)")
+        super().check(request)
+
+    def prepared(self, request: Request) -> Optimizers:
+        return Optimizers(request.optimizers.split(","), request.pretrain_seeds,
+                          request.lrs.split(",") if request.lrs else None)
+
+    def arms(self, request: Request) -> list[str]:
+        """Plain method names (default: full); each gets an arm per optimizer (and lr)."""
+        return ["full"] if request.methods in ("all", "default") else request.methods.split(",")
+
+    def configuration(self, request: Request, arms: list[str]) -> dict:
+        return {"preset": request.preset, "model": request.model, "methods": arms,
+                "optimizers": request.optimizers.split(","), "lrs": request.lrs, "pretrain_seeds": request.pretrain_seeds,
+                "base_seeds": request.base_seeds, "config": request.cfg.to_dict()}
+
+    def folder(self, request: Request) -> str:
+        return self.name
 
     def run(self, ctx: RunContext, methods: list[str]) -> RunResult:
         unknown = [o for o in self.optimizers if o not in OPTIMIZERS]

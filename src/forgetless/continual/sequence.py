@@ -28,6 +28,7 @@ from forgetless.errors import ForgetlessError
 from forgetless.methods import Method, MethodSpec
 from forgetless.monitor import PeakRSS
 from forgetless.presets import AdaptConfig, RunConfig
+from forgetless.report import SEQUENCE
 from forgetless.report.results import RunResult
 from forgetless.stats import mean_nested, mean_std, per_seed
 
@@ -120,6 +121,10 @@ def joint_phase(tasks: list[Domain], cfg: AdaptConfig, replay_from: Domain) -> t
 class Sequence(Protocol):
     """A base on the first corpus, then the tasks in order, every task scored after each."""
     name = "sequence"
+    report = SEQUENCE
+    default_methods = {"first": "full,lora,ewc,moram,seq-lora"}
+    result_keys = ("tasks", "score", "config", "bases")
+    method_keys = (*METRICS, "r_matrix", "ppl_matrix")
 
     def run(self, ctx: RunContext, methods: list[MethodSpec | str]) -> RunResult:
         """Every (method, seed) arm over the corpus sequence (bases as in the two-domain protocol); its results

@@ -20,9 +20,11 @@ import dataclasses
 import datetime
 import functools
 import gc
+import os
 import re
 import statistics
 import time
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
@@ -32,19 +34,91 @@ from forgetless.continual import bootstrap
 from forgetless.continual.instruct import (arm_jobs, base_config, joined, learn_task, load_stream, run_arms_on,
                                            scored_on, sequence_results)
 from forgetless.continual.plan import saved_arm
-from forgetless.continual.protocol import build_arms, fresh, provenance
-from forgetless.data.streams import DEFAULT_GRID, HELD_OUT, LR_RULE
+from forgetless.continual.protocol import Protocol, Request, RunContext, build_arms, fresh, provenance, register_protocol
+from forgetless.continual.sequence import Sequence
+from forgetless.data.streams import DEFAULT_GRID, HELD_OUT, LR_RULE, pick_orders, stream_orders
 from forgetless.errors import ForgetlessError
 from forgetless.hooks import StepHooks
 from forgetless.methods import MethodSpec
+from forgetless.methods.base import as_specs
 from forgetless.presets import RunConfig, resolve_run
-from forgetless.progress import duration
+from forgetless.progress import console, duration
 from forgetless.report.results import RunResult
+from forgetless.report.study import STUDY, plan_markdown
 from forgetless.stats import mean_nested
 
 TIE = 1e-9  # validation OPs this close are a tie (LR_RULE)
 # every test row; 50 validation rows per task carved from training; between tasks only the cells the metrics use
 STUDY_DATA = {"test_rows": 0, "dev_rows": 50, "r_cells": "metrics"}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A study's own settings (`forgetless study`'s flags; `bench --protocol study`: the defaults, over --tasks)."""
+    stream: str = ""                  # a named stream or task specs, orders by ';' ("": data.tasks as one order)
+    orders: str | None = None         # the orders run at the chosen lrs (default: all of the stream's)
+    lr_grid: tuple[str, ...] = ()     # --lr-grid entries (default DEFAULT_GRID; ("none",): each method's own lr)
+    order1_seeds: int = 0             # seeds on order 1 (0: as many as every order)
+    paired_with: str | None = None    # the arm the others are paired with (default: mtl if run, else the first)
+    resamples: int = bootstrap.RESAMPLES
+    budget_s: float | None = None     # a wall-clock budget: order 1's extra seeds as the estimate fits
+
+
+@register_protocol
+@dataclass
+class Study(Protocol):
+    """An instruction stream as the field reports it: each method's lr chosen on order 1's validation rows, then every
+    order at that lr, with intervals over test rows and seeds (`forgetless study`, `bench --protocol study`)."""
+    settings: Settings = dataclasses.field(default_factory=Settings)
+    name = "study"
+    pretrains = False
+    report = STUDY
+    method_set = Sequence.name
+    # the floor (sequential LoRA), the ceiling (joint training), replay (20 % of each batch from the earlier tasks),
+    # the toy goal's recipe, and the field's baselines; on every preset
+    default_methods = {"*": "seq-lora,mtl,seq-lora[mix=0.2],ewc-distill,osf,o-lora,moram"}
+    result_keys = ("kind", "tasks", "score", "study", "config", "bases")
+    method_keys = ("op_tasks", "bwt_tasks", "la", "general_ppl_change", "r_matrix", "lr", "arm", "orders", "intervals")
+
+    def check(self, request: Request):
+        if request.model == "byte-gpt":
+            raise ForgetlessError("a study runs instruction tasks on a pretrained model: give --model smollm2-135m, "
+                                  "hf:PATH or a .gguf file")
+        super().check(request)
+
+    def stream(self, cfg: RunConfig) -> str:
+        return self.settings.stream or ",".join(cfg.data.tasks)
+
+    def config_defaults(self, tasks: list[str]) -> dict:
+        return study_defaults(self.settings.stream or ",".join(tasks))
+
+    def seeds(self, seeds: list[int]) -> list[int]:
+        """Order 1's seeds: every order's, then more up to `order1_seeds`."""
+        return list(range(seeds[0], seeds[0] + max(self.settings.order1_seeds, len(seeds))))
+
+    def configuration(self, request: Request, arms: list) -> dict:
+        stream = self.stream(request.cfg)
+        return {"study": stream, "orders": list(pick_orders(stream, self.settings.orders)), "preset": request.preset,
+                "model": request.model, "methods": [s.label for s in arms],
+                "lr_grid": list(self.settings.lr_grid) or None, "config": request.cfg.to_dict()}
+
+    def run(self, ctx: RunContext, methods: list[MethodSpec | str]) -> RunResult:
+        """The grid, then every order, on the pretrained `ctx.model` (`run_study`), with the run's provenance."""
+        from forgetless.models.hf import describe, load_model
+        stream, settings, seeds = self.stream(ctx.cfg), self.settings, list(ctx.seeds)
+        orders, grid_order, order1 = pick_orders(stream, settings.orders), stream_orders(stream)["1"], self.seeds(seeds)
+        specs, grid = as_specs(methods), parse_grid(list(settings.lr_grid) or None)
+        lm, tokenizer = load_model(ctx.model, ctx.device, ctx.cfg.load)
+        if settings.budget_s is not None:
+            os.nice(19 - os.nice(0))  # the lowest priority: a study shares the machine for hours
+            estimate = plan_study(lm, tokenizer, ctx.cfg, specs, orders, grid_order, seeds, order1, grid, ctx.out,
+                                  ctx.model)
+            order1, line = fit_budget(estimate, settings.budget_s, seeds, order1)
+            console.print(plan_markdown(estimate) + "\n" + line, markup=False, highlight=False, soft_wrap=True)
+        results = run_study(lm, tokenizer, ctx.cfg, specs, stream, orders, grid_order, seeds, order1, grid, ctx.out,
+                            ctx.preset, ctx.model, settings.resamples, settings.paired_with)
+        return results.with_keys(**provenance(ctx.device), model=ctx.model, bases={ctx.model: describe(lm)},
+                                 precision=ctx.precision, load=dataclasses.asdict(ctx.cfg.load))
 
 
 def study_defaults(stream: str) -> dict:

@@ -16,6 +16,7 @@ from forgetless.continual.protocol import (PROTOCOLS, Protocol, RunContext, buil
 from forgetless.data.domains import load_domains
 from forgetless.methods import MethodSpec, build_method
 from forgetless.progress import console
+from forgetless.report import TWO_DOMAIN
 from forgetless.report.results import RunResult
 from forgetless.stats import band, mean_nested, mean_std, per_seed
 
@@ -29,6 +30,11 @@ DEV_METRICS = ["ppl_a_dev_before", "ppl_b_dev_before", "ppl_a_dev_after", "ppl_b
 class TwoDomain(Protocol):
     """Pretrain on A (or load a pretrained model), adapt on B, measure both."""
     name = "two-domain"
+    report = TWO_DOMAIN
+    # the first run keeps one base (apn-retrofit, not an APN base) and one method per family
+    default_methods = {"first": "full,lora,ewc,neutral,apn-retrofit"}
+    result_keys = ("domains", "held_out", "data_fingerprints", "config", "bases")
+    method_keys = (*METRICS, "curves")
 
     def run(self, ctx: RunContext, methods: list[MethodSpec | str]) -> RunResult:
         """Every (method, seed) arm; with ctx.model = byte-gpt the bases are GPTs pretrained on A (cached),

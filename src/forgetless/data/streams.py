@@ -1,5 +1,6 @@
 """Named instruction-task streams in the orders the field runs them, and how `forgetless study STREAM` runs
-them (continual/study.py): its default arms, lr grid and the rule that picks an lr from the grid.
+them (continual/study.py): its lr grid and the rule that picks an lr from the grid (its default arms: the
+study protocol's `default_methods`).
 
 `standard`: the standard CL benchmark of O-LoRA's paper (Wang et al., 2023) in its three orders; the field
 reports its average accuracy over the three. `trace`: TRACE's short-answer tasks in one order. The task
@@ -19,9 +20,6 @@ STREAMS: dict[str, dict[str, list[str]]] = {
 # a task never trained on, scored after every task (general classification ability): none of the stream's own
 HELD_OUT = {"standard": ["FOMC"], "trace": ["dbpedia"]}
 
-# the study's arms: the floor (sequential LoRA), the ceiling (joint training), replay (20 % of each batch from the
-# earlier tasks), the toy goal's recipe, and the field's baselines
-DEFAULT_METHODS = "seq-lora,mtl,seq-lora[mix=0.2],ewc-distill,osf,o-lora,moram"
 DEFAULT_GRID = "x1/3,x1,x3"  # each method's own lr times 1/3, 1 and 3: the same budget for every method
 LR_RULE = ("the grid point with the highest validation OP (mean over the tasks of their validation-row scores after "
            "the last task of order 1, one seed); ties (equal within 1e-9) go to the lower lr")

@@ -220,6 +220,11 @@ def write_figures(results: RunResult, folder: Path) -> list[Path]:
     return paths
 
 
+def r_matrices(results: RunResult) -> dict:
+    """Label -> the method's R matrix (seed means), for r_heatmaps."""
+    return {label: m.stats["r_matrix"] for label, m in results.methods.items()}
+
+
 def r_heatmaps(methods: dict[str, list[list[float]]], path: Path, per_row: int = 4, title: str | None = None):
     """One heatmap per method of its R matrix (`methods`: label -> R; rows: after task t; columns: task i),
     `per_row` to a row, under `title`."""

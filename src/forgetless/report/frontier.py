@@ -13,18 +13,91 @@ from pathlib import Path
 
 from forgetless.stats import mean_std
 from forgetless.report.figures import colors, plt, save
+from forgetless.report.kinds import report_for
 from forgetless.report.results import MethodEntry, RunResult
 
 F_LIMITS, G_TARGET, LA_MARGIN = (5.0, 2.0), 0.9, 1.0
 MAX_PAIRED = 6  # paired differences between every two lr curves up to this many curves (15 pairs)
 
 
-def axes_of(results: RunResult) -> tuple[tuple[str, str, float], tuple[str, str, float]]:
-    """((x key, x label, scale), (y key, y label, scale)) of the protocol's frontier."""
-    if results.protocol == "two-domain":
+class Frontier:
+    """A protocol's trade-off frontier: its axes, operating points and matched reading (a report declares it)."""
+    adaptation_on_y = False   # the adaptation axis is y (else x; the other is retention)
+    x_name, at_format = "", "g"
+
+    def axes(self, results: RunResult) -> tuple[tuple[str, str, float], tuple[str, str, float]]:
+        """((x key, x label, scale), (y key, y label, scale))."""
+        raise NotImplementedError
+
+    def points(self, arms: list[tuple], top: float, chosen_on: str) -> dict:
+        """A curve's operating points from its arms (label, x, y, x held-out, y held-out; choices on x, y)."""
+        raise NotImplementedError
+
+    def at(self, results: RunResult, key: str, scale: float) -> float:
+        """The adaptation (`key`, times `scale`) at which `matched` reads every curve's retention."""
+        raise NotImplementedError
+
+    def what(self, results: RunResult) -> str:
+        """The retention's name in the matched tables."""
+        raise NotImplementedError
+
+    def guides(self, ax):
+        """Reference lines on the figure."""
+
+
+class GainFrontier(Frontier):
+    """Two-domain: forgetting F (x) against adaptation gain G (y); the best G at F <= 5 % and <= 2 %, the best F at
+    G >= 0.9; F read at G = 0.9."""
+    adaptation_on_y, x_name = True, "G"
+
+    def axes(self, results):
         return ("forgetting", "forgetting F on A (%)  ← better", 100.0), ("adaptation_gain", "adaptation gain G  ↑ better", 1.0)
-    bwt = "bwt_tasks" if "bwt_tasks" in next(iter(results.methods.values())).stats else "bwt"
-    return ("la", "LA: accuracy on each task after learning it (%)  → better", 1.0), (bwt, f"{bwt} (< 0 = forgetting)  ↑ better", 1.0)
+
+    def points(self, arms, top, chosen_on):
+        row = {f"best_g_at_f_le_{limit:g}": best([(g, g_test, label) for label, f, g, _, g_test in arms
+                                                  if f <= limit], max, chosen_on) for limit in F_LIMITS}
+        row[f"best_f_at_g_ge_{G_TARGET:g}"] = best([(f, f_test, label) for label, f, g, f_test, _ in arms
+                                                    if g >= G_TARGET], min, chosen_on)
+        return row
+
+    def at(self, results, key, scale):
+        return G_TARGET
+
+    def what(self, results):
+        return "F %"
+
+    def guides(self, ax):
+        for limit in F_LIMITS:
+            ax.axvline(limit, color="grey", lw=0.6, ls=":")
+        ax.axhline(G_TARGET, color="grey", lw=0.6, ls=":")
+
+
+class AccuracyFrontier(Frontier):
+    """Task sequence: BWT (y) against LA (x); the best BWT at LA within 1 point of the best LA of all arms; BWT read
+    at that LA."""
+    x_name, at_format = "LA", ".2f"
+
+    def axes(self, results):
+        bwt = "bwt_tasks" if "bwt_tasks" in next(iter(results.methods.values())).stats else "bwt"
+        return ("la", "LA: accuracy on each task after learning it (%)  → better", 1.0), (bwt, f"{bwt} (< 0 = forgetting)  ↑ better", 1.0)
+
+    def points(self, arms, top, chosen_on):
+        return {"best_bwt_at_matched_la": best([(b, b_test, label) for label, la, b, _, b_test in arms
+                                                if la >= top - LA_MARGIN], max, chosen_on)}
+
+    def at(self, results, key, scale):
+        return max(scale * m.stats[key]["mean"] for m in results.methods.values() if key in m.stats) - LA_MARGIN
+
+    def what(self, results):
+        return self.axes(results)[1][1].split(" ")[0]
+
+
+GAIN, ACCURACY = GainFrontier(), AccuracyFrontier()
+
+
+def frontier_of(results: RunResult) -> Frontier:
+    """The frontier its report declares (report/kinds.py)."""
+    return report_for(results).frontier
 
 
 def curves(results: RunResult) -> dict[str, list[tuple[str, str, MethodEntry]]]:
@@ -77,9 +150,10 @@ def every_arm(results: RunResult) -> dict[str, list[tuple[str, str, MethodEntry]
     return {**groups, **{label: [("", label, m)] for label, m in results.methods.items() if label not in in_curves}}
 
 
-def operating_points(results: RunResult) -> dict[str, dict]:
+def operating_points(results: RunResult, frontier: Frontier | None = None) -> dict[str, dict]:
     """Per curve (and per method run at one setting): its best arms at matched forgetting or adaptation."""
-    (xk, _, xs), (yk, _, ys) = axes_of(results)
+    frontier = frontier or frontier_of(results)
+    (xk, _, xs), (yk, _, ys) = frontier.axes(results)
     groups = every_arm(results)
     stats = {label: m.stats for label, m in results.methods.items()}
     dev = all(f"{xk}_dev" in m and f"{yk}_dev" in m for m in stats.values())
@@ -90,27 +164,19 @@ def operating_points(results: RunResult) -> dict[str, dict]:
     for key, points in groups.items():
         arms = [(label, xs * stats[label][xc]["mean"], ys * stats[label][yc]["mean"], xs * stats[label][xk]["mean"],
                  ys * stats[label][yk]["mean"]) for _, label, _ in points]
-        if results.protocol == "two-domain":
-            row = {f"best_g_at_f_le_{limit:g}": best([(g, g_test, label) for label, f, g, _, g_test in arms
-                                                      if f <= limit], max, chosen_on) for limit in F_LIMITS}
-            row[f"best_f_at_g_ge_{G_TARGET:g}"] = best([(f, f_test, label) for label, f, g, f_test, _ in arms
-                                                        if g >= G_TARGET], min, chosen_on)
-        else:
-            row = {"best_bwt_at_matched_la": best([(b, b_test, label) for label, la, b, _, b_test in arms
-                                                   if la >= top - LA_MARGIN], max, chosen_on)}
-        out[key] = row
+        out[key] = frontier.points(arms, top, chosen_on)
     return out
 
 
-def matched(results: RunResult) -> dict:
+def matched(results: RunResult, frontier: Frontier | None = None) -> dict:
     """Every lr curve's retention read at one adaptation, per seed along that seed's own curve (linear between the
     two arms around it, extrapolated past an end and counted): F at G = 0.9 (two-domain), BWT at the best arm's
     LA - 1 (sequence), on held-out and on validation values; with paired differences between curves (up to
     MAX_PAIRED curves). {} when no curve has per-seed values (runs before they were saved). The best LA
     is over every arm of the run, on a curve or not, as for the operating points."""
-    (xk, _, xs), (yk, _, ys) = axes_of(results)
-    two_domain = results.protocol == "two-domain"
-    (ak, a_scale), (rk, r_scale) = ((yk, ys), (xk, xs)) if two_domain else ((xk, xs), (yk, ys))  # adaptation, retention
+    frontier = frontier or frontier_of(results)
+    (xk, _, xs), (yk, _, ys) = frontier.axes(results)
+    (ak, a_scale), (rk, r_scale) = ((yk, ys), (xk, xs)) if frontier.adaptation_on_y else ((xk, xs), (yk, ys))
     lr_curves = {key: [m.per_seed for _, _, m in points] for key, points in curves(results).items()
                  if key.endswith(", lr") and all(m.per_seed is not None for _, _, m in points)}
     out = {}
@@ -119,8 +185,7 @@ def matched(results: RunResult) -> dict:
         arms = [seeds for curve in lr_curves.values() for seeds in curve]
         if not arms or not all(a in v and r in v for seeds in arms for v in seeds.values()):
             continue
-        at = G_TARGET if two_domain else \
-            max(a_scale * m.stats[a]["mean"] for m in results.methods.values() if a in m.stats) - LA_MARGIN
+        at = frontier.at(results, a, a_scale)
         readings = {key: read_along(ms, a, r, a_scale, r_scale, at) for key, ms in lr_curves.items()}
         keys = list(readings)
         pairs = [(one, other) for i, one in enumerate(keys) for other in keys[i + 1:]] if len(keys) <= MAX_PAIRED else []
@@ -161,11 +226,12 @@ def best(candidates: list[tuple[float, float, str]], pick, chosen_on: str) -> di
     return {"value": value, "arm": arm, "chosen_value": chosen, "chosen_on": chosen_on}
 
 
-def frontier_figure(results: RunResult, path: Path) -> bool:
+def frontier_figure(results: RunResult, path: Path, frontier: Frontier | None = None) -> bool:
     """Every arm as a point (± std over seeds both ways); the arms of one sweep joined in order of value."""
     if not curves(results):
         return False
-    (xk, xlabel, xs), (yk, ylabel, ys) = axes_of(results)
+    frontier = frontier or frontier_of(results)
+    (xk, xlabel, xs), (yk, ylabel, ys) = frontier.axes(results)
     groups = every_arm(results)
     color = colors(list(groups))
     fig, ax = plt.subplots(figsize=(8.5, 5))
@@ -178,10 +244,7 @@ def frontier_figure(results: RunResult, path: Path) -> bool:
         for (value, _, _), px, py in zip(points, x, y):
             if curve:
                 ax.annotate(value, (px, py), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color[key])
-    if results.protocol == "two-domain":
-        for limit in F_LIMITS:
-            ax.axvline(limit, color="grey", lw=0.6, ls=":")
-        ax.axhline(G_TARGET, color="grey", lw=0.6, ls=":")
+    frontier.guides(ax)
     ax.set(xlabel=xlabel, ylabel=ylabel, title=f"Trade-off frontier ({results.preset}, "
                                                f"{len(results.seeds)} seed(s); bars: ± std over seeds)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
@@ -205,14 +268,12 @@ def frontier_markdown(points: dict[str, dict]) -> list[str]:
     return lines
 
 
-def matched_markdown(results: RunResult) -> list[str]:
+def matched_markdown(results: RunResult, frontier: Frontier | None = None) -> list[str]:
     """The readings of `matched` as Markdown: per curve mean ± 95 % interval, then the paired differences."""
-    splits = results.extra["matched"]
-    ylabel = axes_of(results)[1][1]
-    what = "F %" if results.protocol == "two-domain" else ylabel.split(" ")[0]
-    x_name = "G" if results.protocol == "two-domain" else "LA"
-    at_format = "g" if x_name == "G" else ".2f"
-    ats = ", ".join(f"{x_name} = {v['at']:{at_format}} ({k.replace('_', '-')})" for k, v in splits.items())
+    frontier = frontier or frontier_of(results)
+    splits, what = results.extra["matched"], frontier.what(results)
+    ats = ", ".join(f"{frontier.x_name} = {v['at']:{frontier.at_format}} ({k.replace('_', '-')})"
+                    for k, v in splits.items())
     heads = list(splits)
 
     def table(title: str, first: str, part: str, cell) -> list[str]:

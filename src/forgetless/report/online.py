@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from forgetless.report.figures import band, colors, plt, save
+from forgetless.report.kinds import Report, register_report
 from forgetless.report.results import RunResult
-from forgetless.report.tables import cell, interval_lines, scaled, seeds_text, write_csv
+from forgetless.report.tables import cell, domains_text, interval_lines, one_table, scaled, seeds_text, write_csv
 
 COLUMNS = [  # (results key, header, format)
     ("prequential_loss", "prequential loss", "{:.4f}"), ("prequential_loss_a", "on A", "{:.4f}"),
@@ -97,3 +98,13 @@ def online_tradeoff(results: RunResult, path: Path):
            title=f"Online: learning from the stream vs retention ({results.preset}, {len(results.seeds)} seed(s))")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
     save(fig, path)
+
+
+def online_figures(results: RunResult, out: Path) -> list[Path]:
+    online_figure(results, out / "online.png")
+    online_tradeoff(results, out / "online_tradeoff.png")
+    return [out / "online.png", out / "online_tradeoff.png"]
+
+
+ONLINE = register_report(Report("online", write_online_csv, online_markdown, online_figures,
+                                one_table(online_terminal_rows), domains_text))

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from forgetless.report.figures import colors, plt, save
+from forgetless.report.figures import colors, plt, r_heatmaps, r_matrices, save
+from forgetless.report.kinds import Report, register_report
 from forgetless.report.results import RunResult
-from forgetless.report.tables import rich_table, sequence_markdown
+from forgetless.report.tables import rich_table, sequence_markdown, tasks_text, write_sequence_csv
 
 
 def interval(stat: dict | None, fmt: str = "{:.1f}", scale: float = 1.0) -> str:
@@ -119,6 +120,21 @@ def op_vs_bwt(results: RunResult, path: Path):
                  "95 % intervals over test rows and seeds", fontsize=10)
     ax.legend(fontsize=7)
     save(fig, path)
+
+
+def study_figures(results: RunResult, out: Path) -> list[Path]:
+    """R matrices of the main order and OP against BWT."""
+    study = results.extra["study"]
+    r_heatmaps(r_matrices(results), out / "r_matrix.png", title=f"R of each method: order {study['main_order']} of the "
+               f"{study['stream'] if ',' not in study['stream'] else 'task'} stream, mean over seeds "
+               f"{results.seeds}; column 0: general text")
+    op_vs_bwt(results, out / "op_vs_bwt.png")
+    return [out / "r_matrix.png", out / "op_vs_bwt.png"]
+
+
+# a study's results are a sequence's (its main order) with `study` beside them: their own table, no frontier
+STUDY = register_report(Report("sequence", write_sequence_csv, study_markdown, study_figures, terminal_tables,
+                               tasks_text, marks=("study",)))
 
 
 def plan_markdown(plan: dict) -> str:

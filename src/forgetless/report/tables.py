@@ -97,6 +97,21 @@ def rich_table(heads: list[str], body: list[list[str]], title: str | None = None
     return table
 
 
+def one_table(rows_of):
+    """A report's `terminal`: one rich table of `rows_of(results)`'s (headers, rows)."""
+    return lambda results, title, caption: [rich_table(*rows_of(results), title, caption)]
+
+
+def domains_text(results: RunResult) -> str:
+    """'A=x → B=y': what a two-domain or online run learned."""
+    return f"A={results.extra['domains']['a']} → B={results.extra['domains']['b']}"
+
+
+def tasks_text(results: RunResult) -> str:
+    """'a → b → c': what a task sequence learned."""
+    return " → ".join(results.extra["tasks"])
+
+
 def markdown(results: RunResult) -> str:
     domains = results.extra["domains"]
     lines = [f"Protocol {results.protocol}, preset {results.preset}, domains "
