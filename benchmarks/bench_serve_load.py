@@ -7,9 +7,13 @@ no rate limit, the gate open: a load test, not a retention one). Arms, in order,
 `--streams` streams (learning off); the same streams while one more client sends chat corrections to /v1/learn
 back to back (learning on). Each stream asks its own question, greedy, `--tokens` new tokens at most (a stream
 may end earlier at the end-of-text token: tokens are counted from the usage the server reports). TTFT: from the
-request to the first chunk with content. Baseline, after the server is stopped: `model.generate` (greedy, KV cache)
-on the same prompts in this process, one stream, then the streams one after another. Both sides run one untimed
-request first (first-call costs of the model).
+request to the first chunk with content. Per arm, from the server's metrics: its generation forwards and the rows
+they carried (rows / forwards: the mean batch), and the learning steps that waited for generation (generation has
+priority: `--serve-learn-wait-max`, docs/serving.md). Baseline, after the server is stopped: `model.generate`
+(greedy, KV cache) on the same prompts in this process, one stream, then the streams one after another; how many
+of the learning-off arm's texts equal `generate`'s is printed (the same work on both sides). Both sides run
+untimed first: the server one stream and then `--streams` streams (first-call costs of the model and of the
+batched shapes), the baseline one request.
 
 Goals (issue 51): p99 TTFT learning on <= 1.3 x learning off; aggregate tokens/s of the streams >= 4 x one stream's.
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -28,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import httpx
 import torch
 from _timing import provenance
 from bench_serve import CORPUS, TOKEN, free_port, launch
@@ -88,6 +94,8 @@ async def run_arm(url: str, streams: int, tokens: int, learn: bool) -> dict:
     from openai import AsyncOpenAI
     client = AsyncOpenAI(base_url=f"{url}/v1", api_key=TOKEN, max_retries=0, timeout=1800)
     ttft, rates, counts, errors, learned, done = [], [], [], [], 0, asyncio.Event()
+    texts: dict[int, str] = {}
+    before = metrics(url)
 
     async def chat(i: int):
         t0 = time.perf_counter()
@@ -96,13 +104,16 @@ async def run_arm(url: str, streams: int, tokens: int, learn: bool) -> dict:
             stream = await client.chat.completions.create(model=None, messages=question(i), max_tokens=tokens,
                                                           temperature=0, stream=True,
                                                           stream_options={"include_usage": True})
+            pieces = []
             async for chunk in stream:
-                if first is None and chunk.choices and chunk.choices[0].delta.content:
-                    first = time.perf_counter() - t0
+                if chunk.choices and chunk.choices[0].delta.content:
+                    first = time.perf_counter() - t0 if first is None else first
+                    pieces.append(chunk.choices[0].delta.content)
                 if chunk.usage:
                     counts.append(chunk.usage.completion_tokens)
                     rates.append(chunk.usage.completion_tokens / (time.perf_counter() - t0))
             ttft.append(first if first is not None else time.perf_counter() - t0)
+            texts[i] = "".join(pieces)
         except Exception as e:  # noqa: BLE001 - counted and named, the load goes on
             errors.append(f"{type(e).__name__}: {e}"[:200])
 
@@ -128,10 +139,21 @@ async def run_arm(url: str, streams: int, tokens: int, learn: bool) -> dict:
     if background:
         await background
     await client.close()
+    after = {k: v - before.get(k, 0.0) for k, v in metrics(url).items()}
+    forwards = after["generation_forwards_total"]
     return {"streams": streams, "learn": learn, "ttft_p50_s": quantile(ttft, 0.5), "ttft_p99_s": quantile(ttft, 0.99),
             "tokens": sum(counts), "seconds": seconds, "tokens_per_s": sum(counts) / seconds,
             "per_stream_tokens_per_s": statistics.median(rates) if rates else 0.0, "errors": errors,
-            "learned": learned}
+            "learned": learned, "forwards": forwards,
+            "mean_batch": after["generation_rows_total"] / forwards if forwards else float("nan"),
+            "learn_yields": after["learn_yields_total"], "learn_yield_s": after["learn_yield_seconds_total"],
+            "texts": [texts.get(i) for i in range(streams)]}
+
+
+def metrics(url: str) -> dict[str, float]:
+    """The server's unlabelled Prometheus metrics, without the forgetless_ prefix."""
+    text = httpx.get(f"{url}/v1/metrics", timeout=60).text
+    return {m[1]: float(m[2]) for m in re.finditer(r"^forgetless_(\w+) (\S+)$", text, re.MULTILINE)}
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -152,15 +174,16 @@ def baseline(model_spec: str, streams: int, tokens: int) -> dict:
     hf = tokenizer.hf
     out = {}
     for name, n in (("warm-up", 1), ("one", 1), ("sequential", streams)):  # the warm-up as the server's, untimed
-        count, t0 = 0, time.perf_counter()
+        count, texts, t0 = 0, [], time.perf_counter()
         for i in range(n):
             ids = torch.tensor([hf.apply_chat_template(question(i), add_generation_prompt=True, tokenize=True,
                                                        return_dict=False)])
             new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False,
                                  pad_token_id=hf.eos_token_id)
             count += new.shape[1] - ids.shape[1]
-        out[name] = {"tokens": count, "seconds": time.perf_counter() - t0,
-                     "tokens_per_s": count / (time.perf_counter() - t0)}
+            texts.append(hf.decode(new[0, ids.shape[1]:], skip_special_tokens=True))
+        seconds = time.perf_counter() - t0
+        out[name] = {"tokens": count, "seconds": seconds, "tokens_per_s": count / seconds, "texts": texts}
     del out["warm-up"]
     return out
 
@@ -174,6 +197,7 @@ def main():
         proc, url = start_server(args, model, folder)
         try:
             asyncio.run(run_arm(url, 1, args.tokens, False))  # warm-up, untimed: first-call costs of the model
+            asyncio.run(run_arm(url, args.streams, args.tokens, False))  # and of the batched shapes
             arms = [asyncio.run(run_arm(url, 1, args.tokens, False)),
                     asyncio.run(run_arm(url, args.streams, args.tokens, False)),
                     asyncio.run(run_arm(url, args.streams, args.tokens, True))]
@@ -183,11 +207,12 @@ def main():
         base = baseline(model, args.streams, args.tokens)
     one, off, on = arms
     print(f"{'arm':<28}{'TTFT p50 s':>11}{'TTFT p99 s':>11}{'tok/s all':>10}{'tok/s each':>11}{'tokens':>7}"
-          f"{'errors':>7}{'learned':>8}")
+          f"{'errors':>7}{'learned':>8}{'forwards':>9}{'batch':>6}{'yields':>7}{'waited s':>9}")
     for arm, name in zip(arms, ("serve, 1 stream", f"serve, {args.streams} streams, learn off",
                                 f"serve, {args.streams} streams, learn on")):
         print(f"{name:<28}{arm['ttft_p50_s']:>11.3f}{arm['ttft_p99_s']:>11.3f}{arm['tokens_per_s']:>10.1f}"
-              f"{arm['per_stream_tokens_per_s']:>11.1f}{arm['tokens']:>7}{len(arm['errors']):>7}{arm['learned']:>8}")
+              f"{arm['per_stream_tokens_per_s']:>11.1f}{arm['tokens']:>7}{len(arm['errors']):>7}{arm['learned']:>8}"
+              f"{arm['forwards']:>9.0f}{arm['mean_batch']:>6.1f}{arm['learn_yields']:>7.0f}{arm['learn_yield_s']:>9.1f}")
     for name, b in (("generate, 1 stream", base["one"]), (f"generate, {args.streams} in a row", base["sequential"])):
         print(f"{name:<28}{'':>11}{'':>11}{b['tokens_per_s']:>10.1f}{'':>11}{b['tokens']:>7}")
     ratios = {"p99_ttft_on_over_off": on["ttft_p99_s"] / off["ttft_p99_s"],
@@ -198,6 +223,8 @@ def main():
           f"{args.streams} streams / 1 stream: {ratios['tokens_per_s_streams_over_one']:.2f} (goal >= 4); "
           f"/ generate 1 stream: {ratios['tokens_per_s_streams_over_generate_one']:.2f}; / generate "
           f"{args.streams} in a row: {ratios['tokens_per_s_streams_over_generate_sequential']:.2f}")
+    same = sum(a == b for a, b in zip(off["texts"], base["sequential"]["texts"]))
+    print(f"greedy texts of the {args.streams} streams (learning off) equal to generate's: {same} of {args.streams}")
     for arm in arms:
         for e in arm["errors"][:3]:
             print(f"error ({arm['streams']} streams, learn {'on' if arm['learn'] else 'off'}): {e}")

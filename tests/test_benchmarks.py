@@ -160,4 +160,6 @@ def test_bench_serve_load_quick_runs_every_arm_and_the_baseline_without_errors()
     assert [a["streams"] for a in out["arms"]] == [1, 4, 4] and [a["learn"] for a in out["arms"]] == [False, False, True]
     assert all(not a["errors"] and 0 < a["tokens"] <= a["streams"] * 4 and a["ttft_p99_s"] > 0 for a in out["arms"])
     assert on["learned"] >= 1 and out["baseline"]["sequential"]["tokens"] > 0
+    assert all(a["forwards"] > 0 and a["mean_batch"] >= 1 and len(a["texts"]) == a["streams"] for a in out["arms"])
+    assert len(out["baseline"]["sequential"]["texts"]) == 4 and "equal to generate's" in run.stdout
     assert out["ratios"]["p99_ttft_on_over_off"] == on["ttft_p99_s"] / off["ttft_p99_s"]

@@ -297,18 +297,23 @@ def serve_command(base, canary, state_dir, token_file, port) -> list[str]:
 
 
 def start_server(base, canary, state_dir, token_file, *extra):
-    port = free_port()
-    proc = subprocess.Popen(serve_command(base, canary, state_dir, token_file, port) + [str(a) for a in extra],
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+    return launched(serve_command(base, canary, state_dir, token_file, free_port()) + [str(a) for a in extra])
+
+
+def launched(command: list[str], seconds: float = 60):
+    """The `forgetless serve` `command` (its --port on loopback, 1 torch thread) once it answers /v1/health
+    (within `seconds`): (process, URL)."""
+    proc = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
+    url = f"http://127.0.0.1:{command[command.index('--port') + 1]}"
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
         try:
             httpx.get(f"{url}/v1/health", timeout=1)
             return proc, url
         except httpx.HTTPError:
             if proc.poll() is not None:
-                raise AssertionError(proc.stderr.read().decode()[-2000:])
+                raise AssertionError(proc.stderr.read().decode()[-2000:]) from None
             time.sleep(0.1)
     proc.kill()
     raise AssertionError("the server did not start")

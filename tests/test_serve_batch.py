@@ -1,14 +1,22 @@
 """Batched generation (serve/batch.py): sequences of different lengths run together give the tokens each gives
 alone (greedy, and sampled with a seed), through the KV cache, past the context (window) and on the byte GPT
-(no cache); 16 concurrent streams of the official `openai` client all complete while a document is learned."""
+(no cache); prompts that join together run in one prefill forward and get their first token in that step;
+learning waits between its steps while a generation runs (and a steady load cannot starve it); 16 concurrent
+streams of the official `openai` client all complete while a document is learned."""
 import concurrent.futures
+import json
+import time
 
 import pytest
 import torch
-from tiny_models import hf_gpt2, hf_llama, ours
+from tiny_models import SENTENCES, hf_gpt2, hf_llama, ours
 
+from forgetless.continual.learner import chunk_windows
+from forgetless.data.tokenizers import ByteTokenizer
+from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import logits_of
 from forgetless.serve.batch import DONE, Batcher, Sequence, pick
+from forgetless.serve.engine import WAL, Engine, ServeConfig
 
 
 def alone(model, ids: list[int], n: int, block: int, temperature: float = 0.0, seed: int = 0) -> list[int]:
@@ -47,6 +55,89 @@ def test_batched_greedy_and_seeded_sampling_equal_one_sequence_at_a_time(kind):
             out, batcher = batched(model, prompts, 16, block, temperature)
             assert out == [alone(model, p, 16, block, temperature, i) for i, p in enumerate(prompts)]
         assert batcher.rows > 2 * batcher.steps  # forwards were shared (5 sequences; a step may run 3: prefill, cache, window)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_prompts_that_join_together_run_in_one_prefill_and_each_gets_its_first_token_in_that_step(kind):
+    """Three prompts (1, 5 and 12 tokens) join a decoding sequence: one right-padded prefill forward of the three and
+    one decode forward, each joiner has a token after that step, and every sequence's greedy tokens equal its own
+    run alone (the GPT-2's context is 16: the longest passes it and slides its window)."""
+    model = {"llama": hf_llama, "gpt2": hf_gpt2}[kind]().eval()
+    block = 32 if kind == "llama" else 16
+    shapes = []  # (B, T) of each forward of the model
+    model.register_forward_pre_hook(lambda m, args, kwargs: shapes.append(
+        tuple((args[0] if args else kwargs["input_ids"]).shape)), with_kwargs=True)
+    batcher = Batcher(block)
+    batcher.close()
+    prompts = [[5, 6, 7], [9], [1, 2, 3, 4, 5], list(range(10, 22))]
+    seqs = [Sequence(model, list(p), 6, 0.0, 1.0, torch.Generator()) for p in prompts]
+    with torch.no_grad():
+        batcher.step(seqs[:1])
+        batcher.step(seqs[:1])
+        shapes.clear()
+        batcher.step(seqs)  # three join mid-stream
+        assert shapes == [(3, 12), (1, 1)]  # one prefill of the three prompts, one decode of the first
+        assert [s.out.qsize() for s in seqs] == [3, 1, 1, 1]
+        while group := [s for s in seqs if s.left]:
+            batcher.step(group)
+        assert [s.ids for s in seqs] == [alone(model, p, 6, block) for p in prompts]
+
+
+def test_learning_waits_between_its_steps_while_a_generation_runs_then_learns_the_document(tmp_path):
+    """A document sent while a sequence decodes: the learner waits before its first step (no update while the
+    sequence runs, 20 more tokens later still none, nothing logged yet), and learns all its updates once the
+    sequence leaves; the log holds it."""
+    e = gpt_engine(tmp_path / "state")
+    live = []  # sequences waiting or decoding at each learning update
+    update = e.learner.learn
+    e.learner.learn = lambda windows, steps=1: live.append(e.batcher.live) or update(windows, steps)
+    try:
+        s = e.batcher.submit(Sequence(e.serving[1], [1, 2, 3], 10 ** 6, 0.0, 1.0, torch.Generator()))
+        s.out.get(timeout=30)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            learned = pool.submit(e.learn, DOC)
+            deadline = time.monotonic() + 30
+            while not e.counters["yielded"]:  # the learner has reached its first wait
+                assert time.monotonic() < deadline and not learned.done()
+                time.sleep(0.01)
+            for _ in range(20):
+                s.out.get(timeout=30)
+            assert live == [] and not learned.done() and e.seq == 0
+            s.abandoned = True  # its client leaves: nothing is generating
+            assert learned.result(timeout=60)["seq"] == 1
+        assert live == [0, 0, 0] and e.learner.steps == 3 and e.counters["yielded"] == 1
+    finally:
+        e.close()
+    assert [json.loads(line)["seq"] for line in (tmp_path / "state" / WAL).read_text().splitlines()] == [1]
+
+
+def test_a_steady_generation_load_does_not_starve_learning(tmp_path):
+    """With --serve-learn-wait-max 0.05 each learning step (the screen's forward, 3 updates, the publish) waits
+    0.05 s, then runs beside a generation that never ends."""
+    with pytest.raises(ForgetlessError, match="learn_wait_max"):
+        ServeConfig(learn_wait_max=-1)
+    e = gpt_engine(tmp_path / "state", learn_wait_max=0.05)
+    live = []
+    update = e.learner.learn
+    e.learner.learn = lambda windows, steps=1: live.append(e.batcher.live) or update(windows, steps)
+    try:
+        s = e.batcher.submit(Sequence(e.serving[1], [1, 2, 3], 10 ** 6, 0.0, 1.0, torch.Generator()))
+        s.out.get(timeout=30)
+        assert e.learn(DOC)["seq"] == 1
+        assert live == [1, 1, 1] and e.counters["yielded"] == 5 and e.yield_seconds >= 5 * 0.05
+        s.abandoned = True
+    finally:
+        e.close()
+
+
+DOC = " ".join(SENTENCES)
+
+
+def gpt_engine(state_dir, **options) -> Engine:
+    """A tiny byte GPT (context 16) learning each document in 3 full updates, the screen open."""
+    canary = chunk_windows(ByteTokenizer().encode(" ".join(SENTENCES * 4).encode()), 16)[:4]
+    cfg = ServeConfig(method="full", steps_per_doc=3, max_canary_rise=100, screen_k=0, screen_low_k=0, **options)
+    return Engine(ours(), ByteTokenizer(), canary, 16, cfg, state_dir)
 
 
 def test_a_sequence_gets_its_tokens_then_done_and_an_abandoned_one_leaves_the_batch():

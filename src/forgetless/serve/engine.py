@@ -4,6 +4,9 @@ learns from accepted documents (docs/DESIGN.md §3.6).
 - **No torn reads.** The learner trains its own copy; after each accepted document a fresh copy of its
   weights is published (copy-on-write). A request takes the copy published when it starts and keeps it
   to the end, so it never sees a half-applied update. Learning, snapshots and rollbacks hold one lock.
+- **Generation first.** Between its steps (updates, the screen's and canary's forwards, the publish) learning
+  waits while the batcher has requests waiting or decoding, at most `learn_wait_max` seconds a step
+  (`yield_to_generation`); a step is never cut.
 - **Guardrails.** Before a document is logged it is screened (`screen`), on both sides: refused when its bytes
   are mostly one symbol (the most frequent byte over `screen_max_symbol_share` of them), nearly constant (byte
   entropy under `screen_min_entropy` bits), random characters (byte entropy over `screen_max_entropy` bits) or
@@ -121,6 +124,9 @@ class ServeConfig:
     max_doc_bytes: int = field(default=65536, metadata={"help": "largest document /v1/learn and /v1/score accept"})
     learn_per_minute: int = field(default=120, metadata={"help": "rate limit of /v1/learn (0: none)"})
     max_new_tokens: int = field(default=512, metadata={"help": "most tokens /v1/generate produces per request"})
+    learn_wait_max: float = field(default=30.0, metadata={
+        "help": "seconds a learning step waits at most, between steps, while generation runs (requests waiting or "
+                "decoding) before it runs beside it, so a steady load cannot starve learning; 0: learning never waits"})
     max_queued: int = field(default=8, metadata={
         "help": "learn, snapshot and rollback requests waiting for the learner; more are answered 503 + Retry-After"})
     log_retention: str = field(default="archive", metadata={
@@ -139,7 +145,7 @@ class ServeConfig:
         if self.learn_per_minute < 0 or not self.max_canary_rise >= 0:
             raise ForgetlessError("serve.learn_per_minute and serve.max_canary_rise must not be negative")
         for name in ("canary_reference", "screen_k", "screen_low_k", "screen_min_spread", "screen_min_entropy",
-                     "screen_max_entropy", "screen_min_compression"):
+                     "screen_max_entropy", "screen_min_compression", "learn_wait_max"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ForgetlessError(f"serve.{name} must be a finite number >= 0, got {getattr(self, name)}")
         if not 0 < self.screen_max_symbol_share <= 1:
@@ -197,7 +203,9 @@ class Engine:
         self.seq, self.snapshot_seq, self.good, self.ops = 0, 0, None, 0
         self.undone: list[list[int]] = []  # [first, last] seq of the documents each rollback undid, in order
         self.recovered: str | None = None  # how a start from a damaged snapshot recovered, in words
-        self.counters = {"accepted": 0, "rollbacks": 0, "undone": 0, "score": 0, "generate": 0, "replayed": 0}
+        self.counters = {"accepted": 0, "rollbacks": 0, "undone": 0, "score": 0, "generate": 0, "replayed": 0,
+                         "yielded": 0}  # yielded: learning steps that waited for generation
+        self.yield_seconds = 0.0  # how long they waited, in all
         self.rejected: dict[str, int] = {}
         self.recent: collections.deque = collections.deque(maxlen=cfg.screen_window)  # losses of accepted documents
         self.answers: collections.OrderedDict = collections.OrderedDict()  # key -> (text checksum, first answer)
@@ -376,10 +384,12 @@ class Engine:
         with self.lock:
             if key is not None and key in self.answers:
                 return self.answered(key, text)
+            self.yield_to_generation()  # the screen's forward is a learning step's too
             prequential = self.screen(text if form == "text" else self.tokenizer.decode(windows.x[0]), windows)
             seq = self.seq + 1
             self.wal.append(seq, text, key, form)
             result = self.apply(seq, text, key, windows, prequential, form)
+            self.yield_to_generation()  # the copy for the readers too
             self.publish()
         return result
 
@@ -433,11 +443,14 @@ class Engine:
         self.history["prequential"].append((seq, prequential))
         rolled_back = False
         try:
-            self.learner.learn(windows, self.cfg.steps_per_doc)
+            for _ in range(self.cfg.steps_per_doc):  # one update at a time: generation goes first between them
+                self.yield_to_generation()
+                self.learner.learn(windows, 1)
         except TrainingDiverged as e:
             log.warning("document %d: %s", seq, e)
             rolled_back = self.rollback(f"a non-finite loss on document {seq}")
         if not rolled_back and seq % self.cfg.canary_every == 0:
+            self.yield_to_generation()
             rolled_back = not self.check()
         result = {"seq": seq, "prequential_loss": prequential, "updates": self.learner.steps,
                   "rolled_back": rolled_back, "canary_loss": self.canary_last}
@@ -448,6 +461,17 @@ class Engine:
             except (OSError, Unavailable) as e:  # the log holds the document: the next snapshot will do
                 log.warning("the snapshot at document %d was not written (%s); the log holds the documents", seq, e)
         return result
+
+    def yield_to_generation(self):
+        """Generation has priority: before a learning step (an update, the screen's or the canary's forward, the copy
+        published to the readers), wait while requests are waiting or decoding, at most `learn_wait_max` seconds
+        (then the step runs beside them). A step is never cut, and a document is acknowledged only once learned
+        (it waits in the log, which a restart replays), so nothing acknowledged is lost."""
+        if self.cfg.learn_wait_max and self.batcher.busy():
+            self.counters["yielded"] += 1
+            t0 = time.monotonic()
+            self.batcher.wait_idle(self.cfg.learn_wait_max)
+            self.yield_seconds += time.monotonic() - t0
 
     def check(self) -> bool:
         """Score the canary: too far above the reference rolls back (False); else the state is the last good
@@ -674,7 +698,13 @@ class Engine:
             "replayed_total": ("counter", "documents replayed from the write-ahead log at start", self.counters["replayed"]),
             "updates_total": ("counter", "optimizer updates", self.learner.steps),
             "score_requests_total": ("counter", "/v1/score requests", self.counters["score"]),
-            "generate_requests_total": ("counter", "/v1/generate requests", self.counters["generate"]),
+            "generate_requests_total": ("counter", "generation requests (each choice of the OpenAI endpoints too)",
+                                        self.counters["generate"]),
+            "generation_forwards_total": ("counter", "forwards run by the generation batcher", self.batcher.steps),
+            "generation_rows_total": ("counter", "sequences those forwards carried (rows / forwards: the mean batch)",
+                                      self.batcher.rows),
+            "learn_yields_total": ("counter", "learning steps that waited for generation", self.counters["yielded"]),
+            "learn_yield_seconds_total": ("counter", "seconds learning steps waited for generation", self.yield_seconds),
             "canary_loss": ("gauge", "last canary loss (nats/token)", self.canary_last),
             "canary_reference_loss": ("gauge", "canary loss the rollback limit is measured from (nats/token)",
                                       self.reference_loss()),
