@@ -253,6 +253,7 @@ def test_kill_9_during_a_streamed_completion_and_feedback_learning_loses_nothing
         proc.kill()
 
 
+@pytest.mark.slow  # a real model: 45-100 s on 2 cores (two server starts); `pytest -m slow` runs it
 def test_the_openai_client_against_forgetless_serve_on_smollm2_and_a_correction_survives_a_restart(tmp_path):
     """The issue's done-when on the real model, kept cheap (4 new tokens a request, one correction of 2 LoRA
     updates, a context of 64): the `openai` client lists, completes and streams against `forgetless serve --model
