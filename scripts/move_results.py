@@ -7,7 +7,13 @@ A HEADING is the start of a `## ` heading of RESULTS.md; its section moves with 
 `## ` heading. The moved text's relative links are rewritten for docs/results/ (`figures/..` becomes
 `../figures/..`), and every link in README.md and docs/ to a results section that moved is pointed at the page
 that holds it now. A section added at the end of RESULTS.md (where a new result used to go) reaches its page this
-way; a new result can also be written at the end of its page directly."""
+way; a new result can also be written at the end of its page directly.
+
+    python scripts/move_results.py --new-from OTHER.md
+
+appends to RESULTS.md the `## ` sections of OTHER.md (e.g. `git show BRANCH:docs/RESULTS.md`, a branch's
+RESULTS.md from before the pages) that no results file holds yet, and names the sections both hold whose text
+differs (links aside): edits to merge by hand. Then move the new ones to their pages as above."""
 from __future__ import annotations
 
 import os
@@ -48,28 +54,27 @@ def results_files() -> list[Path]:
 
 def repoint(paths: list[Path]) -> list[Path]:
     """Point every link in `paths` to a results section at the file that holds that section now; the changed."""
-    holder = {}
-    for path in results_files():
-        for _, title in headings(path.read_text(encoding="utf-8")):
-            holder.setdefault(anchor(title), path)
+    held = {path: {anchor(title) for _, title in headings(path.read_text(encoding="utf-8"))}
+            for path in results_files()}
     changed = []
     for path in paths:
         text = path.read_text(encoding="utf-8")
-        new = outside_code(text, lambda part, path=path: LINK.sub(lambda m: repointed(m, path, holder), part))
+        new = outside_code(text, lambda part, path=path: LINK.sub(lambda m: repointed(m, path, held), part))
         if new != text:
             path.write_text(new, encoding="utf-8")
             changed.append(path)
     return changed
 
 
-def repointed(m: re.Match, path: Path, holder: dict[str, Path]) -> str:
-    """Link `m` in `path`, pointed at the results file that holds its section (`holder`: anchor -> file)."""
+def repointed(m: re.Match, path: Path, held: dict[Path, set[str]]) -> str:
+    """Link `m` in `path`, pointed at the one results file that holds its anchor (`held`: file -> its anchors)
+    where the file it names does not."""
     file, hash_, fragment = m.group(2).partition("#")
     linked = (path.parent / file).resolve() if file else path
-    if not hash_ or linked not in results_files() or fragment not in holder or holder[fragment] == linked:
+    holders = [where for where, anchors in held.items() if fragment in anchors]
+    if not hash_ or linked not in held or fragment in held[linked] or len(holders) != 1:
         return m.group(0)
-    where = holder[fragment]
-    return m.group(1) + ("" if where == path else os.path.relpath(where, path.parent)) + "#" + fragment
+    return m.group(1) + ("" if holders[0] == path else os.path.relpath(holders[0], path.parent)) + "#" + fragment
 
 
 def move(page: Path, starts: list[str]) -> None:
@@ -89,7 +94,37 @@ def move(page: Path, starts: list[str]) -> None:
     FRONT.write_text(kept.rstrip("\n") + "\n", encoding="utf-8")
 
 
+def bare(text: str) -> str:
+    """`text` with every link target cut to its anchor (or its file name), for comparing sections across pages."""
+    text = re.sub(r"(\]\(|href=\")[^)\s\"#]*#", r"\1#", text)
+    return re.sub(r"(\]\()(?:\.\./)*", r"\1", text).strip()
+
+
+def new_from(other: Path) -> None:
+    """Append `other`'s sections that no results file holds to RESULTS.md; name those held with other text."""
+    held = {}
+    for path in results_files():
+        for part in sections(path.read_text(encoding="utf-8"))[1:]:
+            held[part.split("\n", 1)[0]] = (path, part)
+    new, edited = [], []
+    for part in sections(other.read_text(encoding="utf-8"))[1:]:
+        heading = part.split("\n", 1)[0]
+        if heading not in held:
+            new.append(part)
+        elif bare(part) != bare(held[heading][1]) and heading not in ("## Contents", "## Summary"):
+            edited.append(f"{heading} ({held[heading][0].relative_to(ROOT)})")
+    if new:
+        FRONT.write_text(FRONT.read_text(encoding="utf-8").rstrip("\n") + "\n\n" + "".join(new), encoding="utf-8")
+    print(f"appended {len(new)} new section(s) to {FRONT.relative_to(ROOT)}:",
+          *(part.split("\n", 1)[0] for part in new), sep="\n  ")
+    if edited:
+        print("held with other text (merge by hand):", *edited, sep="\n  ")
+
+
 def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "--new-from":
+        new_from(Path(argv[1]))
+        return 0
     if len(argv) < 2:
         print(__doc__)
         return 2

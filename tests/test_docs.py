@@ -136,3 +136,23 @@ def test_docs_site_fails_on_a_broken_anchor(tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert run.returncode != 0 and "no-such-section" in run.stdout + run.stderr
     shutil.rmtree(tmp_path / "site", ignore_errors=True)
+
+
+def test_a_moved_section_keeps_its_links_working():
+    """scripts/move_results.py rewrites a section's relative links for docs/results/; anchors, URLs and code stay."""
+    import move_results
+    text = ("![f](figures/x/a.png) [d](DESIGN.md#6-names) [s](#a-section) [w](https://x.org/y.md) "
+            "`[c](figures/c.png)`\n")
+    moved = move_results.relocate(text, ROOT / "docs", ROOT / "docs" / "results")
+    assert moved == ("![f](../figures/x/a.png) [d](../DESIGN.md#6-names) [s](#a-section) [w](https://x.org/y.md) "
+                     "`[c](figures/c.png)`\n")
+    assert move_results.bare(moved) == move_results.bare(text)
+
+
+def test_the_guides_evidence_needs_a_page_and_an_anchor(tmp_path, capsys):
+    import guide_evidence
+    (tmp_path / "results.json").write_text("{}")
+    for section in ("the-studys-anchor", "no-such-page.md#the-studys-anchor"):
+        with pytest.raises(SystemExit) as stop:
+            guide_evidence.main([str(tmp_path), "--section", section, "--study-command", "x"])
+        assert stop.value.code == 2 and "give PAGE.md#ANCHOR" in capsys.readouterr().err
