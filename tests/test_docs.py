@@ -118,6 +118,8 @@ def test_docs_site_builds_in_strict_mode(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     home = (tmp_path / "site" / "index.html").read_text()
     assert "Which method, when" in home and 'href="RESULTS/#' in home  # the README, its docs/ links rewritten
+    for page in sync_docs.results_pages():  # every results page is built
+        assert (tmp_path / "site" / "results" / page.stem / "index.html").is_file(), page.name
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     for name in ("attach", "from_pretrained", "Adapted", "ForgetlessCallback", "Collator", "mix", "load"):
         assert f"forgetless.adapted.{name}" in api or name in api
