@@ -58,7 +58,7 @@ def test_readme_is_a_landing_page():
 
 def summary_rows() -> list[list[str]]:
     text = (ROOT / "docs/RESULTS.md").read_text()
-    summary = text.split("## Summary", 1)[1].split("\n## ", 1)[0]
+    summary = text.split("\n## Summary", 1)[1].split("\n## ", 1)[0]
     table = [line for line in summary.splitlines() if line.startswith("|")]
     return [[cell.strip() for cell in line.strip("|").split(" | ")] for line in table]
 
