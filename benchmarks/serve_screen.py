@@ -2,7 +2,7 @@
 refuses, and by which rule.
 
 Clean documents are `--doc-chars` pieces of shakespeare-modern: set A (plays 34-35, where the byte thresholds'
-defaults were chosen, see docs/RESULTS.md) and set B (shakespeare-poems, held out from that choice; the smoke
+defaults were chosen, see docs/results/serving.md) and set B (shakespeare-poems, held out from that choice; the smoke
 base was pretrained on plays 1-33 only). The loss window
 is `--window` set-A documents other than the scored ones (as if accepted last). Poison, built from set B: one
 80-character sentence repeated, random printable ASCII, base64 of random bytes, a clean document's characters

@@ -3,11 +3,12 @@ part of it the guide reads, with its provenance, to src/forgetless/guide_study.j
 `python scripts/sync_docs.py` rewrites the README's and docs/methods.md's guide from it. The study folder itself
 stays out of git.
 
-    python scripts/guide_evidence.py ~/forgetless-study/standard --section ANCHOR \\
+    python scripts/guide_evidence.py ~/forgetless-study/standard --section real-models.md#ANCHOR \\
         --study-command "bash scripts/study-standard.sh"
 
-ANCHOR is the study's section of docs/RESULTS.md (each generated row links to it); --machine defaults to this
-machine's description: run it where the study ran, or say where that was."""
+--section is the study's section of the results, PAGE.md#ANCHOR with PAGE a page of docs/results/ (each generated
+row links to it); --machine defaults to this machine's description: run it where the study ran, or say where that
+was."""
 from __future__ import annotations
 
 import argparse
@@ -30,16 +31,21 @@ def this_machine() -> str:
 
 def main(argv: list[str]) -> int:
     from forgetless.config import git_commit
-    from forgetless.guide import STUDY, summary
+    from forgetless.guide import RESULTS, STUDY, summary
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path, help="the study's --out folder (it holds results.json)")
-    parser.add_argument("--section", required=True, help="the study's section of docs/RESULTS.md (its anchor)")
+    parser.add_argument("--section", required=True, help="the study's section of the results: PAGE.md#ANCHOR, PAGE a "
+                        "page of docs/results/")
     parser.add_argument("--study-command", required=True, help="the command that ran the study")
     parser.add_argument("--machine", default=None, help="where the study ran [default: this machine]")
     parser.add_argument("--out", type=Path, default=STUDY, help=f"where to write [default: {STUDY.relative_to(ROOT)}]")
     args = parser.parse_args(argv)
     if not (args.folder / "results.json").is_file():
         parser.error(f"{args.folder} holds no results.json: give the study's --out folder once it has finished")
+    page, _, anchor = args.section.partition("#")
+    if not anchor or not (ROOT / RESULTS / page).is_file():
+        parser.error(f"--section {args.section}: give PAGE.md#ANCHOR with PAGE a page of {RESULTS}/ "
+                     "(e.g. real-models.md#the-sections-anchor)")
     results = json.loads((args.folder / "results.json").read_text())
     if "study" not in results:
         parser.error(f"{args.folder / 'results.json'} is not a study's (no 'study' key): give a `forgetless study` "

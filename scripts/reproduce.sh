@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Regenerate what docs/RESULTS.md shows, one section at a time, from the current code:
+# Regenerate what the results (docs/RESULTS.md and its pages, docs/results/) show, one section at a time, from
+# the current code:
 #   bash scripts/reproduce.sh SECTION [SECTION ...]     (bash scripts/reproduce.sh list: the sections)
 # Each section runs its commands (runs/ keeps every output; finished arms are reused on a re-run), then
-# copies its results.md and figures to docs/figures/SECTION/, the files RESULTS.md shows and quotes.
+# copies its results.md and figures to docs/figures/SECTION/, the files the results' pages show and quote.
 # Times are for 2 CPU cores; the real-* sections need `bash scripts/setup.sh real`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,10 +13,10 @@ SECTIONS=(frontier-two-domain frontier-sequence frontier-two-domain-mix frontier
           two-domain-cms sequence-cms optimizers-quick real-standard real-standard-seeds real-standard-replay real-standard-retrofits real-standard-neutral real-trace real-two-domain real-two-domain-folio real-neutral-pace study-standard study-trace
           online-quick hope-two-domain hope-lm hope-needle hope-speed serve first-run benchmarks aunn)
 
-publish() {  # publish RUN_DIR SECTION: its table and the figures RESULTS.md or README.md show, next to RESULTS.md
+publish() {  # publish RUN_DIR SECTION: its table and the figures the results' pages or README.md show, in docs/figures
     mkdir -p "docs/figures/$2"
     cp "$1"/results.md "docs/figures/$2/"
-    for f in $(grep -ho "figures/$2/[A-Za-z0-9_.-]*\.png" docs/RESULTS.md README.md | sort -u); do
+    for f in $(grep -rho --include='*.md' "figures/$2/[A-Za-z0-9_.-]*\.png" docs/RESULTS.md docs/results README.md | sort -u); do
         cp "$1/${f##*/}" "docs/figures/$2/"; done
     echo "published $1 -> docs/figures/$2 (all its figures stay in $1)"
 }
@@ -149,7 +150,7 @@ run_section() {
                             --domain-b python-stdlib --method 'neutral[lr=3e-4]' --out runs/neutral-python-lr3e-4
                         OMP_NUM_THREADS=1 PIN_NEUTRAL=0 forgetless bench --preset first --seeds 3 \
                             --methods 'neutral,neutral[normalize_input=false]' --out runs/neutral-norm-first ;;  # ~50 min
-    study-standard)     forgetless study standard --model smollm2-135m --out runs/study-standard  # 56 arms: a GPU job (docs/RESULTS.md)
+    study-standard)     forgetless study standard --model smollm2-135m --out runs/study-standard  # 56 arms: a GPU job (docs/results/real-models.md)
                         publish runs/study-standard study-standard ;;
     study-trace)        forgetless study trace --model smollm2-135m --order1-seeds 1 --out runs/study-trace
                         publish runs/study-trace study-trace ;;

@@ -89,8 +89,9 @@ def test_reproduce_publishes_the_table_and_only_the_figures_the_docs_show(tmp_pa
     run.mkdir(parents=True)
     for name in ("results.md", "shown.png", "readme.png", "unshown.png"):
         (run / name).write_text(name)
-    (tmp_path / "docs").mkdir()
-    (tmp_path / "docs" / "RESULTS.md").write_text("![a](figures/sec/shown.png) ![b](figures/other/unshown.png)\n")
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    (tmp_path / "docs" / "RESULTS.md").write_text("![b](figures/other/unshown.png)\n")
+    (tmp_path / "docs" / "results" / "area.md").write_text("![a](../figures/sec/shown.png)\n")  # a results page
     (tmp_path / "README.md").write_text("![c](docs/figures/sec/readme.png)\n")
     done = subprocess.run(["bash", "-c", f"set -euo pipefail\n{publish}\npublish runs/sec sec"], cwd=tmp_path,
                           capture_output=True, text=True)

@@ -158,7 +158,10 @@ def anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
-@pytest.mark.parametrize("doc", ["README.md", "docs/RESULTS.md", "docs/DESIGN.md", *GUIDES, "docs/api.md"])
+RESULTS = ["docs/RESULTS.md", *sorted(f"docs/results/{p.name}" for p in (ROOT / "docs" / "results").glob("*.md"))]
+
+
+@pytest.mark.parametrize("doc", ["README.md", *RESULTS, "docs/DESIGN.md", *GUIDES, "docs/api.md"])
 def test_links_to_sections_and_files_resolve(doc):
     """Every [text](#anchor), [text](FILE#anchor) and relative file link of a doc points at something that exists."""
     path = ROOT / doc

@@ -271,7 +271,7 @@ def test_the_guide_rows_are_generated_from_a_studys_results(study):
     results = json.loads((study["out"] / "results.json").read_text())
     (row,) = study_rows(results, "the-study")  # lora and the ceiling mtl: no arm replays old rows
     lora, mtl = results["methods"]["lora"], results["methods"]["mtl"]
-    assert (row.method, row.old_data, row.stream, row.anchor) == (lora["arm"], False, True, "the-study")
+    assert (row.method, row.old_data, row.stream, row.section) == (lora["arm"], False, True, "the-study")
     assert settings(row).lr == lora["lr"] and settings(row).mix == 0  # Trainer's settings: the lr the grid chose
     over = lora["over_orders"]
     assert row.evidence.startswith(f"OP {over['op_tasks']['mean']:.1f} [{over['op_tasks']['lo']:.1f}, "

@@ -343,7 +343,7 @@ def test_export_names_the_local_base_so_peft_loads_it_alone(tmp_path, tok):
 
 
 def test_the_method_guide_is_in_the_readme_and_its_evidence_exists():
-    """Every row of `forgetless methods`' guide is in the README, builds, and links to a RESULTS section."""
+    """Every row of `forgetless methods`' guide is in the README, builds, and links to a section of a results page."""
     import re
     from pathlib import Path
 
@@ -351,12 +351,13 @@ def test_the_method_guide_is_in_the_readme_and_its_evidence_exists():
     from forgetless.methods.base import parse_method_specs
     root = Path(__file__).resolve().parents[1]
     readme = (root / "README.md").read_text()
-    anchors = {re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
-               for line in (root / RESULTS).read_text().splitlines() if line.startswith("#")}
     for advice in GUIDE:
         parse_method_specs(advice.method)[0].build()
-        assert f"`{advice.method}`" in readme and f"{RESULTS}#{advice.anchor}" in readme
-        assert advice.anchor in anchors, advice.anchor
+        assert f"`{advice.method}`" in readme and f"{RESULTS}/{advice.section}" in readme
+        page, _, anchor = advice.section.partition("#")
+        anchors = {re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+                   for line in (root / RESULTS / page).read_text().splitlines() if line.startswith("#")}
+        assert anchor in anchors, advice.section
 
 
 # ---- forgetless adapt --data ---------------------------------------------------------------

@@ -565,7 +565,7 @@ def methods(memory: Optional[str] = typer.Option(None, "--memory", help="a pretr
             tokens: int = typer.Option(512, help="with --memory: tokens per row"), device: str = DEVICE,
             dtype: Optional[str] = DTYPE, quantize: Optional[str] = QUANTIZE, checkpointing: bool = CHECKPOINTING,
             flags: dict = None):
-    """Which method to use when (the evidence in docs/RESULTS.md), then every registered method and its options."""
+    """Which method to use when (the evidence in docs/results/), then every registered method and its options."""
     if memory is not None:
         return method_memory(memory, tokens, device, dtype, quantize, checkpointing, flags)
     from forgetless.continual.base_model import base_label
@@ -591,7 +591,7 @@ def methods(memory: Optional[str] = typer.Option(None, "--memory", help="a pretr
         guide.add_column(head, overflow="fold", ratio=share)  # the evidence is longest
     for a in GUIDE:
         guide.add_row(*map(escape, (a.situation, a.method, trainer_text(settings(a)).replace("`", ""),
-                                    cli_text(a).replace("`", ""), f"{a.scale}: {a.evidence} ({RESULTS}#{a.anchor})")))
+                                    cli_text(a).replace("`", ""), f"{a.scale}: {a.evidence} ({RESULTS}/{a.section})")))
     terms = Table(title=escape("Terms: add to any method that takes them, e.g. lora+ewc, lora[r=16]+distill[beta=0.5]"),
                   title_justify="left")
     for head in ("term", "options (default)", "needs", "memory", "about"):

@@ -1,5 +1,5 @@
 """Which method, when: what a user has -> the method and its exact settings in transformers' `Trainer` and in
-`forgetless adapt`, each row with the scale it was measured at and its section of docs/RESULTS.md.
+`forgetless adapt`, each row with the scale it was measured at and its section of the results (docs/results/).
 `forgetless methods` prints it, `forgetless adapt` takes its default method from it, the README shows it as a
 decision table and docs/methods.md its numbers (scripts/sync_docs.py).
 
@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-RESULTS = "docs/RESULTS.md"
+RESULTS = "docs/results"  # the results' pages; a row's evidence is RESULTS/PAGE.md#anchor
 STUDY = Path(__file__).with_name("guide_study.json")  # the standard study's summary (`summary`), when it has run
 
 
@@ -23,7 +23,7 @@ class Advice:
     old_data: bool  # the user has rows of what the model should keep (--retain, forgetless.data.mix)
     scale: str      # where it was measured: model, data or stream, budget, seeds
     evidence: str   # what was measured there (docs/methods.md shows it)
-    anchor: str     # its section of docs/RESULTS.md
+    section: str    # its section of the results: "PAGE.md#anchor", PAGE a page of docs/results/
     stream: bool = False  # a stream of tasks: replaced by the standard study's row once it has run
 
 
@@ -33,7 +33,8 @@ MEASURED = [
            "BWT +14.7 points (95 % +7.1 to +22.3) over the same LoRA without replay (20 % old rows), learning accuracy "
            "-0.2 (-3.3 to +3.0); seed-only intervals on 50 test rows per task; general-text perplexity still rose "
            "24.6 % (replaying tasks does not protect general text). For one domain seq-lora and lora are the same",
-           "replay-on-three-seeds-sequential-lora-with-20--of-each-batch-from-the-earlier-tasks-2026-11-25",
+           "real-models.md#replay-on-three-seeds-sequential-lora-with-20--of-each-batch-from-the-earlier-tasks-"
+           "2026-11-25",
            stream=True),
     Advice("old data, and the least forgetting at a given adaptation", "ewc-distill[beta=0.5;mix=0.3;lam=300]", True,
            "byte-level GPT (0.84 M), one spelling pair, 200 steps",
@@ -41,7 +42,7 @@ MEASURED = [
            "the old rows, EWC's Fisher is taken on them; beta, mix, lam and lr chosen in 7 rounds of search on these "
            "windows: on 3 fresh bases forgetting 1.04 % at adaptation 0.923 held out, 1.55 % on validation (every "
            "seed < 2 %); over all 6 seeds 2 are above 2 % on validation. Re-tune on your own validation rows",
-           "ewc-with-distillation-and-apn-local-with-replay-2026-11-25"),
+           "two-domain.md#ewc-with-distillation-and-apn-local-with-replay-2026-11-25"),
     Advice("old general text, a general-purpose model whose general perplexity must hold", "neutral", True,
            "SmolLM2-135M-Instruct, prose -> First Folio, 1 seed",
            "an l1 term on the adapters' output acts on the old rows; lr chosen there on validation windows: adapts "
@@ -49,24 +50,25 @@ MEASURED = [
            "old rows (LoRA did not) and trains 58x LoRA's parameters; on a 4-task stream (2 seeds, before its input "
            "scaling and lr were set) general perplexity +1.6 / +2.2 % where LoRA's rose 23-33 %, its tasks "
            "forgetting like LoRA's; the gates open on old text too",
-           "neutral-residues-at-loras-pace-on-a-pretrained-model-input-scale-and-lr-2026-11-26-one-seed"),
+           "real-models.md#neutral-residues-at-loras-pace-on-a-pretrained-model-input-scale-and-lr-2026-11-26-"
+           "one-seed"),
     Advice("no old data, one new domain", "full[lr=5e-5]", False,
            "SmolLM2-135M-Instruct, prose -> First Folio, 1 seed, 32 steps of batch 8",
            "longer training untested; 18 held-out windows of the old text: forgetting -0.7 % at 5e-5, +4.8 % at "
            "1e-4, +16.1 % at 2e-4; LoRA (1e-3, 3e-3) was worse on both axes",
-           "a-pair-where-fine-tuning-forgets-past-its-default-lr-general-prose--shakespeares-first-folio-on-"
-           "smollm2-135m-2026-11-25-one-seed"),
+           "real-models.md#a-pair-where-fine-tuning-forgets-past-its-default-lr-general-prose--shakespeares-first-"
+           "folio-on-smollm2-135m-2026-11-25-one-seed"),
     Advice("no old data, a stream of tasks, few trainable parameters", "moram[lr=5e-3]", False,
            "SmolLM2-135M-Instruct, 4-task stream, 3 seeds",
            "BWT -5.1 +/- 4.3 vs LoRA's -17.8 +/- 2.0 (its lr chosen after seeing test scores; LoRA at its default "
            "lr only); learning accuracy not resolved (-1.7, -15.5 to +12.2); not distinguishable from replay, "
            "which needs old data; grows 460,800 parameters per task",
-           "seeds-1-and-2-sequential-lora-against-moramlr5e-3-2026-11-25", stream=True),
+           "real-models.md#seeds-1-and-2-sequential-lora-against-moramlr5e-3-2026-11-25", stream=True),
 ]
 
 
 # ---- rows from a study ------------------------------------------------------------------------------
-def study_rows(results: dict, anchor: str) -> list[Advice]:
+def study_rows(results: dict, section: str) -> list[Advice]:
     """A study's results.json (or its `summary`) -> its rows: with old data and without, the arm with the highest
     OP (mean over orders) among those that replay earlier tasks' rows (mix > 0) and among those that do not, beside
     the joint ceiling; its method is the arm (at the lr the study chose); none for a group the study did not run."""
@@ -93,7 +95,7 @@ def study_rows(results: dict, anchor: str) -> list[Advice]:
             close = runner["hi"] >= stat["op_tasks"]["lo"]
             text += f"; next {group[1]}: OP {interval(runner)}{' (intervals overlap)' if close else ''}"
         rows.append(Advice("old data (rows of the earlier tasks), a stream of tasks" if old else
-                           "no old data, a stream of tasks", m["arm"], old, scale(results), text, anchor, stream=True))
+                           "no old data, a stream of tasks", m["arm"], old, scale(results), text, section, stream=True))
     return rows
 
 

@@ -151,7 +151,8 @@ PRESETS: dict[str, dict] = {
         data=dict(eval_windows=8),
         online=dict(chunks=6, chunk_tokens=256, canary_every=2, canary_windows=8)),
     "first": dict(  # `forgetless bench` with no arguments, about 5 min cold on 2 CPU cores: quick's model, a third of its
-        # pretraining, half its adaptation steps at half the batch, half its held-out windows (docs/RESULTS.md)
+        # pretraining, half its adaptation steps at half the batch, half its held-out windows
+        # (docs/results/first-run.md)
         model=dict(n_layer=4, n_head=4, d_model=128, block_size=128),
         pretrain=dict(steps=400, batch_size=32, lr=2e-3, warmup=40, eval_every=150, ckpt_every=100),
         adapt=dict(steps=100, batch_size=8, lr=3e-4, warmup=5, eval_every=25, ckpt_every=50),

@@ -274,7 +274,8 @@ class APNMethod(Method):
     @property
     def token_weights(self):
         """`entropy_weights` under gate_on=entropy, else None: the loss then needs only the scored positions'
-        logits (training_loss skips the output head elsewhere: a fifth of apn-retrofit's SmolLM2 step, docs/RESULTS.md)."""
+        logits (training_loss skips the output head elsewhere: a fifth of apn-retrofit's SmolLM2 step,
+        docs/results/speed.md)."""
         return self.entropy_weights if self.cfg.gate_on == "entropy" else None
 
     def entropy_weights(self, logits, batch):

@@ -28,7 +28,7 @@ from forgetless.models.gpt import logits_of
 class EWCTermConfig:
     lam: float = field(default=1e4, metadata={
         "help": "penalty strength lambda (the knee of a one-seed sweep on the quick two-domain pair; its "
-                "frontier's validation windows chose 1e3 there, docs/RESULTS.md)"})
+                "frontier's validation windows chose 1e3 there, docs/results/two-domain.md)"})
     fisher_samples: int = field(default=64, metadata={"help": "windows of the learned domain for the Fisher"})
 
     def __post_init__(self):

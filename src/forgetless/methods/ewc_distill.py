@@ -23,7 +23,7 @@ from forgetless.methods.full import Full
 class EWCDistillConfig(DistillConfig, EWCConfig):
     lam: float = field(default=1e3, metadata={
         "help": "EWC penalty strength lambda (validation's choice for ewc; with beta 0.5, mix 0.3 and lr 1e-3, lam 300 "
-                "met forgetting <= 2 % at G >= 0.9 on the quick two-domain pair, docs/RESULTS.md)"})
+                "met forgetting <= 2 % at G >= 0.9 on the quick two-domain pair, docs/results/two-domain.md)"})
 
 
 @register_method("ewc-distill")

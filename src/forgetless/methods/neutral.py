@@ -43,8 +43,8 @@ class Neutral(Method):
     """Gated GLU adapters beside the FFNs, kept silent on original data by an l1 term (base frozen)."""
     Config = NeutralMethodConfig
     order, unshardable = 80, ""
-    pretrained_lr = 3e-4  # on SmolLM2 it learns at LoRA's pace there (docs/RESULTS.md, "Neutral Residues at LoRA's
-    # pace on a pretrained model", chosen on validation windows); on the byte GPT its own 1e-3 does
+    pretrained_lr = 3e-4  # on SmolLM2 it learns at LoRA's pace there (docs/results/real-models.md, "Neutral
+    # Residues at LoRA's pace on a pretrained model", chosen on validation windows); on the byte GPT its own 1e-3 does
     mixes_original = True  # the l1 term silences the adapters on the mixed rows: they must not be earlier tasks
     reads_retained = "the l1 term that keeps its adapters silent on old data"
 
