@@ -489,9 +489,10 @@ class Composed(Method):
         self.base.on_task_end(model, task)
 
     def extra_loss(self, model, batch):
-        terms = [self.early.pop(id(term)) if id(term) in self.early else term.loss(self, model, batch)
-                 for term in self.terms]
-        parts = [t for t in (self.base.extra_loss(model, batch), *terms) if t is not None]
+        parts = [self.base.extra_loss(model, batch)]  # first: it reads what the batch's forward left (Neutral's)
+        parts += [self.early.pop(id(term)) if id(term) in self.early else term.loss(self, model, batch)
+                  for term in self.terms]
+        parts = [t for t in parts if t is not None]
         return sum(parts) if parts else None
 
     @contextlib.contextmanager
