@@ -1,18 +1,16 @@
 """Protecting terms composed with any method (`lora+ewc`, `lora+distill`, ...): state over the trainable
-parameters only, the EWC penalty's and the chunked KL's gradients exact, specs that parse, list, save and
+parameters only, the EWC penalty's gradients exact (the chunked KL's: test_loss.py), specs that parse, list, save and
 reload, a study arm, and one-line refusals."""
 import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 from test_user_training import adapt, hf_batch, nudge, tok, user_files  # noqa: F401 (fixtures)
 from tiny_models import tiny
 
 import forgetless
 from forgetless.errors import ForgetlessError
 from forgetless.methods import build_method
-from forgetless.methods import distill as distill_module
 from forgetless.methods.base import parse_method_specs
 from forgetless.methods.ewc import Pull
 
@@ -61,21 +59,6 @@ def test_the_penalty_gradient_is_autograds_bit_for_bit():
     ours, p.grad = p.grad, None
     (0.5 * 30.0 * (f * (p - a).square()).sum()).backward()
     assert torch.equal(ours, p.grad) and ours.abs().sum() > 0
-
-
-@pytest.mark.parametrize("chunk_rows", [1, 3, 1000])
-def test_the_chunked_kl_is_autograds_kl_bit_for_bit(monkeypatch, chunk_rows):
-    """Value and gradient as the (R, T, V) log-softmaxes of the former distill gave, in any chunking."""
-    g = torch.Generator().manual_seed(0)
-    student = torch.randn(2, 5, 11, generator=g, requires_grad=True)
-    teacher, weights = torch.randn(2, 5, 11, generator=g), torch.rand(2, 5, generator=g)
-    monkeypatch.setattr(distill_module, "CHUNK_BYTES", 4 * 11 * chunk_rows)
-    ours = distill_module.ChunkedKL.apply(student, teacher)
-    (ours * weights).sum().backward()
-    grad, student.grad = student.grad, None
-    kl = F.kl_div(F.log_softmax(student, -1), F.log_softmax(teacher, -1), log_target=True, reduction="none").sum(-1)
-    (kl * weights).sum().backward()
-    assert torch.equal(ours, kl) and torch.equal(grad, student.grad)
 
 
 def test_lora_distill_teacher_is_the_model_at_the_task_start_without_a_weight_copy():

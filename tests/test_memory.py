@@ -51,32 +51,59 @@ def test_activation_constants_are_what_autograd_saves_per_token_and_layer(mode, 
     assert measured == sum(c * x for c, x in zip(coefficients, (48, 80, 24, 4, 1)))
 
 
-@pytest.mark.parametrize("method", ["lora", "full", "lora+ewc"])
-def test_estimate_is_within_8_percent_of_the_measured_live_peak(method):
-    """Two AdamW steps on a random Llama (fp32, no autocast), the benchmark's way (bench_memory.measure): every
-    tensor storage made from the model's construction on counted alive at once (LivePeak). The goal for the estimate
-    is 15 %; what it leaves out (allocator slack, small temporaries, the int64 ids) stays below that here
-    (bench_memory measured 1.00-1.01 for these three at its shape s)."""
-    shape = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=4000)
+SHAPE = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             vocab_size=4000)
+
+
+def live_peak(method: str, own_loop: bool) -> int:
+    """Peak live tensor bytes of two AdamW steps on a random Llama (fp32, no autocast) of 4 x 64 tokens (answer-only:
+    the last quarter scored; one row of old data), the benchmark's way (bench_memory.measure): every tensor storage
+    made from the model's construction on counted alive at once (LivePeak). `own_loop`: forgetless's loop
+    (Adapted.losses); else the model's own forward, whose output holds every position's logits (as under Trainer)."""
     ids = torch.randint(4000, (4, 64), generator=torch.Generator().manual_seed(0))           # (B, T)
     labels = ids.clone()
-    labels[:, :48] = -100  # answer-only: the last quarter scored
+    labels[:, :48] = -100
+    retained = torch.tensor([True, False, False, False])
     with LivePeak() as live:
         torch.manual_seed(0)
-        adapted = forgetless.attach(LlamaForCausalLM(LlamaConfig(**shape)), method)
+        adapted = forgetless.attach(LlamaForCausalLM(LlamaConfig(**SHAPE)), method)
         adapted.start_task(1, torch.randint(4000, (2, 65)) if adapted.method.needs_previous else None)
         opt = torch.optim.AdamW([p for p in adapted.parameters() if p.requires_grad], lr=1e-4)
         for _ in range(2):
-            out = adapted(input_ids=ids, labels=labels, retained=torch.tensor([True, False, False, False]))
-            out.loss.backward()  # `out` holds the logits through the backward, as most loops' outputs do
+            if own_loop:
+                adapted.loss({"input_ids": ids, "labels": labels, "retained": retained}).backward()
+            else:
+                out = adapted(input_ids=ids, labels=labels, retained=retained)
+                out.loss.backward()  # `out` holds the logits through the backward, as most loops' outputs do
             opt.step()
             opt.zero_grad(set_to_none=True)
-    predicted = estimate(meta_model(LlamaConfig(**shape)), build_method(method),
+    return live.peak
+
+
+@pytest.mark.parametrize("method", ["lora", "full", "lora+ewc", "ewc"])
+def test_estimate_is_within_8_percent_of_the_measured_live_peak(method):
+    """Through the model's own forward (`every_position`). The goal for the estimate is 15 %; what it leaves out
+    (allocator slack, small temporaries, the int64 ids) stays below that here (bench_memory measured 1.00-1.01 for
+    lora, full and lora+ewc at its shape s). Full-weight ewc: its penalty's gradients, made before the forward, are
+    not counted (made after it, they were one more set of the weights, alive through the backward)."""
+    predicted = estimate(meta_model(LlamaConfig(**SHAPE)), build_method(method),
                          Setting(4, 64, mix=0.25, scored=0.25, every_position=True)).total
+    peak = live_peak(method, own_loop=False)
     # 8 %, not the goal's 15 %: here the activations are 14-19 % of the estimate, so at 15 % an estimate without them
-    # still passed (0.855, a review's finding); the band was set after seeing 1.00-1.03 for these three
-    assert 0.92 < predicted / live.peak < 1.08, (predicted, live.peak)
+    # still passed (0.855, a review's finding); the band was set after seeing 1.00-1.03 for lora, full and lora+ewc
+    assert 0.92 < predicted / peak < 1.08, (predicted, peak)
+
+
+@pytest.mark.parametrize("method", ["lora", "full", "ewc-distill", "lora+distill"])
+def test_estimate_of_forgetless_loop_is_within_8_percent_of_its_live_peak(monkeypatch, method):
+    """Through forgetless's own loop (adapt's: the head and the loss over chunks of the scored positions), with
+    chunks of 16 positions, so that the LM loss runs in 4 chunks, each recomputed in the backward."""
+    from forgetless import loss
+    monkeypatch.setattr(loss, "CHUNK_BYTES", 4 * 4000 * 16)
+    predicted = estimate(meta_model(LlamaConfig(**SHAPE)), build_method(method),
+                         Setting(4, 64, mix=0.25, scored=0.25)).total
+    peak = live_peak(method, own_loop=True)
+    assert 0.92 < predicted / peak < 1.08, (predicted, peak)
 
 
 @pytest.fixture(scope="module")

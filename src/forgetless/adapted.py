@@ -14,6 +14,7 @@ own tensors, and keeps every tensor on the model's device and dtype.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import warnings
@@ -103,19 +104,20 @@ class Adapted(nn.Module):
         if input_ids is None:
             return self.model(attention_mask=attention_mask, labels=labels, **kwargs)
         self._check_padding(input_ids, attention_mask)
-        if isinstance(self.model, GPT):  # causal and unmasked: right padding is what it reads correctly
-            out = self.model(input_ids, **{k: v for k, v in kwargs.items() if k != "logits_to_keep"})
-        else:
-            out = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-        if labels is None:
-            return out
-        batch = Batch.of_hf(input_ids, attention_mask, labels, retained)
-        if self.model.training:
-            self._check_training(retained is not None)
-            loss, _ = loss_terms(self.model, logits_of_output(out), batch.y, batch, self.method.extra_loss,
-                                 self.method.token_weights)
-        else:
-            _, loss = loss_terms(self.model, logits_of_output(out), batch.y, batch)
+        with self.method.penalties_first(self.model) if labels is not None else contextlib.nullcontext():
+            if isinstance(self.model, GPT):  # causal and unmasked: right padding is what it reads correctly
+                out = self.model(input_ids, **{k: v for k, v in kwargs.items() if k != "logits_to_keep"})
+            else:
+                out = self.model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            if labels is None:
+                return out
+            batch = Batch.of_hf(input_ids, attention_mask, labels, retained)
+            if self.model.training:
+                self._check_training(retained is not None)
+                loss, _ = loss_terms(self.model, logits_of_output(out), batch.y, batch, self.method.extra_loss,
+                                     self.method.token_weights)
+            else:
+                _, loss = loss_terms(self.model, logits_of_output(out), batch.y, batch)
         return with_loss(out, loss)
 
     def _check_padding(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
@@ -253,7 +255,8 @@ class Adapted(nn.Module):
             self._check_training(isinstance(batch, Batch) or isinstance(batch, dict) and
                                  ("retained" in batch or "from_other" in batch))
         batch = Batch.of(batch).to(self.device)
-        return training_loss(self.model, batch, self.method.extra_loss, self.method.token_weights)
+        with self.method.penalties_first(self.model):
+            return training_loss(self.model, batch, self.method.extra_loss, self.method.token_weights)
 
     def loss(self, batch) -> torch.Tensor:
         return self.losses(batch)[0]

@@ -8,9 +8,10 @@ classes says how many copies of the trained parameters it keeps (Fisher, anchor,
     weights (frozen ones in the base's dtype or packed 4/8-bit) + autocast's half copies of the linear weights
     + per trained parameter: AdamW's two moments (in the parameters' dtype) and the method's copies
     + activations: bytes per token per decoder layer that autograd saves (TRAINED, FROZEN below)
-    + the larger of: the LM loss's backward over the logits (and the KL's teacher and student logits on the
-      retained rows), or the trained parameters' gradients, which arrive after it, as activations go
-    + a weight penalty's gradients (`weight_penalty`: EWC's), made first and kept through the backward
+    + the larger of: the LM loss's and the KL's backward over chunks of logits (forgetless.loss.chunked_sum: the
+      output head and the loss over a chunk of the scored positions at a time, recomputed in the backward; the
+      logits of every position when the model's own forward makes them, `every_position`), or the trained
+      parameters' gradients, which arrive after it, as activations go
 
 Not counted: transient peaks of start_task (EWC's Fisher pass, OSF's SVD) and allocator slack.
 """
@@ -41,7 +42,8 @@ TRAINED = {"fp32": (32, 16, 8, 4, 8), "amp": (30, 8, 4, 4, 8), "half": (20, 8, 4
 FROZEN = {"fp32": (16, 12, 8, 4, 8), "amp": (12, 6, 4, 4, 8), "half": (12, 6, 4, 4, 8)}
 CHECKPOINTED = {"fp32": 4, "amp": 4, "half": 2}  # with gradient checkpointing: each layer's input, bytes per d
 QUANTIZED = {"4bit": 0.5 + 4 / 64, "8bit": 1.0}  # bytes per packed weight: NF4 plus one fp32 absmax per 64; int8
-KL_CHUNK = 64 << 20  # distill.CHUNK_BYTES: the KL's fp32 chunk, a few alive at once
+LM_CHUNKS, KL_CHUNKS = 3, 5  # fp32 chunks of logits (loss.CHUNK_BYTES) alive at once in a chunk's backward: the
+# loss's log-softmax, its gradient in and out; the KL's two log-softmaxes, the teacher's probabilities, gradients
 ENV = "FORGETLESS_DEVICE_MEMORY"  # e.g. 8GiB: the device memory adapt checks against (default: the device's)
 
 
@@ -122,15 +124,19 @@ def estimate(model: nn.Module, method, s: Setting) -> Estimate:
     else:
         saved = layers * per_layer + own
     parts["activations"] = rows * s.tokens * (saved + d * (8 + e))  # + the final norm and the head's input
-    positions = s.batch * (s.tokens if s.every_position else math.ceil(s.tokens * s.scored))
-    held = positions * vocab * e if s.every_position else 0  # the output's logits, alive through the backward
-    loss = positions * vocab * 12  # the loss's fp32 log-softmax, its gradient in and out (backward)
-    if kl:  # teacher, student, the student's gradient; fp32 chunks
-        kept = s.retained * math.ceil(s.tokens * s.scored) * vocab
-        loss += kept * 3 * e + 3 * min(KL_CHUNK, 4 * kept)
+    from forgetless.loss import CHUNK_BYTES
+    if s.every_position:  # the output's logits of every position, alive through the backward, and the loss over them
+        logits = s.batch * s.tokens * vocab
+        held = logits * e
+        # one chunk: the fp32 log-softmax, its gradient in and out; in chunks: each chunk's gradient and their
+        # concatenation (fp32), beside a chunk's working set
+        loss = logits * 12 if 4 * logits <= CHUNK_BYTES else logits * 8 + LM_CHUNKS * CHUNK_BYTES
+    else:  # forgetless's loop: the head runs over chunks of the scored positions, each recomputed in the backward
+        held, loss = 0, LM_CHUNKS * min(CHUNK_BYTES, 4 * s.batch * math.ceil(s.tokens * s.scored) * vocab)
+    if kl:  # in chunks of the retained rows' scored positions, head included; before the LM loss's backward
+        loss = max(loss, KL_CHUNKS * min(CHUNK_BYTES, 4 * s.retained * math.ceil(s.tokens * s.scored) * vocab))
     # the loss's backward ends before the layers' gradients pile up, which arrive as activations go; a penalty on
-    # the weights (EWC's) makes its gradients first, and they wait through the whole backward
-    parts["penalty gradients"] = trained * w if method.weight_penalty else 0
+    # the weights (EWC's) is made before the forward, so its gradients come last, one parameter at a time
     parts["logits or gradients"] = held + max(loss, trained * w)
     return Estimate(parts, trained, total)
 

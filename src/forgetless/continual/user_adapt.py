@@ -13,15 +13,16 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from forgetless import distributed
 from forgetless.adapted import attach
 from forgetless.checkpoint import write_json
 from forgetless.data.instructions import Encoded, InstructionSampler
+from forgetless.data.splits import Batch
 from forgetless.data.user import Collator, load
 from forgetless.device import autocast
 from forgetless.errors import ForgetlessError
+from forgetless.loss import scored_totals
 from forgetless.methods import Method
 from forgetless.models.hf import LoadConfig, describe
 from forgetless.monitor import PeakRSS
@@ -146,12 +147,8 @@ def score(model: nn.Module, rows, pad: int, batch_size: int) -> dict:
         for i in range(0, len(rows), batch_size):
             batch = collate([rows[j] for j in range(i, min(i + batch_size, len(rows)))])
             ids, mask, labels = (batch[k].to(device) for k in ("input_ids", "attention_mask", "labels"))
-            out = model(input_ids=ids, attention_mask=mask)
-            logits, targets = getattr(out, "logits", out)[:, :-1], labels[:, 1:]       # (B, T-1, V), (B, T-1)
-            scored = targets != -100
-            total += F.cross_entropy(logits[scored].float(), targets[scored], reduction="sum").item()
-            correct += (logits.argmax(-1)[scored] == targets[scored]).sum().item()
-            n += scored.sum().item()
+            loss, hits, count = scored_totals(model, Batch.of_hf(ids, mask, labels))
+            total, correct, n = total + loss, correct + hits, n + count
             advance(len(ids))
     model.train(was_training)
     return {"loss": total / max(n, 1), "acc": correct / max(n, 1), "tokens": n}

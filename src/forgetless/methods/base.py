@@ -8,6 +8,7 @@ owns the call order.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -19,6 +20,7 @@ import torch.nn as nn
 
 from forgetless.config import as_saved, from_dict
 from forgetless.data.splits import Batch
+from forgetless.distributed import is_shard
 from forgetless.errors import ForgetlessError
 from forgetless.hooks import StepHooks
 from forgetless.models.gpt import GPT, GPTConfig, ffn_signature
@@ -244,8 +246,6 @@ class Method(StepHooks):
     # from each document it learns (GET /v1/stats; APN: `usage`, its patch usage per layer); None: nothing
     live_stats = None
     copies = 0  # copies of the trained parameters it keeps as state (EWC: Fisher and anchor, 2): memory_text
-    weight_penalty = False  # its loss is a function of the trained weights themselves (EWC's penalty): their
-    # gradients from it are made at the backward's start and wait there for the LM loss's (forgetless.memory)
     takes_terms = True  # `METHOD+TERM` composes protecting terms with it (False: it anchors itself, e.g. ewc)
     attach_rounding = 0.0  # attach and start_task(1) change no logit bit for bit (the protocols reuse the base's
     # scores for the attached model's first point); > 0: by up to this much (tests/test_contract.py checks either)
@@ -312,6 +312,10 @@ class Method(StepHooks):
     def extra_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor | None:
         """A loss added to the LM loss (after the forward pass of `batch`)."""
         return None
+
+    def penalties_first(self, model: nn.Module):
+        """A context around a training forward and its loss in which the weight penalties are made first (Composed)."""
+        return contextlib.nullcontext()
 
     def report(self, model: nn.Module, windows_a: torch.Tensor, windows_b: torch.Tensor) -> dict:
         """Method-specific diagnostics of `model` on held-out windows of A and B (JSON-able)."""
@@ -381,7 +385,8 @@ class Term:
     reads_retained = ""  # acts on the batch's retained rows (Method.reads_retained)
     copies = 0  # copies of the trained parameters it keeps besides the composition's one start copy (EWC: Fisher)
     unshardable = "it was not tested under FSDP2"  # Method.unshardable; a composition shards where all its parts do
-    weight_penalty = False  # its loss is a function of the trained weights themselves (Method.weight_penalty)
+    weight_penalty = False  # its loss is a function of the trained weights alone (EWC's penalty): made before the
+    # forward (Composed.penalties_first), so that its gradients come last, one parameter at a time
     default_mix: float | None = None  # the composition's mix where the method sets none (rows for the term to read)
 
     def __init__(self, cfg):
@@ -420,7 +425,7 @@ class Composed(Method):
         self.base, self.terms, self.label = base, terms, label
         self.start: dict[str, torch.Tensor] = {}  # the trainable parameters at the task's start
         self.previous = None  # rows of the task learned last, for the terms at on_task_start
-        self.weight_penalty = base.weight_penalty or any(t.weight_penalty for t in terms)
+        self.early: dict[int, torch.Tensor] = {}  # weight penalties made before the forward (penalties_first)
         if label:  # `METHOD+TERM`: the method's traits, and the terms' needs (a registered one declares its own)
             for trait in ("name", "order", "trains", "injects", "merges", "export_form", "grows", "mixes_original",
                           "token_weights", "live_stats", "attach_rounding", "pretrained_lr", "default_for"):
@@ -487,9 +492,27 @@ class Composed(Method):
         self.base.on_task_end(model, task)
 
     def extra_loss(self, model, batch):
-        parts = [t for t in (self.base.extra_loss(model, batch), *(term.loss(self, model, batch) for term in self.terms))
-                 if t is not None]
+        parts = [self.base.extra_loss(model, batch)]  # first: it reads what the batch's forward left (Neutral's)
+        parts += [self.early.pop(id(term)) if id(term) in self.early else term.loss(self, model, batch)
+                  for term in self.terms]
+        parts = [t for t in parts if t is not None]
         return sum(parts) if parts else None
+
+    @contextlib.contextmanager
+    def penalties_first(self, model):
+        """Within it, the terms that are functions of the trained weights alone (EWC's penalty) are made on entry,
+        before the forward, and extra_loss takes them. Autograd runs the backward of later-made nodes first: made
+        after the forward, the penalty's gradients (one whole set of the trained parameters) would be made at the
+        backward's start and wait through it; made before, each parameter's comes last, one at a time, added to
+        what the LM loss left. The same loss; the gradients summed in another order (not under FSDP)."""
+        params = self.trainable_parameters(model)
+        if torch.is_grad_enabled() and model.training and not any(is_shard(p) for _, p in params):
+            made = {id(t): t.loss(self, model, None) for t in self.terms if t.weight_penalty}
+            self.early = {k: v for k, v in made.items() if v is not None}  # None: not started yet (extra_loss asks again)
+        try:
+            yield
+        finally:
+            self.early = {}
 
     def hook_state(self):
         return {**{f"base.{k}": v for k, v in self.base.hook_state().items()},

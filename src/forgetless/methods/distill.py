@@ -6,9 +6,10 @@ distribution on those rows where it was when the task started.
 
 The term composes with any method (`lora+distill`, methods/base.py Composed): the teacher is the model run with the
 trainable parameters' values at the task's start (`torch.func.functional_call`), a copy of every weight
-for full fine-tuning, of the adapters' few weights for LoRA-style methods. The KL runs a chunk of positions
-at a time in fp32 and only at positions some mixed row scores; its backward recomputes the softmaxes, so no
-fp32 (rows, T, V) tensor is kept. In a task sequence the mixed rows are the earlier tasks' (or the original
+for full fine-tuning, of the adapters' few weights for LoRA-style methods. The KL runs at the positions the mixed
+rows score, a chunk of them at a time in fp32, the output head included (forgetless.loss.chunked_sum): student
+and teacher stop at what the head reads, and each chunk's logits are made again in the backward, so no (rows, T,
+V) logits tensor is kept, the teacher's included. In a task sequence the mixed rows are the earlier tasks' (or the original
 domain's) and the teacher is the model at the task's start.
 
 Sources: learning without forgetting (Li & Hoiem, 2016) distils on the new task's inputs; dark
@@ -21,14 +22,12 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch.func import functional_call
 
 from forgetless.errors import ForgetlessError
+from forgetless.loss import chunked_sum, head_inputs
 from forgetless.methods.base import ALL, Composed, MethodConfig, Term, register_method, register_term
 from forgetless.methods.full import Full
-from forgetless.models.gpt import logits_of, takes_logits_to_keep
-
-CHUNK_BYTES = 64 << 20  # fp32 bytes of one chunk of (positions, V) in the KL
+from forgetless.models.gpt import takes_logits_to_keep
 
 
 @dataclass
@@ -68,57 +67,26 @@ class DistillTerm(Term):
         mask = None if batch.mask is None else batch.mask[batch.from_other]                   # (R, T)
         keep = None
         if not scored.all() and takes_logits_to_keep(model):
-            keep = scored.any(0).nonzero().flatten()  # (P,) positions some row scores: the head skips the rest
+            keep = scored.any(0).nonzero().flatten()  # (P,) positions some row scores: the rest reach no head
             scored = scored[:, keep]                                                           # (R, P)
         was_training = model.training
         with torch.no_grad():
             model.eval()  # the teacher without dropout
-            kwargs = {**({} if mask is None else {"attention_mask": mask}), **({} if keep is None else {"logits_to_keep": keep})}
-            out = functional_call(model, method.start, (x,), kwargs)
+            teacher, teacher_head, _ = head_inputs(model, x, keep, mask, method.start)         # (R, P, d) or logits
             model.train(was_training)
-        teacher = getattr(out, "logits", out)                                                  # (R, P, V)
-        student = logits_of(model, x, keep, mask)                                              # (R, P, V)
-        kl = ChunkedKL.apply(student, teacher)                                                 # (R, P)
-        return self.cfg.beta * (kl * scored).sum() / scored.sum().clamp_min(1)
+        student, head, vocab = head_inputs(model, x, keep, mask)                              # (R, P, d) or logits
+        rows = [t.flatten(0, 1) if scored.all() else t[scored] for t in (student, teacher)]  # (N, d or V)
+        kl = chunked_sum(kl_sum, vocab, *rows, head=head, teacher_head=teacher_head)
+        return self.cfg.beta * kl / scored.sum().clamp_min(1)
 
 
-class ChunkedKL(torch.autograd.Function):
-    """KL(softmax(teacher) || softmax(student)) at every position of logits (R, T, V) -> (R, T), in fp32 a chunk
-    of positions at a time; keeps only the two logits tensors (their dtype) for the backward, which recomputes
-    each chunk's log-softmaxes and runs autograd's own kernels on them (the same numbers as autograd's graph)."""
-
-    @staticmethod
-    def forward(ctx, student, teacher):
-        ctx.save_for_backward(student, teacher)
-        s, t = student.flatten(0, -2), teacher.flatten(0, -2)                                # (N, V)
-        out = torch.cat([kl_rows(a, b)[0] for a, b in chunks(s, t)])                            # (N,)
-        return out.view(student.shape[:-1])
-
-    @staticmethod
-    def backward(ctx, grad):
-        student, teacher = ctx.saved_tensors
-        s, t, g = student.flatten(0, -2), teacher.flatten(0, -2), grad.flatten()
-        out = torch.empty_like(s)                                                             # (N, V)
-        i = 0
-        for a, b in chunks(s, t):
-            _, log_p, target = kl_rows(a, b)
-            d_log_p = -(g[i:i + len(a), None].expand_as(log_p) * target.exp())                # kl_div's backward
-            d = torch.ops.aten._log_softmax_backward_data(d_log_p, log_p, -1, torch.float32)  # log_softmax's
-            out[i:i + len(a)] = d.to(out.dtype)
-            i += len(a)
-        return out.view_as(student), None
-
-
-def chunks(s: torch.Tensor, t: torch.Tensor):
-    """(student, teacher) rows (n, V) of at most CHUNK_BYTES in fp32."""
-    n = max(1, CHUNK_BYTES // (4 * s.shape[-1]))
-    return zip(s.split(n), t.split(n))
-
-
-def kl_rows(student: torch.Tensor, teacher: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(KL per row (n,), student log-softmax (n, V), teacher log-softmax (n, V)) in fp32."""
-    log_p, target = F.log_softmax(student.float(), -1), F.log_softmax(teacher.float(), -1)
-    return F.kl_div(log_p, target, log_target=True, reduction="none").sum(-1), log_p, target
+def kl_sum(student: torch.Tensor, teacher: torch.Tensor, head=None, teacher_head=None) -> torch.Tensor:
+    """Summed KL(softmax(teacher logits) || softmax(student logits)) over rows (n, V) in fp32, the logits made by
+    `head` and `teacher_head` of their inputs (n, d) where given; the teacher's outside autograd."""
+    log_p = F.log_softmax((student if head is None else head(student)).float(), -1)             # (n, V)
+    with torch.no_grad():
+        target = F.log_softmax((teacher if teacher_head is None else teacher_head(teacher)).float(), -1)  # (n, V)
+    return F.kl_div(log_p, target, log_target=True, reduction="sum")
 
 
 @register_method("distill")

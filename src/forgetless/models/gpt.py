@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.func import functional_call
 
 from forgetless.config import from_dict
 from forgetless.errors import ForgetlessError
@@ -177,14 +178,15 @@ class GPT(nn.Module):
 
 
 def logits_of(model: nn.Module, idx: torch.Tensor, keep: torch.Tensor | None = None,
-              mask: torch.Tensor | None = None) -> torch.Tensor:
+              mask: torch.Tensor | None = None, params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """Logits (B, T, V) from our GPT or from a Hugging Face causal LM; with `keep` (P,) positions, only
     those (B, P, V), through the HF model's `logits_to_keep` (see `takes_logits_to_keep`); `mask` (B, T)
-    is the HF model's attention_mask (our GPT is causal and takes none: pad it on the right)."""
+    is the HF model's attention_mask (our GPT is causal and takes none: pad it on the right); `params`
+    (named as in the model) in place of the model's own (torch.func.functional_call)."""
     kwargs = {} if keep is None else {"logits_to_keep": keep}
     if mask is not None and not isinstance(model, GPT):
         kwargs["attention_mask"] = mask
-    out = model(idx, **kwargs)
+    out = model(idx, **kwargs) if params is None else functional_call(model, params, (idx,), kwargs)
     return out.logits if hasattr(out, "logits") else out
 
 
