@@ -227,6 +227,25 @@ def test_gradient_checkpointing_gives_the_same_gradients_in_our_loop(folder, var
         torch.testing.assert_close(checkpointed[n], g, rtol=1e-5, atol=1e-7, msg=n)
 
 
+@pytest.mark.parametrize("variant", ["on", "reentrant"])
+def test_the_ewc_fisher_pass_keeps_gradient_checkpointing_and_its_values(folder, variant):
+    """EWC's Fisher pass runs in eval mode (no dropout), where transformers would not checkpoint: with the
+    non-reentrant variant its layers stay checkpointed (each runs again in the backward, so it holds one layer's
+    activations, not every layer's); the reentrant one cannot give torch.autograd.grad's gradients and is left
+    off there. The Fisher is the one computed without checkpointing."""
+    from forgetless.methods.ewc import empirical_fisher
+    rows = [(w[:-1], w[1:]) for w in windows()]
+    plain = empirical_fisher(load_model(f"hf:{folder}", "cpu")[0], rows)
+    model, _ = load_model(f"hf:{folder}", "cpu", LoadConfig(gradient_checkpointing=variant))
+    calls, mode = [], model.training
+    model.model.layers[0].input_layernorm.register_forward_hook(lambda *_: calls.append(1))  # the layer's first step
+    checkpointed = empirical_fisher(model, rows)
+    assert len(calls) == (2 if variant == "on" else 1) * len(rows)  # each row's forward (and its recomputation)
+    assert model.training == model.model.layers[0].training == mode  # put back as it was
+    for n, f in plain.items():
+        torch.testing.assert_close(checkpointed[n], f, rtol=1e-5, atol=1e-9, msg=n)
+
+
 @pytest.mark.parametrize("reentrant,bits", [(True, "none"), (False, "none"), (True, "4bit")])
 def test_trainer_with_gradient_checkpointing_trains_lora(folder, tmp_path, tok, reentrant, bits):
     """Trainer(gradient_checkpointing=True) on the Adapted: LoRA trains with either variant (reentrant: the

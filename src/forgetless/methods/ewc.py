@@ -101,7 +101,7 @@ class Pull(torch.autograd.Function):
     def backward(ctx, grad):
         p, f, a = ctx.saved_tensors
         out = f * grad                                   # autograd's (grad * f) * (2 * (p - a)), in place
-        if not all(t.is_contiguous() for t in (out, p, a)):
+        if is_shard(p) or not all(t.is_contiguous() for t in (out, p, a)):  # a DTensor's views do not write back
             return out.mul_((p - a).mul_(2)), None, None
         for o, x, y in zip(*(t.view(-1).split(PULL_SLICE) for t in (out, p, a))):
             o.mul_((x - y).mul_(2))
@@ -162,6 +162,12 @@ def empirical_fisher(model, rows: list[tuple[torch.Tensor, torch.Tensor]],
         p.requires_grad_(True)
     was_training = model.training
     model.eval()
+    for layer in model.modules():  # transformers checkpoints a layer only in training mode: its own flag on, dropout
+        # off; not the reentrant variant, which cannot give the gradients of torch.autograd.grad
+        func = getattr(layer, "_gradient_checkpointing_func", None)
+        if getattr(layer, "gradient_checkpointing", False) is True and not getattr(func, "keywords", {}).get(
+                "use_reentrant", True):
+            layer.training = True
     fisher = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in params.items()}
     device = next(iter(params.values())).device
     with progress_task("EWC Fisher (rows)", len(rows)) as advance:  # minutes on a 100M+ model on a CPU
