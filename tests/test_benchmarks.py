@@ -164,3 +164,20 @@ def test_bench_serve_load_quick_runs_every_arm_and_the_baseline_without_errors()
     assert all(a["forwards"] > 0 and a["mean_batch"] >= 1 and len(a["texts"]) == a["streams"] for a in out["arms"])
     assert len(out["baseline"]["sequential"]["texts"]) == 4 and "equal to generate's" in run.stdout
     assert out["ratios"]["p99_ttft_on_over_off"] == on["ttft_p99_s"] / off["ttft_p99_s"]
+
+
+def test_bench_heap_runs_adapt_under_both_heaps_and_prints_the_ratios(tmp_path, text_file):
+    from tiny_models import SENTENCES, bpe_tokenizer, quantizable_llama
+    tok = bpe_tokenizer()
+    quantizable_llama(len(tok)).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    data = tmp_path / "new.json"
+    data.write_text(json.dumps([{"prompt": f"Q{i}", "answer": s} for i, s in enumerate(SENTENCES * 3)]))
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_heap.py"), "--model", f"hf:{tmp_path / 'model'}",
+                          "--data", str(data), "--retain", str(text_file), "--method", "ewc-distill[fisher_samples=2]",
+                          "--steps", "1", "--flags", "--preset smoke --precision fp32 --max-length 24"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert "| glibc |" in rows[0] and "| lean |" in rows[1], run.stdout
+    assert "lean / glibc: training peak" in run.stdout and "(1 steps per run)" in run.stdout

@@ -313,6 +313,7 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
     from forgetless.guide import advice_for
     from forgetless.methods.base import as_specs, method_class
     from forgetless.models.hf import load_model
+    from forgetless.monitor import lean_heap
     from forgetless.presets import resolve_run
 
     if model is None or base is not None or domain_b is not None:
@@ -342,6 +343,8 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
     if fsdp:
         check_fsdp(None, m)
     device, cfg, _ = resolve_run(cfg, device)
+    if device.type == "cpu" and (note := lean_heap()):  # before the model's bytes are allocated
+        out_console.print(f"note: {note}", highlight=False)
     trained = dataclasses.replace(cfg, adapt=data_config(m, cfg.adapt, retain is not None))  # what adapt trains at
     cfg = dataclasses.replace(cfg, load=check_memory(model, spec, trained, device, max_length, plan, options).load)
     if plan:

@@ -1,4 +1,5 @@
-"""Peak resident memory of this process while a block runs (sampled by a thread)."""
+"""Peak resident memory of this process while a block runs (sampled by a thread), and the C heap's settings that
+keep it near the live tensors' bytes on CPU."""
 from __future__ import annotations
 
 import ctypes
@@ -7,6 +8,11 @@ import resource
 import threading
 import time
 
+from forgetless.errors import ForgetlessError
+
+HEAP_ENV = "FORGETLESS_HEAP"  # lean (default) or glibc: how `adapt` and `serve` set the C heap on CPU
+MMAP_THRESHOLD = 1 << 20  # bytes: allocations this large or larger get their own mapping under the lean heap
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 def rss_mb() -> float:
     try:
@@ -22,6 +28,29 @@ def release_memory():
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def lean_heap() -> str | None:
+    """Bound the process's resident memory by the tensors alive, for a training run on CPU: glibc serves every
+    allocation of MMAP_THRESHOLD bytes or more from its own mapping, given back to the OS when freed. By default
+    glibc raises that threshold as large blocks are freed (up to 32 MiB), so a training step's activations,
+    gradients and chunks of logits come from the heap, whose freed holes stay resident: on SmolLM2-135M,
+    `adapt --method ewc-distill` peaked 1.5x above its live tensors (docs/results/memory.md). The price is fresh pages
+    for every large allocation (the step-time ratio is in benchmarks/bench_heap.py). $FORGETLESS_HEAP=glibc keeps
+    glibc's default. Returns a note when the lean heap was asked for and cannot act (a C library other than glibc)."""
+    choice = os.environ.get(HEAP_ENV, "lean")
+    if choice not in ("lean", "glibc"):
+        raise ForgetlessError(f"${HEAP_ENV} is {choice!r}; set it to lean (the default: resident memory near the live "
+                              "tensors) or glibc (glibc's own heap: faster, more resident memory), or unset it")
+    if choice == "glibc":
+        return None
+    try:
+        done = ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+    except (OSError, AttributeError):
+        done = False
+    if done or HEAP_ENV not in os.environ:
+        return None
+    return f"${HEAP_ENV}=lean has no effect here: it sets glibc's heap, and this C library is not glibc"
 
 
 class PeakRSS:

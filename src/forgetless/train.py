@@ -150,6 +150,7 @@ def train(model: nn.Module, params: list[tuple[str, nn.Parameter]], sampler: Sam
             scaler.step(opt)
             scaler.update()
             hooks.after_step(model, opt, done, done == cfg.steps)
+            opt.zero_grad(set_to_none=True)  # the gradients go before the next forward: not alive beside its activations
             history.loss.append([done, round(lm_loss.item(), 5)])
             if evaluate is not None and (done == cfg.steps and evaluate_at_end or
                                          done < cfg.steps and done % cfg.eval_every == 0):
