@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -40,7 +41,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         data, retain = subsets(args, Path(tmp))
         rows = [run(heap, i, args, data, retain, Path(tmp)) for i, heap in enumerate(order)]
-    print(table(rows))
+        estimate = plan(args, data, retain, Path(tmp))
+    print(table(rows, estimate))
 
 
 def subsets(args, tmp: Path) -> tuple[Path, Path]:
@@ -57,11 +59,23 @@ def subsets(args, tmp: Path) -> tuple[Path, Path]:
     return data, retain
 
 
+def command(args, data: Path, retain: Path, out: Path) -> list[str]:
+    return [sys.executable, "-m", "forgetless", "adapt", "--model", args.model, "--data", str(data), "--retain",
+            str(retain), "--method", args.method, "--adapt-steps", str(args.steps), "--out", str(out),
+            *args.flags.split()]
+
+
+def plan(args, data: Path, retain: Path, tmp: Path) -> float:
+    """The run's estimated peak in GiB (`adapt --plan`: the first row is the run as set)."""
+    out = subprocess.run([*command(args, data, retain, tmp / "plan"), "--plan"], capture_output=True, text=True,
+                         env={**os.environ, "COLUMNS": "400"}, check=True).stdout
+    size, unit = re.search(r"^\s+(?:fits|over)\s+([0-9.]+) (GiB|MiB)", out, re.MULTILINE).groups()
+    return float(size) / (1024 if unit == "MiB" else 1)
+
+
 def run(heap: str, i: int, args, data: Path, retain: Path, tmp: Path) -> dict:
     out = tmp / f"run{i}"
-    cmd = [sys.executable, "-m", "forgetless", "adapt", "--model", args.model, "--data", str(data),
-           "--retain", str(retain), "--method", args.method, "--adapt-steps", str(args.steps), "--out", str(out),
-           *args.flags.split()]
+    cmd = command(args, data, retain, out)
     print(f"run {i + 1}: FORGETLESS_HEAP={heap} {' '.join(cmd[1:])}", flush=True)
     proc = subprocess.Popen(cmd, env={**os.environ, "FORGETLESS_HEAP": heap}, stdout=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -69,19 +83,24 @@ def run(heap: str, i: int, args, data: Path, retain: Path, tmp: Path) -> dict:
         sys.exit(f"run {i + 1} failed (status {status})")
     report = json.loads((out / "report.json").read_text())
     return {"heap": heap, "train_peak_gib": report["peak_rss_mb"] / 1024, "process_peak_gib": usage.ru_maxrss / 2**20,
-            "train_s": report["wall_s"], "steps": report["steps"]}
+            "start_gib": report["rss_start_mb"] / 1024, "train_s": report["wall_s"], "steps": report["steps"]}
 
 
-def table(rows: list[dict]) -> str:
-    lines = ["| run | heap | training peak RSS (GiB) | process peak RSS (GiB) | training wall (s) |", "|---|---|---|---|---|"]
-    lines += [f"| {i + 1} | {r['heap']} | {r['train_peak_gib']:.2f} | {r['process_peak_gib']:.2f} | {r['train_s']:.1f} |"
+def table(rows: list[dict], estimate: float) -> str:
+    """One row per run; the means' ratios; the plan's estimate against the training's peak above the process's
+    memory before the model loaded (what `adapt --plan` estimates: on CPU the RAM the run takes)."""
+    lines = ["| run | heap | before load (GiB) | training peak RSS (GiB) | process peak RSS (GiB) | training wall (s) | "
+             "plan / (training peak - before load) |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {i + 1} | {r['heap']} | {r['start_gib']:.2f} | {r['train_peak_gib']:.2f} | {r['process_peak_gib']:.2f} "
+              f"| {r['train_s']:.1f} | {estimate / (r['train_peak_gib'] - r['start_gib']):.2f} |"
               for i, r in enumerate(rows)]
     mean = {h: {k: statistics.mean(r[k] for r in rows if r["heap"] == h)
                 for k in ("train_peak_gib", "process_peak_gib", "train_s")} for h in ("glibc", "lean")}
     lean, glibc = mean["lean"], mean["glibc"]
     lines += ["", f"lean / glibc: training peak {lean['train_peak_gib'] / glibc['train_peak_gib']:.2f}x, process peak "
               f"{lean['process_peak_gib'] / glibc['process_peak_gib']:.2f}x, training wall "
-              f"{lean['train_s'] / glibc['train_s']:.2f}x ({rows[0]['steps']} steps per run)"]
+              f"{lean['train_s'] / glibc['train_s']:.2f}x ({rows[0]['steps']} steps per run); adapt --plan: "
+              f"{estimate:.2f} GiB"]
     return "\n".join(lines)
 
 

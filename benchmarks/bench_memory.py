@@ -3,6 +3,7 @@ peak RSS, with PEFT's own LoRA measured in the same run as the baseline.
 
     nice -n 19 python benchmarks/bench_memory.py                       # two small shapes, fp32, both loss modes
     python benchmarks/bench_memory.py --shapes 1b --dtypes bf16 --losses answer   # Llama-3.2-1B's shape (a GPU)
+    python benchmarks/bench_memory.py --heap lean                      # on CPU: adapt's heap (monitor.lean_heap)
 
 Phases: attach (forgetless.attach), start (start_task: EWC's Fisher, the start copies), step2 (two AdamW steps:
 forward, backward, optimizer state), save (save_pretrained). For each: peak RSS by its end (ru_maxrss, above the
@@ -56,6 +57,9 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--heap", default="glibc", choices=("glibc", "lean"),
+                    help="the C heap of each method's process: glibc's default, or adapt's lean heap "
+                         "(forgetless.monitor.lean_heap: allocations of 1 MiB or more mapped apart, given back when freed)")
     ap.add_argument("--json", type=Path, help="write every measurement here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -71,7 +75,8 @@ def main():
                     cmd = [sys.executable, __file__, "--child", method, "--shapes", shape, "--dtypes", dtype,
                            "--losses", loss, "--batch", str(args.batch), "--tokens", str(args.tokens),
                            "--device", args.device]
-                    out = subprocess.run(cmd, capture_output=True, text=True)
+                    out = subprocess.run(cmd, capture_output=True, text=True,
+                                         env={**os.environ, "FORGETLESS_HEAP": args.heap})
                     if out.returncode:
                         print(f"{method} {shape} {dtype} {loss}: failed: {out.stderr.strip().splitlines()[-1]}")
                         continue
@@ -82,6 +87,7 @@ def main():
                           + " MiB (held/peak RSS)" + ratios(r), flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
+    print(f"heap: {args.heap}")
     print(table(rows))
     print(estimates(rows))
 
@@ -142,6 +148,9 @@ def per_parameter(at: dict, shapes: list[str], method: str) -> float | None:
 def measure(method: str, shape: str, dtype: str, loss: str, batch: int, tokens: int, device: str) -> dict:
     """One method's run in this process: tensor bytes held after each phase and peak RSS by its end (both above
     the process before the model was built, with peft and every method's module already imported)."""
+    from forgetless.monitor import lean_heap
+    if os.environ.get("FORGETLESS_HEAP") == "lean":
+        lean_heap()
     import peft  # noqa: F401 (imported before the baseline: every arm, PEFT's and ours, then pays for it alike)
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -186,7 +195,8 @@ def measure(method: str, shape: str, dtype: str, loss: str, batch: int, tokens: 
     with tempfile.TemporaryDirectory() as tmp:
         adapted.save_pretrained(tmp)
     held["save"], rss["save"] = held_bytes() - held0, peak_rss() - rss0
-    return {"method": method, "shape": shape, "dtype": dtype, "loss": loss, "batch": batch, "tokens": tokens,
+    return {"method": method, "shape": shape, "dtype": dtype, "loss": loss,
+            "heap": os.environ.get("FORGETLESS_HEAP", "glibc"), "batch": batch, "tokens": tokens,
             "params": params, "trainable": sum(p.numel() for p in trainable), "held": held, "rss": rss,
             "peak": max(rss.values()), "live": live, "estimate": predicted}
 

@@ -146,7 +146,8 @@ async def run_arm(url: str, streams: int, tokens: int, learn: bool) -> dict:
             "per_stream_tokens_per_s": statistics.median(rates) if rates else 0.0, "errors": errors,
             "learned": learned, "forwards": forwards,
             "mean_batch": after["generation_rows_total"] / forwards if forwards else float("nan"),
-            "learn_yields": after["learn_yields_total"], "learn_yield_s": after["learn_yield_seconds_total"],
+            "learn_yields": after["learn_yields_total"], "learn_pauses": after["learn_pauses_total"],
+            "learn_yield_s": after["learn_yield_seconds_total"],
             "texts": [texts.get(i) for i in range(streams)]}
 
 
@@ -207,12 +208,13 @@ def main():
         base = baseline(model, args.streams, args.tokens)
     one, off, on = arms
     print(f"{'arm':<28}{'TTFT p50 s':>11}{'TTFT p99 s':>11}{'tok/s all':>10}{'tok/s each':>11}{'tokens':>7}"
-          f"{'errors':>7}{'learned':>8}{'forwards':>9}{'batch':>6}{'yields':>7}{'waited s':>9}")
+          f"{'errors':>7}{'learned':>8}{'forwards':>9}{'batch':>6}{'yields':>7}{'pauses':>7}{'waited s':>9}")
     for arm, name in zip(arms, ("serve, 1 stream", f"serve, {args.streams} streams, learn off",
                                 f"serve, {args.streams} streams, learn on")):
         print(f"{name:<28}{arm['ttft_p50_s']:>11.3f}{arm['ttft_p99_s']:>11.3f}{arm['tokens_per_s']:>10.1f}"
               f"{arm['per_stream_tokens_per_s']:>11.1f}{arm['tokens']:>7}{len(arm['errors']):>7}{arm['learned']:>8}"
-              f"{arm['forwards']:>9.0f}{arm['mean_batch']:>6.1f}{arm['learn_yields']:>7.0f}{arm['learn_yield_s']:>9.1f}")
+              f"{arm['forwards']:>9.0f}{arm['mean_batch']:>6.1f}{arm['learn_yields']:>7.0f}{arm['learn_pauses']:>7.0f}"
+              f"{arm['learn_yield_s']:>9.1f}")
     for name, b in (("generate, 1 stream", base["one"]), (f"generate, {args.streams} in a row", base["sequential"])):
         print(f"{name:<28}{'':>11}{'':>11}{b['tokens_per_s']:>10.1f}{'':>11}{b['tokens']:>7}")
     ratios = {"p99_ttft_on_over_off": on["ttft_p99_s"] / off["ttft_p99_s"],

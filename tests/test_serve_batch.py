@@ -1,7 +1,8 @@
 """Batched generation (serve/batch.py): sequences of different lengths run together give the tokens each gives
 alone (greedy, and sampled with a seed), through the KV cache, past the context (window) and on the byte GPT
 (no cache); prompts that join together run in one prefill forward and get their first token in that step;
-learning waits between its steps while a generation runs (and a steady load cannot starve it); 16 concurrent
+learning waits between its steps while a generation runs, and a running step pauses at its next layer (a steady load
+cannot starve it); 16 concurrent
 streams of the official `openai` client all complete while a document is learned."""
 import concurrent.futures
 import json
@@ -125,6 +126,41 @@ def test_a_steady_generation_load_does_not_starve_learning(tmp_path):
         s.out.get(timeout=30)
         assert e.learn(DOC)["seq"] == 1
         assert live == [1, 1, 1] and e.counters["yielded"] == 5 and e.yield_seconds >= 5 * 0.05
+        s.abandoned = True
+    finally:
+        e.close()
+
+
+def test_a_running_learning_step_pauses_at_its_next_layer_while_a_generation_arrived_mid_step(tmp_path):
+    """A generation submitted from inside a learning update (before its first layer): at each later layer boundary
+    the update waits until nothing is waiting or decoding, so no learner layer runs beside the generation; the
+    readers' copy of the model, which carries the same hooks, never pauses."""
+    e = gpt_engine(tmp_path / "state")
+    layers = [m for m in e.learner.model.modules() if isinstance(m, torch.nn.ModuleList)][0]
+    seen, started = [], []  # sequences alive at each learner layer's forward after the submission
+
+    def submit_once(module, args):
+        if not started and e.learner.model.training:
+            started.append(e.batcher.submit(Sequence(e.serving[1], [1, 2, 3], 30, 0.0, 1.0, torch.Generator())))
+        elif started:
+            seen.append(e.batcher.live)
+
+    handles = [layers[0].register_forward_pre_hook(submit_once), layers[1].register_forward_pre_hook(submit_once)]
+    try:
+        assert e.learn(DOC)["seq"] == 1
+        assert started and seen and set(seen) == {0} and e.counters["paused"] >= 1
+        tokens = [started[0].out.get(timeout=30) for _ in range(31)]
+        assert tokens[-1] is DONE and DONE not in tokens[:-1]  # all 30 tokens made while the update waited
+        for h in handles:
+            h.remove()
+        paused = e.counters["paused"]
+        s = e.batcher.submit(Sequence(e.serving[1], [1, 2, 3], 10 ** 6, 0.0, 1.0, torch.Generator()))
+        s.out.get(timeout=30)
+        e.deadline = time.monotonic() + 60  # as inside a learning step
+        t0 = time.monotonic()
+        with torch.no_grad():
+            logits_of(e.serving[1], torch.tensor([[1, 2, 3]]))  # the readers' copy: runs at once
+        assert time.monotonic() - t0 < 5 and e.counters["paused"] == paused
         s.abandoned = True
     finally:
         e.close()

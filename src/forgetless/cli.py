@@ -313,7 +313,7 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
     from forgetless.guide import advice_for
     from forgetless.methods.base import as_specs, method_class
     from forgetless.models.hf import load_model
-    from forgetless.monitor import lean_heap
+    from forgetless.monitor import lean_heap, rss_mb
     from forgetless.presets import resolve_run
 
     if model is None or base is not None or domain_b is not None:
@@ -349,11 +349,13 @@ def adapt_data(model, base, data, retain, method, out: Path, max_length, seed, p
     cfg = dataclasses.replace(cfg, load=check_memory(model, spec, trained, device, max_length, plan, options).load)
     if plan:
         return
+    start = rss_mb()
     lm, tokenizer = load_model(model, device, cfg.load, meta=fsdp and not distributed.is_main())
     m.check_base(lm)
     if fsdp:
         check_fsdp(lm, m)
-    report = adapt_on_data(lm, tokenizer, m, data, retain, cfg.adapt, seed, out, max_length, model, cfg.load, fsdp)
+    report = adapt_on_data(lm, tokenizer, m, data, retain, cfg.adapt, seed, out, max_length, model, cfg.load, fsdp,
+                           start)
     b, a = report["before"], report["after"]
     old = (f", old PPL {b['old_ppl']:.3f} → {a['old_ppl']:.3f} ({a['old_ppl'] / b['old_ppl'] - 1:+.1%})"
            if "old_ppl" in b else ", no --retain: forgetting not measured")

@@ -46,9 +46,10 @@ def data_config(method: Method, cfg: AdaptConfig, has_old: bool) -> AdaptConfig:
 
 def adapt_on_data(model: nn.Module, tokenizer, method: Method, new, old, cfg: AdaptConfig, seed: int, out: Path,
                   max_length: int, model_spec: str | None = None, loaded: LoadConfig | None = None,
-                  fsdp: bool = False) -> dict:
+                  fsdp: bool = False, rss_start_mb: float | None = None) -> dict:
     """Train `method` on `new` (mixing rows of `old` where given) and write out/report.{json,md},
-    out/report.png and the exported model in out/model; returns the report (`loaded`: how the model was loaded).
+    out/report.png and the exported model in out/model; returns the report (`loaded`: how the model was loaded;
+    `rss_start_mb`: the process's resident memory before it was, reported beside the training's peak).
     `fsdp`: the model sharded over the processes of torchrun once the method is attached (Adapted.shard)."""
     new_train, new_held = held_out(load(new, tokenizer, max_length), "--data")
     old_train, old_held = held_out(load(old, tokenizer, max_length), "--retain") if old is not None else (None, None)
@@ -87,7 +88,7 @@ def adapt_on_data(model: nn.Module, tokenizer, method: Method, new, old, cfg: Ad
               "before": before, "after": after,
               "trainable_params": sum(p.numel() for _, p in params),
               "total_params": sum(p.numel() for p in adapted.model.parameters()),
-              "wall_s": wall, "peak_rss_mb": memory.peak_mb, "loss": history.loss,
+              "wall_s": wall, "peak_rss_mb": memory.peak_mb, "rss_start_mb": rss_start_mb, "loss": history.loss,
               "export": {"form": form, "folder": str(folder)}, "notes": notes}
     write_json(out / "report.json", report)
     if distributed.is_main():

@@ -4,9 +4,10 @@ learns from accepted documents (docs/DESIGN.md §3.6).
 - **No torn reads.** The learner trains its own copy; after each accepted document a fresh copy of its
   weights is published (copy-on-write). A request takes the copy published when it starts and keeps it
   to the end, so it never sees a half-applied update. Learning, snapshots and rollbacks hold one lock.
-- **Generation first.** Between its steps (updates, the screen's and canary's forwards, the publish) learning
-  waits while the batcher has requests waiting or decoding, at most `learn_wait_max` seconds a step
-  (`yield_to_generation`); a step is never cut.
+- **Generation first.** Before its steps (updates, the screen's and canary's forwards, the publish) learning
+  waits while the batcher has requests waiting or decoding (`yield_to_generation`), and a step already running
+  pauses at its next layer boundary, forward or backward, when requests arrive (`pause_points`): at most
+  `learn_wait_max` seconds a step in all. A step is never cut (a paused step goes on where it stopped).
 - **Guardrails.** Before a document is logged it is screened (`screen`), on both sides: refused when its bytes
   are mostly one symbol (the most frequent byte over `screen_max_symbol_share` of them), nearly constant (byte
   entropy under `screen_min_entropy` bits), random characters (byte entropy over `screen_max_entropy` bits) or
@@ -42,11 +43,13 @@ import math
 import statistics
 import threading
 import time
+import weakref
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from forgetless.checkpoint import load_optimizer, optimizer_tensors
@@ -125,8 +128,9 @@ class ServeConfig:
     learn_per_minute: int = field(default=120, metadata={"help": "rate limit of /v1/learn (0: none)"})
     max_new_tokens: int = field(default=512, metadata={"help": "most tokens /v1/generate produces per request"})
     learn_wait_max: float = field(default=30.0, metadata={
-        "help": "seconds a learning step waits at most, between steps, while generation runs (requests waiting or "
-                "decoding) before it runs beside it, so a steady load cannot starve learning; 0: learning never waits"})
+        "help": "seconds a learning step waits at most, before it starts and paused at its layer boundaries, while "
+                "generation runs (requests waiting or decoding), before it runs beside it, so a steady load cannot "
+                "starve learning; 0: learning never waits"})
     max_queued: int = field(default=8, metadata={
         "help": "learn, snapshot and rollback requests waiting for the learner; more are answered 503 + Retry-After"})
     log_retention: str = field(default="archive", metadata={
@@ -204,8 +208,10 @@ class Engine:
         self.undone: list[list[int]] = []  # [first, last] seq of the documents each rollback undid, in order
         self.recovered: str | None = None  # how a start from a damaged snapshot recovered, in words
         self.counters = {"accepted": 0, "rollbacks": 0, "undone": 0, "score": 0, "generate": 0, "replayed": 0,
-                         "yielded": 0}  # yielded: learning steps that waited for generation
+                         "yielded": 0, "paused": 0}  # learning steps that waited for generation before they began;
+        # pauses of running steps at a layer boundary
         self.yield_seconds = 0.0  # how long they waited, in all
+        self.deadline = 0.0  # monotonic time until which the current learning step may wait for generation
         self.rejected: dict[str, int] = {}
         self.recent: collections.deque = collections.deque(maxlen=cfg.screen_window)  # losses of accepted documents
         self.answers: collections.OrderedDict = collections.OrderedDict()  # key -> (text checksum, first answer)
@@ -215,6 +221,7 @@ class Engine:
         self.live: dict = {}  # the method's live_stats of the last document (Method.live_stats; APN: usage)
         self.started = time.time()
         self.batcher = Batcher(block_size)
+        self.pause_handles = pause_points(self.learner.model, self.pause)
         try:
             self.start()
         except BaseException:
@@ -465,13 +472,25 @@ class Engine:
     def yield_to_generation(self):
         """Generation has priority: before a learning step (an update, the screen's or the canary's forward, the copy
         published to the readers), wait while requests are waiting or decoding, at most `learn_wait_max` seconds
-        (then the step runs beside them). A step is never cut, and a document is acknowledged only once learned
-        (it waits in the log, which a restart replays), so nothing acknowledged is lost."""
+        (then the step runs beside them), a budget the step's pauses (`pause`) share. A step is never cut, and a
+        document is acknowledged only once learned (it waits in the log, which a restart replays), so nothing
+        acknowledged is lost."""
+        self.deadline = time.monotonic() + self.cfg.learn_wait_max
         if self.cfg.learn_wait_max and self.batcher.busy():
             self.counters["yielded"] += 1
-            t0 = time.monotonic()
-            self.batcher.wait_idle(self.cfg.learn_wait_max)
-            self.yield_seconds += time.monotonic() - t0
+            self.wait_for_generation()
+
+    def pause(self):
+        """At a layer boundary of a learning step (`pause_points`): wait while requests are waiting or decoding,
+        until the step's deadline."""
+        if self.batcher.busy() and self.deadline > time.monotonic():
+            self.counters["paused"] += 1
+            self.wait_for_generation()
+
+    def wait_for_generation(self):
+        t0 = time.monotonic()
+        self.batcher.wait_idle(max(0.0, self.deadline - t0))
+        self.yield_seconds += time.monotonic() - t0
 
     def check(self) -> bool:
         """Score the canary: too far above the reference rolls back (False); else the state is the last good
@@ -704,6 +723,8 @@ class Engine:
             "generation_rows_total": ("counter", "sequences those forwards carried (rows / forwards: the mean batch)",
                                       self.batcher.rows),
             "learn_yields_total": ("counter", "learning steps that waited for generation", self.counters["yielded"]),
+            "learn_pauses_total": ("counter", "pauses of running learning steps at a layer boundary for generation",
+                                   self.counters["paused"]),
             "learn_yield_seconds_total": ("counter", "seconds learning steps waited for generation", self.yield_seconds),
             "canary_loss": ("gauge", "last canary loss (nats/token)", self.canary_last),
             "canary_reference_loss": ("gauge", "canary loss the rollback limit is measured from (nats/token)",
@@ -798,6 +819,24 @@ def detached(adapted, tensors: dict[str, torch.Tensor]):
     twin._base_modules = {id(memo[i]) for i in adapted._base_modules if i in memo}
     twin.model.load_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
     return twin
+
+
+def pause_points(model: nn.Module, pause) -> list:
+    """Hooks that call `pause()` at every layer boundary of `model`'s forwards and backwards (its layers: the
+    modules its ModuleLists hold): before a layer's forward, and when the gradient of a layer's output arrives.
+    Only `model`'s own layers pause: the readers' copies of it carry the hooks, not the layers' identity."""
+    layers = weakref.WeakSet(m for held in model.modules() if isinstance(held, nn.ModuleList) for m in held)
+
+    def before(module, args):
+        if module in layers:
+            pause()
+
+    def after(module, args, output):
+        out = output[0] if isinstance(output, (tuple, list)) else getattr(output, "last_hidden_state", output)
+        if module in layers and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad: pause())
+
+    return [h for m in layers for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
 
 
 def graph_free(model) -> dict:
