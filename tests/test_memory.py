@@ -200,3 +200,13 @@ def test_a_bad_heap_setting_is_refused_before_loading(folder, tmp_path, monkeypa
     r, loads = adapt(monkeypatch, tmp_path, folder, "--method", "lora")
     assert r.exit_code == 2 and not loads, r.output
     assert "$FORGETLESS_HEAP is 'tcmalloc'; set it to lean" in " ".join(r.output.split()), r.output
+
+
+def test_live_peak_counts_no_view_or_in_place_result_of_a_tensor_made_before_it():
+    weight = torch.randn(100, 100)
+    with LivePeak() as live:
+        weight.t()
+        weight.view(-1)
+        weight.add_(1)
+        fresh = weight * 2  # a new storage: 40,000 bytes
+    assert live.peak == fresh.untyped_storage().nbytes() == 40_000

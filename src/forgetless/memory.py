@@ -278,10 +278,12 @@ class LivePeak(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs))  # a view or an in-place result
+                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}  # of an input: no new storage
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
-                if storage.nbytes() and id(storage) not in self.seen:
+                if storage.nbytes() and id(storage) not in self.seen and id(storage) not in inputs:
                     self.seen.add(id(storage))
                     self.now += storage.nbytes()
                     self.peak = max(self.peak, self.now)
