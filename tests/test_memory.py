@@ -188,6 +188,8 @@ def test_the_lean_heap_gives_a_freed_block_back_where_glibcs_default_keeps_it(mo
     import subprocess
     import sys
     kept = {}
+    for name in [k for k in __import__("os").environ if k.startswith("MALLOC_")] + ["LD_PRELOAD"]:
+        monkeypatch.delenv(name, raising=False)  # glibc's heap as it comes
     for heap in ("glibc", "lean"):
         monkeypatch.setenv("FORGETLESS_HEAP", heap)
         out = subprocess.run([sys.executable, "-c", HEAP_PROBE], capture_output=True, text=True, check=True)

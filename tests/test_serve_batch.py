@@ -166,6 +166,37 @@ def test_a_running_learning_step_pauses_at_its_next_layer_while_a_generation_arr
         e.close()
 
 
+def test_a_running_learning_step_pauses_in_its_backward_while_a_generation_arrived_there(tmp_path):
+    """A generation submitted when the gradient of the last layer's output arrives: when the next layer's arrives,
+    the backward has waited until nothing is waiting or decoding."""
+    e = gpt_engine(tmp_path / "state")
+    layers = [m for m in e.learner.model.modules() if isinstance(m, torch.nn.ModuleList)][0]
+    seen, started = [], []  # sequences alive when the first layer's output gradient arrives, after the submission
+
+    def submit(grad):
+        if not started:
+            started.append(e.batcher.submit(Sequence(e.serving[1], [1, 2, 3], 30, 0.0, 1.0, torch.Generator())))
+
+    def record(grad):
+        if started:
+            seen.append(e.batcher.live)
+
+    def on(hook):  # registers `hook` on a layer's output in training forwards, after the engine's own
+        def forward_hook(module, args, out):
+            if out.requires_grad:
+                out.register_hook(hook)
+        return forward_hook
+
+    handles = [layers[-1].register_forward_hook(on(submit)), layers[0].register_forward_hook(on(record))]
+    try:
+        assert e.learn(DOC)["seq"] == 1
+        assert started and seen and set(seen) == {0} and e.counters["paused"] >= 1
+    finally:
+        for h in handles:
+            h.remove()
+        e.close()
+
+
 DOC = " ".join(SENTENCES)
 
 

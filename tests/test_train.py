@@ -43,6 +43,19 @@ def test_loss_goes_down():
     assert last < first - 1.0
 
 
+def test_gradients_are_freed_before_the_next_forward():
+    """The gradients of a step are gone when the next step's forward runs (not alive beside its activations)."""
+    model, sampler, cfg = setup(steps=3)
+    held = []  # whether any parameter held a gradient at each forward
+
+    def recording(m, batch):
+        held.append(any(p.grad is not None for p in m.parameters()))
+        return loss_fn(m, batch)
+
+    train(model, list(model.named_parameters()), sampler, cfg, recording)
+    assert held == [False, False, False]
+
+
 def test_checkpoint_resume_in_process_is_exact(tmp_path):
     model, sampler, cfg = setup(steps=20)
     full = train(model, list(model.named_parameters()), sampler, cfg, loss_fn)
