@@ -19,6 +19,7 @@ Goals (issue 51): p99 TTFT learning on <= 1.3 x learning off; aggregate tokens/s
 
     python benchmarks/bench_serve_load.py [--model smollm2-135m] [--streams 16] [--tokens 16] [--threads 2]
     python benchmarks/bench_serve_load.py --quick   # a tiny random Llama, seconds: a check of the script
+    python benchmarks/bench_serve_load.py --tokens 64 --question 'Question {i}: tell me about the history of Paris.'
 """
 from __future__ import annotations
 
@@ -48,8 +49,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--streams", type=int, default=16, help="concurrent chat streams")
     parser.add_argument("--tokens", type=int, default=16, help="new tokens per stream (at most)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads, server and baseline")
+    parser.add_argument("--question", default=QUESTION, help="each stream's question, {i} its number (a question "
+                        "with a long answer keeps every stream going to --tokens)")
     parser.add_argument("--quick", action="store_true", help="a tiny random Llama with a chat template, 4 tokens")
     args = parser.parse_args()
+    global QUESTION
+    QUESTION = args.question
     if args.quick:
         args.tokens = min(args.tokens, 4)
     return args
@@ -85,8 +90,11 @@ def start_server(args, model: str, folder: Path) -> tuple[subprocess.Popen, str]
     return launch(command, args.threads, 900)
 
 
+QUESTION = "Question {i}: in one sentence, what is the capital of France?"  # --question sets it
+
+
 def question(i: int) -> list[dict]:
-    return [{"role": "user", "content": f"Question {i}: in one sentence, what is the capital of France?"}]
+    return [{"role": "user", "content": QUESTION.format(i=i)}]
 
 
 async def run_arm(url: str, streams: int, tokens: int, learn: bool) -> dict:
