@@ -44,6 +44,7 @@ TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% en
 
 
 def parse_args() -> argparse.Namespace:
+    global QUESTION
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", help="what `forgetless serve --model` takes")
     parser.add_argument("--streams", type=int, default=16, help="concurrent chat streams")
@@ -53,7 +54,6 @@ def parse_args() -> argparse.Namespace:
                         "with a long answer keeps every stream going to --tokens)")
     parser.add_argument("--quick", action="store_true", help="a tiny random Llama with a chat template, 4 tokens")
     args = parser.parse_args()
-    global QUESTION
     QUESTION = args.question
     if args.quick:
         args.tokens = min(args.tokens, 4)
