@@ -35,9 +35,9 @@ def lean_heap() -> str | None:
     allocation of MMAP_THRESHOLD bytes or more from its own mapping, given back to the OS when freed. By default
     glibc raises that threshold as large blocks are freed (up to 32 MiB), so a training step's activations,
     gradients and chunks of logits come from the heap, whose freed holes stay resident: on SmolLM2-135M,
-    `adapt --method ewc-distill` peaked 1.5x above its live tensors (docs/results/memory.md). The price is fresh pages
-    for every large allocation (the step-time ratio is in benchmarks/bench_heap.py). $FORGETLESS_HEAP=glibc keeps
-    glibc's default. Returns a note when the lean heap was asked for and cannot act (a C library other than glibc)."""
+    `adapt --method ewc-distill` peaked at 6.2-6.3 GiB, and 4.2 GiB with the lean heap (docs/results/memory.md).
+    The price is fresh pages for every large allocation (1.16-1.26x the training's time there; bench_heap.py).
+    $FORGETLESS_HEAP=glibc keeps glibc's default. Returns a note when the lean heap was asked for and cannot act (a C library other than glibc)."""
     choice = os.environ.get(HEAP_ENV, "lean")
     if choice not in ("lean", "glibc"):
         raise ForgetlessError(f"${HEAP_ENV} is {choice!r}; set it to lean (the default: resident memory near the live "
