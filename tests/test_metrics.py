@@ -155,3 +155,18 @@ def test_seeds_text_counts_the_bases_the_seeds_used():
     assert seeds_text([3, 4, 5], 6).endswith("each seed on its own pretrained base: 3 bases, pretraining seeds [3, 4, 5])")
     assert "on 2 pretrained bases: seed s adapts base s mod 2" in seeds_text([0, 1, 2, 3], 2)
     assert seeds_text([0, 1], 1) == "seeds [0, 1] (mean ± std over adaptation seeds on one pretrained base)"
+
+
+def test_a_sequence_of_one_task_has_no_frontier_and_its_report_says_so(tmp_path):
+    """`bench --protocol sequence` with one task and --lrs: no BWT (nothing learned before the task), so no
+    frontier, matched reading or frontier figure; results.md says why (it crashed in the frontier before)."""
+    from forgetless.report import write_report
+    results = run_result("sequence", {label: {"la": {"mean": la, "std": 0.0}, "bwt": {"mean": None, "std": None},
+                                              "r_matrix": [[15.0, la], [15.0, la]], "per_seed": {"0": {"la": la, "bwt": None}}}
+                                      for label, la in (("m[lr=1e-4]", 40.0), ("m", 50.0))},
+                         config={"adapt": {"lr": 1e-3}}, tasks=["shakespeare-modern", "shakespeare-folio"],
+                         score="next-token accuracy on held-out windows, %")
+    files = write_report(results, tmp_path, figures=False)
+    text = (tmp_path / "results.md").read_text()
+    assert "No trade-off frontier: some arms have no bwt" in text and "frontier" not in results.extra
+    assert tmp_path / "results.json" in files

@@ -28,17 +28,22 @@ def write_report(results: RunResult, out: Path, figures: bool = True) -> list[Pa
         return []
     out.mkdir(parents=True, exist_ok=True)
     report = report_for(results)
-    if report.frontier is not None and curves(results):
-        results.extra["frontier"] = operating_points(results, report.frontier)
-        if found := matched(results, report.frontier):
+    frontier, missing = report.frontier, None
+    if frontier is not None and curves(results) and (missing := frontier.undefined(results)):
+        frontier = None
+    if frontier is not None and curves(results):
+        results.extra["frontier"] = operating_points(results, frontier)
+        if found := matched(results, frontier):
             results.extra["matched"] = found
     results.save(out)
     report.csv(results, out / "results.csv")
     text = report.markdown(results)
-    if report.frontier is not None and results.extra.get("frontier"):
+    if missing:
+        text += f"\nNo trade-off frontier: some arms have no {missing} (e.g. BWT in a sequence of one task).\n"
+    if frontier is not None and results.extra.get("frontier"):
         text += "\n".join(frontier_markdown(results.extra["frontier"])) + "\n"
-    if report.frontier is not None and results.extra.get("matched"):
-        text += "\n".join(matched_markdown(results, report.frontier)) + "\n"
+    if frontier is not None and results.extra.get("matched"):
+        text += "\n".join(matched_markdown(results, frontier)) + "\n"
     (out / "results.md").write_text(text)
     tables = [out / "results.json", out / "results.csv", out / "results.md"]
     if not figures:
@@ -46,7 +51,7 @@ def write_report(results: RunResult, out: Path, figures: bool = True) -> list[Pa
     if not drawing.available():
         return skipped(tables)
     drawn = report.figures(results, out)
-    if report.frontier is not None and frontier_figure(results, out / "frontier.png", report.frontier):
+    if frontier is not None and frontier_figure(results, out / "frontier.png", frontier):
         drawn.append(out / "frontier.png")
     return [*tables, *drawn]
 

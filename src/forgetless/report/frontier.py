@@ -37,6 +37,13 @@ class Frontier:
         """The adaptation (`key`, times `scale`) at which `matched` reads every curve's retention."""
         raise NotImplementedError
 
+    def undefined(self, results: RunResult) -> str | None:
+        """The axis some arm has no value of (e.g. BWT, in a sequence of one task): no frontier then."""
+        for key, _, _ in self.axes(results):
+            if any(m.stats.get(key, {}).get("mean") is None for m in results.methods.values()):
+                return key
+        return None
+
     def what(self, results: RunResult) -> str:
         """The retention's name in the matched tables."""
         raise NotImplementedError
