@@ -162,7 +162,8 @@ def test_a_sequence_of_one_task_has_no_frontier_and_its_report_says_so(tmp_path)
     frontier, matched reading or frontier figure; results.md says why (it crashed in the frontier before)."""
     from forgetless.report import write_report
     results = run_result("sequence", {label: {"la": {"mean": la, "std": 0.0}, "bwt": {"mean": None, "std": None},
-                                              "r_matrix": [[15.0, la], [15.0, la]], "per_seed": {"0": {"la": la, "bwt": None}}}
+                                              "r_matrix": [[15.0, la], [15.0, la]],
+                                              "per_seed": {"0": {"la": la, "bwt": None}}}
                                       for label, la in (("m[lr=1e-4]", 40.0), ("m", 50.0))},
                          config={"adapt": {"lr": 1e-3}}, tasks=["shakespeare-modern", "shakespeare-folio"],
                          score="next-token accuracy on held-out windows, %")
