@@ -10,7 +10,7 @@ import time
 
 from forgetless.errors import ForgetlessError
 
-HEAP_ENV = "FORGETLESS_HEAP"  # lean (default) or glibc: how `adapt` and `serve` set the C heap on CPU
+HEAP_ENV = "FORGETLESS_HEAP"  # lean (default) or glibc: how `adapt` sets the C heap on CPU
 MMAP_THRESHOLD = 1 << 20  # bytes: allocations this large or larger get their own mapping under the lean heap
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
@@ -37,7 +37,8 @@ def lean_heap() -> str | None:
     gradients and chunks of logits come from the heap, whose freed holes stay resident: on SmolLM2-135M,
     `adapt --method ewc-distill` peaked at 6.2-6.3 GiB, and 4.2 GiB with the lean heap (docs/results/memory.md).
     The price is fresh pages for every large allocation (1.16-1.26x the training's time there; bench_heap.py).
-    $FORGETLESS_HEAP=glibc keeps glibc's default. Returns a note when the lean heap was asked for and cannot act (a C library other than glibc)."""
+    $FORGETLESS_HEAP=glibc keeps glibc's default. Returns a note when the lean heap was asked for and cannot act (a
+    C library other than glibc)."""
     choice = os.environ.get(HEAP_ENV, "lean")
     if choice not in ("lean", "glibc"):
         raise ForgetlessError(f"${HEAP_ENV} is {choice!r}; set it to lean (the default: resident memory near the live "
