@@ -7,26 +7,17 @@ stays out of git.
         --study-command "bash scripts/study-standard.sh"
 
 --section is the study's section of the results, PAGE.md#ANCHOR with PAGE a page of docs/results/ (each generated
-row links to it); --machine defaults to this machine's description: run it where the study ran, or say where that
-was."""
+row links to it); --machine defaults to the machines the study's arms ran on (each arm records its own)."""
 from __future__ import annotations
 
 import argparse
 import datetime
 import json
-import os
-import platform
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-
-
-def this_machine() -> str:
-    from forgetless.device import cpu_bf16
-    bf16 = cpu_bf16() or "emulated (no AVX-512 BF16 or AMX)"
-    return f"{platform.machine()} CPU, {os.cpu_count()} cores, bf16 {bf16}, {platform.system()}"
 
 
 def main(argv: list[str]) -> int:
@@ -37,7 +28,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--section", required=True, help="the study's section of the results: PAGE.md#ANCHOR, PAGE a "
                         "page of docs/results/")
     parser.add_argument("--study-command", required=True, help="the command that ran the study")
-    parser.add_argument("--machine", default=None, help="where the study ran [default: this machine]")
+    parser.add_argument("--machine", default=None, help="where the study ran [default: the machines its arms name]")
     parser.add_argument("--out", type=Path, default=STUDY, help=f"where to write [default: {STUDY.relative_to(ROOT)}]")
     args = parser.parse_args(argv)
     if not (args.folder / "results.json").is_file():
@@ -50,9 +41,9 @@ def main(argv: list[str]) -> int:
     if "study" not in results:
         parser.error(f"{args.folder / 'results.json'} is not a study's (no 'study' key): give a `forgetless study` "
                      "folder")
+    machine = args.machine or "; ".join(results["study"].get("machines", ["not recorded"]))
     made = {"command": "python scripts/guide_evidence.py " + " ".join(argv), "commit": git_commit(),
-            "machine": args.machine or this_machine(), "date": datetime.date.today().isoformat(),
-            "section": args.section}
+            "machine": machine, "date": datetime.date.today().isoformat(), "section": args.section}
     args.out.write_text(json.dumps(summary(results, args.study_command, made), indent=1) + "\n")
     print(f"wrote {args.out}; now run python scripts/sync_docs.py")
     return 0

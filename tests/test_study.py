@@ -3,6 +3,7 @@ intervals over test rows and seeds, the table with published rows, the figures a
 random Llama and a fake two-task stream written to tmp_path."""
 import json
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from forgetless.continual.study import (choose, fit_budget, grid_lrs, parse_budg
                                        run_study)
 from forgetless.data.instructions import Example, InstructionTask, load_task
 from forgetless.data.streams import STREAMS, pick_orders, stream_orders
+from forgetless.device import machine_text
 from forgetless.errors import ForgetlessError
 from forgetless.guide import MEASURED, guide_rows, settings, study_rows, summary
 from forgetless.methods.base import parse_method_specs
@@ -247,14 +249,19 @@ def test_the_budget_keeps_the_minimum_and_adds_the_seeds_that_fit(study, stream,
 
 
 def test_the_folder_reloads_into_the_same_table_from_its_saved_arms(study, stream, monkeypatch, tmp_path):
-    """Run again on the study's folder: every arm is reused (none runs); the table, results.json (but its date) and
-    the guide's rows are the same."""
+    """Run again on a folder holding only the study's records (each arm's seed JSON and each run's before.json, what
+    scripts/study-standard.sh keeps in git for a new machine): every arm is reused (none runs); the table,
+    results.json (but its date) and the guide's rows are the same; the machine each arm ran on is in results.json."""
     def no_arm(*args, **kwargs):
         raise AssertionError("an arm ran again")
     monkeypatch.setattr(instruct, "instruction_arm", no_arm)
+    records = tmp_path / "records"
+    for path in [*study["out"].glob("*/arms/*/seed*.json"), *study["out"].glob("*/before.json")]:
+        (records / path.relative_to(study["out"])).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, records / path.relative_to(study["out"]))
     tok, orders = stream["tok"], stream_orders(stream["spec"])
     again = run_study(study["lm"], tok, stream["cfg"], parse_method_specs("lora,mtl"), stream["spec"], orders,
-                      orders["1"], [0], [0, 1], parse_grid(["x1,x3"]), study["out"], "real", "tiny", resamples=300)
+                      orders["1"], [0], [0, 1], parse_grid(["x1,x3"]), records, "real", "tiny", resamples=300)
     assert study_markdown(again).replace(again["date"], "") == study_markdown(study["results"]).replace(
         study["results"]["date"], "")
     for label, m in study["results"]["methods"].items():
@@ -263,6 +270,7 @@ def test_the_folder_reloads_into_the_same_table_from_its_saved_arms(study, strea
     first, second = (json.loads((folder / "results.json").read_text()) for folder in (study["out"], tmp_path))
     assert {**second, "date": None} == {**first, "date": None}
     assert study_rows(second, "x") == study_rows(first, "x")
+    assert first["study"]["machines"] == [machine_text()]
 
 
 def test_the_guide_rows_are_generated_from_a_studys_results(study):

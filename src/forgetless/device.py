@@ -2,6 +2,8 @@
 starts (presets.resolve_run); the torch.device and the resolved precision are passed down."""
 from __future__ import annotations
 
+import os
+import platform
 from pathlib import Path
 
 import torch
@@ -84,3 +86,15 @@ def cpu_flags() -> set[str]:
     except OSError:
         return set()
     return {flag for line in lines if line.startswith("flags") for flag in line.partition(":")[2].split()}
+
+
+def machine_text() -> str:
+    """This machine in one line, for a result's provenance: CPU model, cores, how it runs bf16, OS."""
+    try:
+        names = [line.partition(":")[2].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")]
+    except OSError:
+        names = []
+    cpu = names[0] if names else platform.processor() or platform.machine()
+    bf16 = cpu_bf16() or "emulated (no AVX-512 BF16 or AMX)"
+    return f"{cpu} ({platform.machine()}), {os.cpu_count()} cores, bf16 {bf16}, {platform.system()}"

@@ -23,6 +23,7 @@ from forgetless.continual.base_model import base_label, base_path, cached_base, 
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.protocol import RunContext
 from forgetless.data.splits import Batch
+from forgetless.device import machine_text
 from forgetless.continual.workers import can_fork, run_jobs, worker_threads
 from forgetless.errors import ForgetlessError
 from forgetless.methods import Method, build_method
@@ -330,6 +331,6 @@ def run_or_reuse_arm(arm_path: Path, run_config: dict, run) -> dict:
         return saved
     result = run(arm_path.parent)
     result["config_hash"], result["run_config"] = stable_hash(run_config), json.loads(json.dumps(run_config))
-    result["code"] = code_fingerprint()
+    result["code"], result["machine"] = code_fingerprint(), machine_text()
     write_json(arm_path, result)
     return result

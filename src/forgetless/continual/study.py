@@ -277,7 +277,9 @@ def study_results(cfg, specs, chosen, grids, per_order, stream, orders, grid, se
         "lr_grid": grid and {label or "*": [[kind, v] for kind, v in points] for label, points in grid.items()},
         "lr_rule": LR_RULE if grid else "none: each method at its own lr", "grid_order": "1", "grid_seed": seeds[0],
         "bootstrap": {"resamples": resamples, "level": bootstrap.LEVEL, "how": BOOTSTRAP_HOW},
-        "paired_with": paired_with, "references": references(stream)}
+        "paired_with": paired_with, "references": references(stream),
+        "machines": sorted({a.get("machine", "not recorded") for _, _, arms in per_order.values()
+                            for seed_arms in arms.values() for a in seed_arms})}  # where the orders' arms ran
     return results
 
 
