@@ -1,5 +1,7 @@
 """Fast instruction scoring against naive references on tiny random Hugging Face LMs (offline)."""
+import inspect
 import math
+import warnings
 from collections import Counter
 
 import pytest
@@ -83,6 +85,34 @@ def test_scoring_works_through_an_attached_method(tok, dbpedia):
     adapted = forgetless.attach(model, "lora", r=4)  # attaching changes no output
     assert torch.allclose(label_scores(adapted, tok, prompts, dbpedia.labels), bare, atol=1e-5)
     assert greedy_answers(adapted, tok, prompts, 3) == greedy_answers(adapted.model, tok, prompts, 3)
+
+
+def test_the_kv_cache_goes_by_the_keyword_the_forward_takes(tok, dbpedia):
+    """Scoring and greedy decoding pass the cache as `cache` where the model's forward takes it (transformers 5's
+    newer releases deprecate `past_key_values`, to be removed in 5.40: no FutureWarning), else as
+    `past_key_values` (older transformers: a forward without `cache`)."""
+    from transformers import LlamaForCausalLM
+
+    from forgetless.models.gpt import cache_arg, cache_of
+
+    class OlderLlama(LlamaForCausalLM):  # the forward as transformers 4.x declares it
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, **kwargs):
+            raise AssertionError("not called")
+
+    class OlderOutput(dict):  # an output with `past_key_values` (this transformers' ModelOutput renames it)
+        __getattr__ = dict.__getitem__
+
+    model = tiny_llama(tok.vocab_size)
+    takes_cache = "cache" in inspect.signature(LlamaForCausalLM.forward).parameters
+    assert cache_arg(model) == ("cache" if takes_cache else "past_key_values")
+    assert cache_arg(forgetless.attach(model, "lora", r=4)) == cache_arg(model)  # through a wrapper
+    assert cache_arg(OlderLlama(model.config)) == "past_key_values"
+    assert cache_of(OlderOutput(logits=torch.zeros(1), past_key_values="kv")) == "kv"
+    prompts = [ex.prompt for ex in dbpedia.test[:2]]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*", category=FutureWarning)
+        label_scores(model, tok, prompts, dbpedia.labels[:3])
+        greedy_answers(model, tok, prompts, 3)
 
 
 def test_scoring_refuses_a_model_without_cache(tok, dbpedia):

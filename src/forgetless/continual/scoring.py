@@ -19,7 +19,7 @@ from forgetless.data.instructions import Example, InstructionTask, head, keep_en
 from forgetless.data.splits import check_length, eval_windows
 from forgetless.device import autocast
 from forgetless.errors import ForgetlessError
-from forgetless.models.gpt import takes_logits_to_keep
+from forgetless.models.gpt import cache_arg, cache_of, takes_logits_to_keep
 
 
 # ---- label accuracy --------------------------------------------------------------------------
@@ -61,13 +61,14 @@ def label_scores(model: nn.Module, tokenizer, prompts: list[str], labels: list[s
     device = next(model.parameters()).device
     rows = [keep_end(prompt_ids(tokenizer, p), room, bos) for p in prompts]
     out = torch.zeros(len(prompts), len(cands))
+    key = cache_arg(model)
     with inference(model):
         for batch in by_length(rows, batch_size):
             ids, mask = left_padded([rows[i] for i in batch], pad)      # (b, P)
             ids, mask = ids.to(device), mask.to(device)
             first = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=True,
                           **last_logits_only(model))
-            cache, lengths, b = first.past_key_values, mask.sum(1), len(batch)
+            cache, lengths, b = cache_of(first), mask.sum(1), len(batch)
             if not hasattr(cache, "crop"):
                 raise ForgetlessError(f"{type(model).__name__} returned a legacy KV cache (tuples); label scoring "
                                       "needs a transformers version whose models return Cache objects")
@@ -78,8 +79,8 @@ def label_scores(model: nn.Module, tokenizer, prompts: list[str], labels: list[s
                     rest = cand[:-1].to(device).expand(b, -1)            # (b, Lk-1): the label's inputs
                     attn = torch.cat([mask, torch.ones_like(rest)], 1)
                     pos = lengths[:, None] + torch.arange(len(cand) - 1, device=device)  # (b, Lk-1)
-                    logits = model(input_ids=rest, attention_mask=attn, position_ids=pos, past_key_values=cache,
-                                   use_cache=True).logits.float()        # (b, Lk-1, V)
+                    logits = model(input_ids=rest, attention_mask=attn, position_ids=pos, use_cache=True,
+                                   **{key: cache}).logits.float()  # (b, Lk-1, V)
                     cache.crop(1 - len(cand))  # drop the label's tokens: the prompts' cache again
                     lp = logits.gather(-1, cand[1:].to(device).expand(b, -1)[..., None]).squeeze(-1) \
                         - logits.logsumexp(-1)                           # (b, Lk-1)
@@ -148,7 +149,7 @@ def greedy_answers(model: nn.Module, tokenizer, prompts: list[str], max_new_toke
                     break
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
                 out = model(input_ids=token[:, None], attention_mask=mask, position_ids=(lengths + s)[:, None],
-                            past_key_values=out.past_key_values, use_cache=True)
+                            use_cache=True, **{cache_arg(model): cache_of(out)})
             for i, row in zip(batch, torch.stack(steps, 1).tolist()):   # (b, steps)
                 answers[i] = tokenizer.decode(row[:row.index(eos)] if eos in row else row)
     return answers

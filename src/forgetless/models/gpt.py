@@ -193,11 +193,28 @@ def logits_of(model: nn.Module, idx: torch.Tensor, keep: torch.Tensor | None = N
 def takes_logits_to_keep(model: nn.Module) -> bool:
     """Whether the (outermost) transformers model's forward computes logits at chosen positions only
     (`logits_to_keep`, transformers >= 4.50): the output head then skips every other position."""
+    return forward_takes(model, "logits_to_keep")
+
+
+def cache_arg(model: nn.Module) -> str:
+    """The keyword a transformers model's forward takes its KV cache by: `cache` where it has it (transformers 5's
+    newer releases; `past_key_values` there is deprecated, to be removed in 5.40), else `past_key_values`."""
+    return "cache" if forward_takes(model, "cache") else "past_key_values"
+
+
+def cache_of(out) -> object:
+    """The KV cache a transformers forward returned (`cache`, or `past_key_values` before it was renamed)."""
+    return out["cache"] if "cache" in out else out.past_key_values
+
+
+def forward_takes(model: nn.Module, name: str) -> bool:
+    """Whether the forward of the outermost transformers model in `model` (a PEFT or forgetless wrapper's
+    inner model too) has the parameter `name`."""
     transformers = sys.modules.get("transformers")  # not imported: no transformers model exists
     if transformers is None:
         return False
     lm = next((m for m in model.modules() if isinstance(m, transformers.PreTrainedModel)), None)
-    return lm is not None and "logits_to_keep" in inspect.signature(lm.forward).parameters
+    return lm is not None and name in inspect.signature(lm.forward).parameters
 
 
 @torch.no_grad()

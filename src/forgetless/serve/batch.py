@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from forgetless.models.gpt import GPT, logits_of, takes_logits_to_keep
+from forgetless.models.gpt import GPT, cache_arg, cache_of, logits_of, takes_logits_to_keep
 
 log = logging.getLogger("forgetless.serve")
 DONE = None  # what a sequence's queue receives after its last token
@@ -162,7 +162,8 @@ class Batcher:
         keep = {"logits_to_keep": torch.tensor(last, device=device)} if takes_logits_to_keep(model) else {}
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **keep)
         for i, (s, n) in enumerate(zip(seqs, lengths)):  # each row's n real positions, padding dropped
-            s.cache = [(layer.keys[i:i + 1, :, :n], layer.values[i:i + 1, :, :n]) for layer in out.past_key_values.layers]
+            s.cache = [(layer.keys[i:i + 1, :, :n], layer.values[i:i + 1, :, :n])
+                       for layer in cache_of(out).layers]
         at = [last.index(n - 1) if keep else n - 1 for n in lengths]
         return out.logits[torch.arange(len(seqs), device=device), torch.tensor(at, device=device)]
 
@@ -181,10 +182,11 @@ class Batcher:
         cache = DynamicCache(layers)
         ids = torch.tensor([[s.ids[-1]] for s in seqs], device=device)                      # (B, 1)
         positions = torch.tensor([[n] for n in lengths], device=device)                     # (B, 1)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                    **{cache_arg(model): cache})
         for i, (s, n) in enumerate(zip(seqs, lengths)):  # each row's n + 1 real positions, padding dropped
             s.cache = [(layer.keys[i:i + 1, :, longest - n:], layer.values[i:i + 1, :, longest - n:])
-                       for layer in out.past_key_values.layers]
+                       for layer in cache_of(out).layers]
         return out.logits[:, -1]
 
     def windows(self, model, seqs: list[Sequence]) -> torch.Tensor:  # (B, V)
