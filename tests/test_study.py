@@ -21,7 +21,7 @@ from forgetless.data.instructions import Example, InstructionTask, load_task
 from forgetless.data.streams import STREAMS, pick_orders, stream_orders
 from forgetless.device import machine_text
 from forgetless.errors import ForgetlessError
-from forgetless.guide import MEASURED, guide_rows, settings, study_rows, summary
+from forgetless.guide import MEASURED, guide_rows, settings, study_answers, study_rows, summary
 from forgetless.methods.base import parse_method_specs
 from forgetless.presets import build_config
 from forgetless.report import write_report
@@ -296,6 +296,26 @@ def test_the_guide_rows_are_generated_from_a_studys_results(study):
     rows = guide_rows(kept)
     assert [a for a in rows if not a.old_data and a.stream] == [row]  # the hand-written stream row without old data
     assert [a for a in rows if a != row] == [a for a in MEASURED if a.old_data or not a.stream]  # the others stay
+
+
+def test_the_plain_answers_follow_the_means(study):
+    """results.md answers the study's questions from results.json: the arm closest to the ceiling without old data
+    (and with it, once an arm replays), and the arms with BWT >= -2 and OP within 2 points of the ceiling."""
+    results = json.loads((study["out"] / "results.json").read_text())
+    lora, mtl = (results["methods"][k]["over_orders"] for k in ("lora", "mtl"))
+    gap = lora["op_tasks"]["mean"] - mtl["op_tasks"]["mean"]
+    closest, kept = study_answers(results)
+    assert closest.startswith("Closest to the ceiling without old data: `lora`") and f"{gap:+.1f} points" in closest
+    keeps = lora["bwt_tasks"]["mean"] >= -2 and gap >= -2
+    assert kept.endswith(": `lora`." if keeps else ": none.")
+    strict = study_answers(results, points=-1e9)[-1]  # no arm can keep BWT above +1e9
+    assert strict.endswith(": none.")
+    replay = {**results, "methods": {**results["methods"], "lora": {**results["methods"]["lora"], "options": {
+        **results["methods"]["lora"]["options"], "mix": 0.2}}}}
+    assert study_answers(replay)[0].startswith("Closest to the ceiling with old data: `lora`")
+    no_ceiling = {**results, "methods": {"lora": results["methods"]["lora"]}}
+    assert study_answers(no_ceiling)[0].startswith("No joint ceiling")
+    assert all(f"- {line}" in (study["out"] / "results.md").read_text() for line in study_answers(results))
 
 
 def test_a_saved_arm_is_reused_when_the_code_only_added_config_keys(study):

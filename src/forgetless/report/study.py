@@ -63,6 +63,8 @@ def study_markdown(results: RunResult) -> str:
              f"{results.seeds}; {others}Intervals: 95 % "
              f"({study['bootstrap']['how']}; {study['bootstrap']['resamples']} replicates). lr rule: {study['lr_rule']}.",
              "", *table(*study_rows(results))]
+    from forgetless.guide import study_answers
+    lines += ["", *(f"- {line}" for line in study_answers(results.to_json()))]
     if study["references"]:
         lines += ["", "Published rows, as reference points: other models and scales, some on other task sets (see "
                       "'measured on'); not a like-for-like comparison.", "", *table(*reference_rows(results))]
