@@ -21,12 +21,12 @@ from forgetless.data.instructions import Example, InstructionTask, load_task
 from forgetless.data.streams import STREAMS, pick_orders, stream_orders
 from forgetless.device import machine_text
 from forgetless.errors import ForgetlessError
-from forgetless.guide import MEASURED, guide_rows, settings, study_answers, study_rows, summary
+from forgetless.guide import MEASURED, guide_rows, settings, study_rows, summary
 from forgetless.methods.base import parse_method_specs
 from forgetless.presets import build_config
 from forgetless.report import write_report
 from forgetless.report.references import references
-from forgetless.report.study import plan_markdown, study_markdown, terminal_tables
+from forgetless.report.study import plan_markdown, study_answers, study_markdown, terminal_tables
 from tiny_lm import tiny_llama, tiny_tokenizer
 from tiny_results import round_trips
 
@@ -313,6 +313,7 @@ def test_the_plain_answers_follow_the_means(study):
     replay = {**results, "methods": {**results["methods"], "lora": {**results["methods"]["lora"], "options": {
         **results["methods"]["lora"]["options"], "mix": 0.2}}}}
     assert study_answers(replay)[0].startswith("Closest to the ceiling with old data: `lora`")
+    assert results["methods"]["mtl"]["joint"] and not results["methods"]["lora"]["joint"]
     no_ceiling = {**results, "methods": {"lora": results["methods"]["lora"]}}
     assert study_answers(no_ceiling)[0].startswith("No joint ceiling")
     assert all(f"- {line}" in (study["out"] / "results.md").read_text() for line in study_answers(results))

@@ -99,32 +99,6 @@ def study_rows(results: dict, section: str) -> list[Advice]:
     return rows
 
 
-def study_answers(results: dict, points: float = 2.0) -> list[str]:
-    """The study's plain answers, from its results.json: which arm gets closest to the joint ceiling without old data
-    and with it (highest mean OP), and which arms keep BWT >= -`points` with OP within `points` of the ceiling (on the
-    means; their intervals are in the table)."""
-    methods, study = results["methods"], results["study"]
-    over = "over_orders" if len(study["orders"]) > 1 else "intervals"
-    where = "mean over orders" if over == "over_orders" else f"order {study['main_order']}"
-    ceiling = next((label for label, m in methods.items() if is_joint(m)), None)
-    if ceiling is None:
-        return [f"No joint ceiling (`mtl`) among the arms: nothing to measure the gap to ({where})."]
-    top = methods[ceiling][over]["op_tasks"]
-    lines = []
-    for old in (False, True):
-        group = [label for label, m in methods.items() if label != ceiling and (mix_of(m, results) > 0) == old]
-        if group:
-            best = max(group, key=lambda label: methods[label][over]["op_tasks"]["mean"])  # ties: the first
-            op = methods[best][over]["op_tasks"]
-            lines.append(f"Closest to the ceiling {'with' if old else 'without'} old data: `{best}`, OP {interval(op)} "
-                         f"against `{ceiling}`'s {interval(top)}: {op['mean'] - top['mean']:+.1f} points ({where}).")
-    kept = [label for label, m in methods.items() if label != ceiling and m[over].get("bwt_tasks")
-            and m[over]["bwt_tasks"]["mean"] >= -points and m[over]["op_tasks"]["mean"] >= top["mean"] - points]
-    lines.append(f"BWT >= -{points:g} points with OP within {points:g} points of `{ceiling}` (on the means, {where}): "
-                 + (", ".join(f"`{label}`" for label in kept) if kept else "none") + ".")
-    return lines
-
-
 def is_joint(m: dict) -> bool:
     from forgetless.methods.base import parse_method_specs
     return parse_method_specs(m["arm"])[0].build().cfg.joint

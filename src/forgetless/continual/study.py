@@ -260,7 +260,7 @@ def study_results(cfg, specs, chosen, grids, per_order, stream, orders, grid, se
     for spec in specs:
         label, m = spec.label, results.methods[spec.label].stats
         method = chosen[label].build(cfg.methods.get(spec.name))
-        m.update(lr=method.own("lr", cfg.adapt.lr), arm=chosen[label].label,
+        m.update(lr=method.own("lr", cfg.adapt.lr), arm=chosen[label].label, joint=method.cfg.joint,
                  orders={k: order_entry(arms[label], cfg_k.data.tasks) for k, (cfg_k, _, arms) in per_order.items()},
                  intervals=bootstrap.intervals({main: runs[label][main]}, draws))
         if grids:

@@ -38,6 +38,37 @@ def study_rows(results: RunResult) -> tuple[list[str], list[list[str]]]:
     return heads, body
 
 
+def study_answers(results: dict, points: float = 2.0) -> list[str]:
+    """The study's plain answers, from its results.json: which arm gets closest to the joint ceiling (`mtl`) without
+    old data and with it (highest mean OP; with = it trains on earlier tasks' rows, mix > 0), and which arms keep
+    BWT >= -`points` with OP within `points` of the ceiling (on the means; their intervals are in the table)."""
+    methods, study = results["methods"], results["study"]
+    over = "over_orders" if len(study["orders"]) > 1 else "intervals"
+    where = "mean over orders" if over == "over_orders" else f"order {study['main_order']}"
+    ceiling = next((label for label, m in methods.items() if m.get("joint")), None)
+    if ceiling is None:
+        return [f"No joint ceiling (`mtl`) among the arms: nothing to measure the gap to ({where})."]
+    top = methods[ceiling][over]["op_tasks"]
+
+    def replays(m: dict) -> bool:  # its own mix, else the study's
+        mix = m["options"].get("mix")
+        return (results["config"]["adapt"]["mix"] if mix is None else mix) > 0
+
+    lines = []
+    for old in (False, True):
+        group = [label for label, m in methods.items() if label != ceiling and replays(m) == old]
+        if group:
+            best = max(group, key=lambda label: methods[label][over]["op_tasks"]["mean"])  # ties: the first
+            op = methods[best][over]["op_tasks"]
+            lines.append(f"Closest to the ceiling {'with' if old else 'without'} old data: `{best}`, OP {interval(op)} "
+                         f"against `{ceiling}`'s {interval(top)}: {op['mean'] - top['mean']:+.1f} points ({where}).")
+    kept = [label for label, m in methods.items() if label != ceiling and m[over].get("bwt_tasks")
+            and m[over]["bwt_tasks"]["mean"] >= -points and m[over]["op_tasks"]["mean"] >= top["mean"] - points]
+    lines.append(f"BWT >= -{points:g} points with OP within {points:g} points of `{ceiling}` (on the means, {where}): "
+                 + (", ".join(f"`{label}`" for label in kept) if kept else "none") + ".")
+    return lines
+
+
 def reference_rows(results: RunResult) -> tuple[list[str], list[list[str]]]:
     heads = ["published (reference, not like-for-like)", "model", "OP", "BWT", "measured on", "source"]
     return heads, [[r["method"], r["model"], f"{r['op']:.1f}", "—" if r["bwt"] is None else f"{r['bwt']:+.1f}", r["tasks"],
@@ -63,7 +94,6 @@ def study_markdown(results: RunResult) -> str:
              f"{results.seeds}; {others}Intervals: 95 % "
              f"({study['bootstrap']['how']}; {study['bootstrap']['resamples']} replicates). lr rule: {study['lr_rule']}.",
              "", *table(*study_rows(results))]
-    from forgetless.guide import study_answers
     lines += ["", *(f"- {line}" for line in study_answers(results.to_json()))]
     if study["references"]:
         lines += ["", "Published rows, as reference points: other models and scales, some on other task sets (see "
