@@ -1,7 +1,7 @@
 """The guide's evidence from a study: reads STUDY_FOLDER/results.json (`forgetless study standard`) and writes the
 part of it the guide reads, with its provenance, to src/forgetless/guide_study.json (forgetless.guide.STUDY); then
-`python scripts/sync_docs.py` rewrites the README's and docs/methods.md's guide from it. The study folder itself
-stays out of git.
+`python scripts/sync_docs.py` rewrites the README's and docs/methods.md's guide from it. The study folder stays
+out of git; its finished arms' records are kept in docs/results/study-standard/ (scripts/study-standard.sh save).
 
     python scripts/guide_evidence.py ~/forgetless-study/standard --section real-models.md#ANCHOR \\
         --study-command "bash scripts/study-standard.sh"

@@ -130,7 +130,7 @@ def greedy_answers(model: nn.Module, tokenizer, prompts: list[str], max_new_toke
     room = prompt_room(model, max_new_tokens - 1)
     device = next(model.parameters()).device
     prompt_rows = [keep_end(prompt_ids(tokenizer, p), room, bos) for p in prompts]
-    answers = [""] * len(prompts)
+    answers, key = [""] * len(prompts), cache_arg(model)
     with inference(model):
         for batch in by_length(prompt_rows, batch_size):
             rows = [prompt_rows[i] for i in batch]
@@ -149,7 +149,7 @@ def greedy_answers(model: nn.Module, tokenizer, prompts: list[str], max_new_toke
                     break
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
                 out = model(input_ids=token[:, None], attention_mask=mask, position_ids=(lengths + s)[:, None],
-                            use_cache=True, **{cache_arg(model): cache_of(out)})
+                            use_cache=True, **{key: cache_of(out)})
             for i, row in zip(batch, torch.stack(steps, 1).tolist()):   # (b, steps)
                 answers[i] = tokenizer.decode(row[:row.index(eos)] if eos in row else row)
     return answers
