@@ -345,3 +345,13 @@ def test_study_errors_are_one_line(tmp_path, stream):
         assert result.exit_code == 2, (args, result.output)
         assert len(result.output.strip().splitlines()) <= 2 and re.search(message, result.output), result.output
     assert not (tmp_path / "x").exists()
+
+
+def test_saving_the_records_of_a_folder_that_is_not_a_study_is_one_line(tmp_path):
+    """scripts/study-standard.sh save OUT: a folder without OUT/standard is refused in one line, before any copy."""
+    import subprocess
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "scripts" / "study-standard.sh"
+    done = subprocess.run(["bash", str(script), "save", str(tmp_path / "nowhere")], capture_output=True, text=True)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().count("\n") == 0 and "standard does not exist: give the study's folder" in done.stderr
