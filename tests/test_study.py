@@ -15,10 +15,10 @@ from forgetless.continual.instruct import load_stream, scored_on, split_dev
 from forgetless.continual import instruct
 from forgetless.config import stable_hash
 from forgetless.continual.plan import saved_arm
-from forgetless.continual.study import (choose, fit_budget, grid_lrs, parse_budget, parse_grid, plan_study, run_order,
-                                       run_study)
+from forgetless.continual.study import (choose, fit_budget, grid_lrs, next_point, parse_budget, parse_grid, plan_study,
+                                       run_order, run_study)
 from forgetless.data.instructions import Example, InstructionTask, load_task
-from forgetless.data.streams import STREAMS, pick_orders, stream_orders
+from forgetless.data.streams import EDGE_STEPS, STREAMS, pick_orders, stream_orders
 from forgetless.device import machine_text
 from forgetless.errors import ForgetlessError
 from forgetless.guide import MEASURED, guide_rows, settings, study_rows, summary
@@ -26,7 +26,7 @@ from forgetless.methods.base import parse_method_specs
 from forgetless.presets import build_config
 from forgetless.report import write_report
 from forgetless.report.references import references
-from forgetless.report.study import plan_markdown, study_answers, study_markdown, terminal_tables
+from forgetless.report.study import plan_markdown, seeds_note, study_answers, study_markdown, terminal_tables
 from tiny_lm import tiny_llama, tiny_tokenizer
 from tiny_results import round_trips
 
@@ -131,6 +131,18 @@ def test_the_lr_grid_and_its_rule_ties_going_to_the_lower_lr(stream):
             parse_grid(bad)
 
 
+def test_a_choice_at_an_end_of_the_grid_extends_it_a_step_at_a_time():
+    start = [3.33e-4, 1e-3, 3e-3]
+    assert next_point([(3.33e-4, 40.0), (1e-3, 47.0), (3e-3, 46.0)], start) is None            # inside: chosen
+    assert next_point([(3.33e-4, 40.0), (1e-3, 46.5), (3e-3, 47.5)], start) == 0.009           # top end: x3 beyond
+    assert next_point([(3.33e-4, 50.0), (1e-3, 46.5), (3e-3, 47.5)], start) == pytest.approx(1.11e-4)  # bottom end
+    assert next_point([(3.33e-4, 47.0), (1e-3, 47.0), (3e-3, 40.0)], start) == pytest.approx(1.11e-4)  # tie: lower
+    top = [(3.33e-4, 40.0), (1e-3, 46.5), (3e-3, 47.5), (9e-3, 48.0)]
+    assert next_point(top, start) == 0.027 and next_point([*top, (0.027, 49.0)], start) is None  # EDGE_STEPS == 2
+    assert next_point([*top, (0.027, 47.0)], start) is None                                    # inside again
+    assert EDGE_STEPS == 2
+
+
 def synthetic(rng, p, seed_sd, seeds, rows=100, tasks=2):
     """Runs of a method whose seed s answers test item j right iff u_j < p + delta_s: items drawn once (shared by
     the seeds), seeds' offsets delta_s ~ N(0, seed_sd); the true OP is 100 p."""
@@ -173,9 +185,19 @@ def test_the_study_chooses_on_validation_then_runs_every_order(study, stream):
     arm = json.loads((out / "grid" / "arms" / "lora[lr=0.001]" / "seed0.json").read_text())
     assert [len(h) for h in arm["r_hits"][0]] == [4, 4]                              # validation rows, not the 10 test rows
     for label, m in results["methods"].items():
-        points = m["lr_grid"]
-        assert len(points) == 2 and sum(p["chosen"] for p in points) == 1
+        points = m["lr_grid"]  # x1, x3 and what the edge rule added: a choice inside, or EDGE_STEPS points at its end
+        start = [p["lr"] for p in points if not p["added"]]
+        assert len(start) == 2 and sum(p["chosen"] for p in points) == 1
         assert m["lr"] == choose([(p["lr"], p["op_tasks_dev"]) for p in points])
+        lrs, pick = [p["lr"] for p in points], m["lr"]
+        assert lrs == sorted(lrs) and all((p["lr"] not in start) == p["added"] for p in points)
+        beyond = sum(lr > max(start) for lr in lrs) if pick == lrs[-1] else sum(lr < min(start) for lr in lrs)
+        assert pick not in (lrs[0], lrs[-1]) or beyond == EDGE_STEPS
+        assert next(p for p in points if p["chosen"])["edge"] == (pick in (lrs[0], lrs[-1]))
+        for p in points:  # each point's OP minus the chosen one's, paired on the validation rows
+            diff = p["op_vs_chosen"]
+            assert diff["mean"] == pytest.approx(p["op_tasks_dev"] - m["lr_grid"][lrs.index(pick)]["op_tasks_dev"])
+            assert diff == {"mean": 0.0, "lo": 0.0, "hi": 0.0} if p["chosen"] else diff["lo"] <= diff["mean"] <= diff["hi"]
         assert m["arm"] == next(p["arm"] for p in points if p["chosen"])
         assert m["orders"]["1"]["seeds"] == [0, 1] and m["orders"]["2"]["seeds"] == [0]
         assert m["orders"]["2"]["tasks"] == [stream["b"], stream["a"]]
@@ -201,13 +223,22 @@ def test_the_table_prints_published_rows_as_references(study):
     assert "| MTL | T5-large | 80.0 |" in text and "| InfLoRA | LLaMA-2-7B-chat | 79.6 |" in text
     assert "not a like-for-like comparison" in text and f"| lora | {results['methods']['lora']['lr']:.3g} |" in text
     ours, published = terminal_tables(results, "study", "caption")
-    assert [c.header for c in ours.columns][:2] == ["method", "lr (chosen on validation)"] and ours.row_count == 2
+    assert [c.header for c in ours.columns][:2] == ["method", "lr (chosen on validation)"] and ours.row_count == 3
+    assert list(ours.columns[0].cells)[0] == "base model, untrained" and list(ours.columns[-1].cells)[0] == "0"
+    base, R = results["study"]["base"], results["methods"]["mtl"]["orders"]["1"]["r_matrix"]
+    assert base["intervals"]["op_tasks"]["mean"] == pytest.approx(np.mean(R[0][1:]))  # the base's scores: row 0 of R
+    assert base["over_orders"]["op_tasks"]["mean"] == pytest.approx(np.mean(list(base["orders"].values())))
+    lora = results["methods"]["lora"]
+    assert text.split("| lora |")[1].splitlines()[0].endswith(f" {lora['trainable_params']:,} |")  # tiny: under 10k
     assert published.row_count == 8 and list(published.columns[2].cells)[-1] == "80.9"
     assert len(terminal_tables(study["results"], "study", "caption")) == 1  # no published rows: ours alone
     trace = {r["method"] + " " + r["model"]: r for r in references("trace")}
     assert trace["MoRAM LLaMA-2-7B-Chat"]["op"] == 44.54 and trace["MoRAM LLaMA-2-7B-Chat"]["bwt"] == -1.37
     assert trace["OSF Llama-3.1-8B"]["op"] == 53.4 and trace["OSF Llama-3.1-8B"]["bwt"] is None
     assert "No published rows" in (study["out"] / "results.md").read_text()
+    assert "the test rows' sampling error and the seeds'" in seeds_note(results)  # order 1: 2 seeds
+    one = results.with_keys(seeds=[0], study={**results["study"], "seeds_per_order": 1})
+    assert "one seed per order: they hold the test rows' sampling error only" in study_markdown(one)
 
 
 def test_the_figures_and_files_are_written(study):
@@ -231,7 +262,8 @@ def test_the_plan_counts_arms_and_minutes_and_what_is_saved(study, stream, tmp_p
     assert "| lora | 0.000333, 0.001, 0.003 |" in text and "**total: 14 arms (14 left)**" in text
     done = plan_study(study["lm"], tok, stream["cfg"], specs, orders, orders["1"], [0], [0, 1], parse_grid(["x1,x3"]),
                       study["out"], "tiny")
-    assert [r["minutes"] for r in done["rows"]] == [0, 0] and "**total: 10 arms (0 left)**" in plan_markdown(done)
+    arms = 6 + sum(len(m["lr_grid"]) for m in study["results"]["methods"].values())  # 6: the orders' and order 1's seed
+    assert [r["minutes"] for r in done["rows"]] == [0, 0] and f"**total: {arms} arms (0 left)**" in plan_markdown(done)
 
 
 def test_the_budget_keeps_the_minimum_and_adds_the_seeds_that_fit(study, stream, tmp_path):
@@ -305,7 +337,13 @@ def test_the_plain_answers_follow_the_means(study):
     lora, mtl = (results["methods"][k]["over_orders"] for k in ("lora", "mtl"))
     gap = lora["op_tasks"]["mean"] - mtl["op_tasks"]["mean"]
     closest, kept = study_answers(results)
-    assert closest.startswith("Closest to the ceiling without old data: `lora`") and f"{gap:+.1f} points" in closest
+    assert closest.startswith("Closest to the ceiling without old data: `lora`") and f"{gap:+.1f} [" in closest
+    paired = results["methods"]["lora"]["paired_over_orders"]["op_tasks"]  # the gap, paired over rows and orders
+    assert paired["mean"] == pytest.approx(gap) and f"{paired['lo']:+.1f}, {paired['hi']:+.1f}] points, paired" in closest
+    assert ("not separated from the ceiling" in closest) == (paired["lo"] <= 0 <= paired["hi"])
+    pairs = results["study"]["op_differences"]["pairs"]
+    assert pairs["lora"]["mtl"]["mean"] == pytest.approx(-pairs["mtl"]["lora"]["mean"])
+    assert pairs["lora"]["mtl"]["lo"] == pytest.approx(-pairs["mtl"]["lora"]["hi"])
     keeps = lora["bwt_tasks"]["mean"] >= -2 and gap >= -2
     assert kept.endswith(": `lora`." if keeps else ": none.")
     strict = study_answers(results, points=-1e9)[-1]  # no arm can keep BWT above +1e9

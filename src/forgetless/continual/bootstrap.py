@@ -46,6 +46,12 @@ class Runs:
     def seeds(self) -> int:
         return self.hits[0].shape[0]
 
+    def before(self) -> "Runs":
+        """The untrained model as a run: every task's rows as scored before training, after every task too (its
+        OP is the base's accuracy, its BWT and general-PPL change 0)."""
+        T = len(self.tasks)
+        return Runs(self.tasks, [h[:1, [0] * (T + 1), :] for h in self.hits], self.before_loss, self.before_loss[None])
+
 
 @dataclass
 class Draws:

@@ -1,6 +1,6 @@
 """Fast scores of instruction tasks on Hugging Face causal LMs: label accuracy (each prompt runs once,
 its KV cache serves every candidate label), greedy exact match (a cached greedy loop), and perplexity
-on general English prose held out from every task.
+on English prose held out from every task (Python's help topics: technical text, not a broad sample).
 
 Every function runs in eval mode without gradients (the model's mode is restored after), on the
 device of the model's parameters. Prompts are tokenized as in `data.instructions.encode` (bos when
@@ -183,7 +183,7 @@ def task_hits(model: nn.Module, tokenizer, task: InstructionTask, rows: int | No
 
 # ---- general text ------------------------------------------------------------------------------
 def general_text() -> str:
-    """General English prose held out from every task, on disk wherever Python is: the topic texts of
+    """English prose held out from every task (technical: about Python), on disk wherever Python is: the topic texts of
     Python's bundled help (`pydoc_data.topics`), in topic order, about 465k characters."""
     from pydoc_data.topics import topics
 

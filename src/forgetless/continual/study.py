@@ -36,7 +36,7 @@ from forgetless.continual.instruct import (arm_jobs, base_config, joined, learn_
 from forgetless.continual.plan import saved_arm
 from forgetless.continual.protocol import Protocol, Request, RunContext, build_arms, fresh, provenance, register_protocol
 from forgetless.continual.sequence import Sequence
-from forgetless.data.streams import DEFAULT_GRID, HELD_OUT, LR_RULE, pick_orders, stream_orders
+from forgetless.data.streams import DEFAULT_GRID, EDGE_STEPS, HELD_OUT, LR_RULE, pick_orders, stream_orders
 from forgetless.errors import ForgetlessError
 from forgetless.hooks import StepHooks
 from forgetless.methods import MethodSpec
@@ -182,6 +182,35 @@ def choose(points: list[tuple[float, float]]) -> float:
     return min(lr for lr, op in points if op >= best - TIE)
 
 
+def next_point(points: list[tuple[float, float]], start: list[float]) -> float | None:
+    """The lr `LR_RULE` runs next, None once the choice is made: while the best of (lr, validation OP) `points` is at
+    an end of the grid, one grid step (the ratio of that end's two points) beyond it, up to `EDGE_STEPS` points
+    beyond `start` (the grid it began with) per end."""
+    lrs, pick = sorted(lr for lr, _ in points), choose(points)
+    if len(lrs) < 2:
+        return None
+    if pick == lrs[-1] and sum(lr > max(start) for lr in lrs) < EDGE_STEPS:
+        return float(lr_text(lrs[-1] ** 2 / lrs[-2]))
+    if pick == lrs[0] and sum(lr < min(start) for lr in lrs) < EDGE_STEPS:
+        return float(lr_text(lrs[0] ** 2 / lrs[1]))
+    return None
+
+
+def grid_entries(points: list[tuple[float, MethodSpec]], start: list[float], arms: dict, tasks: list[str],
+                 draws: bootstrap.Draws) -> list[dict]:
+    """One method's grid points as results.json keeps them: lr, arm, chosen, `added` (beyond the starting grid by
+    the edge rule), `edge` (chosen at an end of the final grid: the best lr may lie beyond it), validation metrics,
+    and `op_vs_chosen`: the validation OP difference from the chosen point, paired over the validation rows."""
+    pick = choose([(lr, arms[p.label][0]["op_tasks"]) for lr, p in points])
+    lrs = sorted(lr for lr, _ in points)
+    chosen = bootstrap.Runs.of(arms[dict(points)[pick].label], tasks)
+    return [{"lr": lr, "arm": p.label, "chosen": lr == pick, "added": lr not in start,
+             "edge": lr == pick and lr in (lrs[0], lrs[-1]),
+             **{f"{m}_dev": arms[p.label][0][m] for m in bootstrap.METRICS},
+             "op_vs_chosen": bootstrap.paired({"1": bootstrap.Runs.of(arms[p.label], tasks)}, {"1": chosen},
+                                              draws)["op_tasks"]} for lr, p in points]
+
+
 # ---- the study --------------------------------------------------------------------------------------
 def with_tasks(cfg: RunConfig, tasks: list[str]) -> RunConfig:
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tasks=list(tasks)))
@@ -228,16 +257,26 @@ def run_study(lm, tokenizer, cfg: RunConfig, specs: list[MethodSpec], stream: st
     build_arms(cfg, specs, sequence=True)  # bad names, options or joint arms fail before the grid runs
     chosen, grids = {s.label: s for s in specs}, {}
     if grid is not None:
-        points = {s.label: [(lr, at_lr(s, lr)) for lr in grid_lrs(grid, s, cfg)] for s in specs}
+        start = {s.label: grid_lrs(grid, s, cfg) for s in specs}
+        points = {s.label: [(lr, at_lr(s, lr)) for lr in start[s.label]] for s in specs}
         grid_cfg = with_tasks(cfg, grid_order)
-        built, arms = run_arms_on(lm, tokenizer, grid_cfg, [p for ps in points.values() for _, p in ps], seeds[:1],
-                                  out / "grid", model, "validation")
+        while True:  # the grid, then a point beyond an end where the best sits (LR_RULE), until none is needed
+            built, arms = run_arms_on(lm, tokenizer, grid_cfg, [p for ps in points.values() for _, p in ps],
+                                      seeds[:1], out / "grid", model, "validation")
+            more = {s.label: lr for s in specs if (lr := next_point(
+                [(lr, arms[p.label][0]["op_tasks"]) for lr, p in points[s.label]], start[s.label])) is not None}
+            for s in specs:
+                if s.label in more:
+                    points[s.label] = sorted([*points[s.label], (more[s.label], at_lr(s, more[s.label]))])
+                    console.print(f"{s.label}: the best validation OP is at an end of its lr grid: adding lr "
+                                  f"{lr_text(more[s.label])}", highlight=False)
+            if not more:
+                break
         write_report(sequence_results(grid_cfg, built, arms, seeds[:1], preset, "validation"), out / "grid", False)
+        draws = bootstrap.Draws(resamples)
         for label, ps in points.items():
-            pick = choose([(lr, arms[p.label][0]["op_tasks"]) for lr, p in ps])
-            chosen[label] = dict(ps)[pick]
-            grids[label] = [{"lr": lr, "arm": p.label, "chosen": lr == pick,
-                             **{f"{m}_dev": arms[p.label][0][m] for m in bootstrap.METRICS}} for lr, p in ps]
+            grids[label] = grid_entries(ps, start[label], arms, grid_order, draws)
+            chosen[label] = next(p for (_, p), g in zip(ps, grids[label]) if g["chosen"])
     per_order = {}
     for k, seeds_k in run_order(orders, seeds, order1_seeds):
         cfg_k = with_tasks(cfg, orders[k])
@@ -270,6 +309,12 @@ def study_results(cfg, specs, chosen, grids, per_order, stream, orders, grid, se
         if label != paired_with:
             m["paired"] = {"vs": paired_with, "order": main,
                            **bootstrap.paired({main: runs[label][main]}, {main: runs[paired_with][main]}, draws)}
+            if len(per_order) > 1:
+                m["paired_over_orders"] = {"vs": paired_with, **bootstrap.paired(runs[label], runs[paired_with], draws)}
+    every = "over_orders" if len(per_order) > 1 else "intervals"
+    base = {k: r.before() for k, r in runs[paired_with].items()}  # every arm of an order holds the same base scores
+    scope = (lambda label: runs[label]) if len(per_order) > 1 else (lambda label: {main: runs[label][main]})
+    op_vs = {a: {b: bootstrap.paired(scope(a), scope(b), draws)["op_tasks"] for b in runs if b != a} for a in runs}
     from forgetless.report.references import references
     results.extra["study"] = {
         "stream": stream, "orders": {k: list(v) for k, v in orders.items()}, "main_order": main,
@@ -278,6 +323,9 @@ def study_results(cfg, specs, chosen, grids, per_order, stream, orders, grid, se
         "lr_rule": LR_RULE if grid else "none: each method at its own lr", "grid_order": "1", "grid_seed": seeds[0],
         "bootstrap": {"resamples": resamples, "level": bootstrap.LEVEL, "how": BOOTSTRAP_HOW},
         "paired_with": paired_with, "references": references(stream),
+        "base": {"intervals": bootstrap.intervals({main: base[main]}, draws), every: bootstrap.intervals(base, draws),
+                 "orders": {k: bootstrap.observed({k: r})["op_tasks"] for k, r in base.items()}},
+        "op_differences": {"over": every, "pairs": op_vs},  # OP of each arm minus each other's, paired
         "machines": sorted({a.get("machine", "not recorded") for _, _, arms in per_order.values()
                             for seed_arms in arms.values() for a in seed_arms})}  # where the orders' arms ran
     return results
@@ -336,10 +384,8 @@ def plan_study(lm, tokenizer, cfg: RunConfig, specs: list[MethodSpec], orders: d
         lean = cfg.data.r_cells == "metrics"  # between tasks: the task just learned alone
         arm_s = {kind: train_s + scoring[kind] + (0 if joint else (T - 1) * scoring[f"{kind}_task" if lean else kind])
                  for kind in ("test", "validation")}
-        lrs = grid_lrs(grid, spec, cfg) if grid is not None else []
-        found = saved(grid_order, [at_lr(spec, lr) for lr in lrs], seeds[:1], "grid", "validation") if lrs else []
-        final = at_lr(spec, choose([(lr, f["op_tasks"]) for lr, f in zip(lrs, found)])) if lrs and all(found) \
-            else None if lrs else spec
+        lrs, found, final = grid_known(spec, grid_lrs(grid, spec, cfg) if grid is not None else [],
+                                       lambda more: saved(grid_order, more, seeds[:1], "grid", "validation"))
         counts = {"grid": [len(lrs), sum(f is None for f in found)], "orders": [0, 0], "extra seeds": [0, 0]}
         for k, seeds_k in order_seeds(orders, seeds, order1_seeds).items():
             for kind, these in (("orders", [s for s in seeds_k if s in seeds]),
@@ -361,6 +407,21 @@ def plan_study(lm, tokenizer, cfg: RunConfig, specs: list[MethodSpec], orders: d
             "total_min": sum(r["minutes"] for r in rows) + before_min, "orders": {k: list(v) for k, v in orders.items()},
             "seeds": list(seeds), "order1_seeds": list(order1_seeds), "threads": torch.get_num_threads(),
             "date": datetime.date.today().isoformat()}
+
+
+def grid_known(spec: MethodSpec, start: list[float], saved) -> tuple[list[float], list, MethodSpec | None]:
+    """(the grid lrs known so far, their saved arms or None, the chosen arm or None while the grid is not finished):
+    the starting grid, then the points the edge rule adds (`next_point`) while the saved arms say which;
+    `saved(arms)` looks arms up. No grid: `spec` at its own lr."""
+    if not start:
+        return [], [], spec
+    lrs, found = list(start), saved([at_lr(spec, lr) for lr in start])
+    while all(found):
+        lr = next_point([(lr, f["op_tasks"]) for lr, f in zip(lrs, found)], start)
+        if lr is None:
+            return lrs, found, at_lr(spec, choose([(lr, f["op_tasks"]) for lr, f in zip(lrs, found)]))
+        lrs, found = [*lrs, lr], [*found, *saved([at_lr(spec, lr)])]
+    return lrs, found, None
 
 
 def method_seconds(lm, stream, cfg: RunConfig, method, timed_steps: int) -> tuple[float, float, float]:

@@ -271,7 +271,7 @@ def python_stdlib() -> Corpus:
     return Corpus("python-stdlib", [Document(p.stem, p.read_bytes()) for p in paths])
 
 
-@register_corpus("pydoc-topics", "general English prose: the help topics bundled with Python (pydoc_data), always on disk")
+@register_corpus("pydoc-topics", "English prose about Python: the help topics bundled with Python (pydoc_data), always on disk")
 def pydoc_topics() -> Corpus:
     from pydoc_data.topics import topics
     return Corpus("pydoc-topics", [Document(key, text.encode()) for key, text in sorted(topics.items())])

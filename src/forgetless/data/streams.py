@@ -21,8 +21,11 @@ STREAMS: dict[str, dict[str, list[str]]] = {
 HELD_OUT = {"standard": ["FOMC"], "trace": ["dbpedia"]}
 
 DEFAULT_GRID = "x1/3,x1,x3"  # each method's own lr times 1/3, 1 and 3: the same budget for every method
+EDGE_STEPS = 2  # grid points a study adds beyond an end of the grid its best point sits at, at most, per end
 LR_RULE = ("the grid point with the highest validation OP (mean over the tasks of their validation-row scores after "
-           "the last task of order 1, one seed); ties (equal within 1e-9) go to the lower lr")
+           "the last task of order 1, one seed); ties (equal within 1e-9) go to the lower lr; while that point is at "
+           f"an end of the grid, one more point is run a grid step beyond that end (up to {EDGE_STEPS} per end), so "
+           "that the choice is inside the grid where it can be")
 
 
 def stream_orders(stream: str) -> dict[str, list[str]]:

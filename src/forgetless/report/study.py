@@ -20,22 +20,46 @@ def interval(stat: dict | None, fmt: str = "{:.1f}", scale: float = 1.0) -> str:
 
 
 def study_rows(results: RunResult) -> tuple[list[str], list[list[str]]]:
-    """Our rows: chosen lr, OP mean over orders, order-1 OP / BWT / general PPL change with intervals, OP per order."""
+    """Our rows: the base model untrained, then each arm: chosen lr, OP mean over orders, order-1 OP / BWT / general
+    PPL change with intervals, OP per order, trainable parameters."""
     study = results.extra["study"]
     main, orders, seeds = study["main_order"], list(study["orders"]), len(results.seeds)
-    heads = ["method", "lr (chosen on validation)" if study["lr_grid"] else "lr",
-             *(["OP, mean over orders"] if len(orders) > 1 else []),
+    many = len(orders) > 1
+    heads = ["method", "lr (chosen on validation)" if study["lr_grid"] else "lr", *(["OP, mean over orders"] if many else []),
              f"OP, order {main} ({seeds} seed{'s' if seeds > 1 else ''})", f"BWT, order {main}",
-             f"general PPL change, order {main}", *(["OP per order (" + " / ".join(orders) + ")"] if len(orders) > 1 else [])]
+             f"general PPL change, order {main}", *(["OP per order (" + " / ".join(orders) + ")"] if many else []),
+             "trainable params"]
     body = []
+    if "base" in study:  # a results file from before the base row has none
+        base = study["base"]
+        body.append(["base model, untrained", "—", *([interval(base["over_orders"]["op_tasks"])] if many else []),
+                     interval(base["intervals"]["op_tasks"]), "—", "—",
+                     *([" / ".join(f"{base['orders'][k]:.1f}" for k in orders)] if many else []), "0"])
     for label, entry in results.methods.items():
         m = entry.stats  # the study's keys: lr, intervals, over_orders, orders (continual/study.py)
         intervals = m["intervals"]
-        body.append([label, f"{m['lr']:.3g}", *([interval(m["over_orders"]["op_tasks"])] if len(orders) > 1 else []),
+        body.append([label, f"{m['lr']:.3g}", *([interval(m["over_orders"]["op_tasks"])] if many else []),
                      interval(intervals["op_tasks"]), interval(intervals.get("bwt_tasks"), "{:+.1f}"),
                      interval(intervals["general_ppl_change"], "{:+.1f}", 100.0).replace("]", "] %", 1),
-                     *([" / ".join(f"{m['orders'][k]['op_tasks']:.1f}" for k in orders)] if len(orders) > 1 else [])])
+                     *([" / ".join(f"{m['orders'][k]['op_tasks']:.1f}" for k in orders)] if many else []),
+                     millions(entry.trainable_params)])
     return heads, body
+
+
+def spans_zero(stat: dict) -> bool:
+    return stat["lo"] <= 0 <= stat["hi"]
+
+
+def millions(n: int) -> str:
+    return f"{n:,}" if n < 1e4 else f"{n / 1e6:.2f} M" if n < 1e8 else f"{n / 1e6:.0f} M"
+
+
+def seeds_note(results: RunResult) -> str:
+    """What the intervals hold: with one seed per order, the test rows' sampling error alone."""
+    if len(results.seeds) > 1 or results.extra["study"]["seeds_per_order"] > 1:
+        return "they hold the test rows' sampling error and the seeds'"
+    return ("one seed per order: they hold the test rows' sampling error only, not the run-to-run (seed) spread; the "
+            "joint arm's OP per order, which differs in data order alone, shows that spread")
 
 
 def study_answers(results: dict, points: float = 2.0) -> list[str]:
@@ -49,6 +73,8 @@ def study_answers(results: dict, points: float = 2.0) -> list[str]:
     if ceiling is None:
         return [f"No joint ceiling (`mtl`) among the arms: nothing to measure the gap to ({where})."]
     top = methods[ceiling][over]["op_tasks"]
+    gaps = "paired_over_orders" if over == "over_orders" else "paired"  # each arm's difference from the ceiling
+    pairs = study.get("op_differences", {}).get("pairs", {})
 
     def replays(m: dict) -> bool:  # its own mix, else the study's
         mix = m["options"].get("mix")
@@ -58,10 +84,16 @@ def study_answers(results: dict, points: float = 2.0) -> list[str]:
     for old in (False, True):
         group = [label for label, m in methods.items() if label != ceiling and replays(m) == old]
         if group:
-            best = max(group, key=lambda label: methods[label][over]["op_tasks"]["mean"])  # ties: the first
-            op = methods[best][over]["op_tasks"]
+            group.sort(key=lambda label: -methods[label][over]["op_tasks"]["mean"])  # ties: the first listed
+            best, op = group[0], methods[group[0]][over]["op_tasks"]
+            gap = methods[best].get(gaps, {}).get("op_tasks")
+            gap_text = f"{op['mean'] - top['mean']:+.1f} points" if not gap or gap.get("mean") is None else \
+                f"{interval(gap, '{:+.1f}')} points, paired" + (", not separated from the ceiling" if spans_zero(gap) else "")
+            close = [f"`{b}` ({interval(pairs[best][b], '{:+.1f}')})" for b in group[1:]
+                     if b in pairs.get(best, {}) and spans_zero(pairs[best][b])]
             lines.append(f"Closest to the ceiling {'with' if old else 'without'} old data: `{best}`, OP {interval(op)} "
-                         f"against `{ceiling}`'s {interval(top)}: {op['mean'] - top['mean']:+.1f} points ({where}).")
+                         f"against `{ceiling}`'s {interval(top)}: {gap_text} ({where})" +
+                         (f"; not separated from {', '.join(close)}: its OP minus theirs, paired" if close else "") + ".")
     kept = [label for label, m in methods.items() if label != ceiling and m[over].get("bwt_tasks")
             and m[over]["bwt_tasks"]["mean"] >= -points and m[over]["op_tasks"]["mean"] >= top["mean"] - points]
     lines.append(f"BWT >= -{points:g} points with OP within {points:g} points of `{ceiling}` (on the means, {where}): "
@@ -92,7 +124,8 @@ def study_markdown(results: RunResult) -> str:
              f"after learning it to the end (< 0 = forgetting), both over the tasks alone (general ability is its own "
              f"column); general PPL change on held-out general text. Order {study['main_order']}: mean over seeds "
              f"{results.seeds}; {others}Intervals: 95 % "
-             f"({study['bootstrap']['how']}; {study['bootstrap']['resamples']} replicates). lr rule: {study['lr_rule']}.",
+             f"({study['bootstrap']['how']}; {study['bootstrap']['resamples']} replicates); {seeds_note(results)}. "
+             f"lr rule: {study['lr_rule']}.",
              "", *table(*study_rows(results))]
     lines += ["", *(f"- {line}" for line in study_answers(results.to_json()))]
     if study["references"]:
@@ -110,15 +143,24 @@ def study_markdown(results: RunResult) -> str:
     grid = [(label, m.stats["lr_grid"]) for label, m in results.methods.items() if "lr_grid" in m.stats]
     if grid:
         lines += ["", f"lr grid on order 1 (seed {study['grid_seed']}), validation rows only: validation OP / BWT per "
-                      "lr, the chosen lr in bold:", "",
-                  *table(["method", "lr: validation OP / BWT"],
-                         [[label, "; ".join((f"**{p['lr']:.3g}**" if p["chosen"] else f"{p['lr']:.3g}")
-                                            + f": {p['op_tasks_dev']:.1f} / "
-                                            + ("—" if p["bwt_tasks_dev"] is None else f"{p['bwt_tasks_dev']:+.1f}")
-                                            for p in points)] for label, points in grid])]
+                      "lr, the chosen lr in bold, and each other lr's OP minus the chosen one's, paired over the "
+                      "validation rows (an interval holding 0: the choice is within their sampling error); + marks "
+                      "an lr the edge rule added, 'at the edge' a choice still at an end of the grid:", "",
+                  *table(["method", "lr: validation OP / BWT (OP difference from the chosen)"],
+                         [[label, "; ".join(grid_point(p) for p in points)] for label, points in grid])]
     lines += ["", f"Order {study['main_order']} in full (the sequence table; its ± is over seeds only):", "",
               sequence_markdown(results)]
     return "\n".join(lines) + "\n"
+
+
+def grid_point(p: dict) -> str:
+    """'**0.003**: 47.5 / -30.7' for the chosen point, '+0.009: 45.0 / -40.1 (-2.5 [-6.0, +1.0])' for an added one."""
+    lr = ("+" if p.get("added") else "") + f"{p['lr']:.3g}"
+    text = (f"**{lr}**" if p["chosen"] else lr) + f": {p['op_tasks_dev']:.1f} / " + \
+        ("—" if p["bwt_tasks_dev"] is None else f"{p['bwt_tasks_dev']:+.1f}")
+    if p["chosen"]:
+        return text + (" (at the edge)" if p.get("edge") else "")
+    return text + (f" ({interval(p['op_vs_chosen'], '{:+.1f}')})" if "op_vs_chosen" in p else "")
 
 
 def terminal_tables(results: RunResult, title: str, caption: str) -> list:
@@ -148,8 +190,8 @@ def op_vs_bwt(results: RunResult, path: Path):
     study = results.extra["study"]
     name = study["stream"] if "," not in study["stream"] else "task"
     ax.set(xlabel="BWT over the tasks (points; < 0 = forgetting)  → better", ylabel="OP: accuracy after the last task (%)  ↑")
-    ax.set_title(f"{name} stream, order {study['main_order']}, {len(results.seeds)} seed(s)\n"
-                 "95 % intervals over test rows and seeds", fontsize=10)
+    ax.set_title(f"{name} stream, order {study['main_order']}, {len(results.seeds)} seed(s)\n95 % intervals over "
+                 f"test rows{' and seeds' if len(results.seeds) > 1 else ' (one seed: not its spread)'}", fontsize=10)
     ax.legend(fontsize=7)
     save(fig, path)
 
@@ -177,7 +219,8 @@ def plan_markdown(plan: dict) -> str:
              f"the lr grid on order 1 (validation rows only), then orders {orders} with seed(s) {plan['seeds']}"
              + (f" and seeds {extra} on order 1" if extra else "") + f"; {plan['tasks']} tasks of {plan['steps_per_task']} "
              f"steps of batch {plan['batch_size']}. Estimates from steps and scoring timed here (arms already saved: "
-             "0 min; the orders' arms count as saved only once the grid has chosen their lr).", "",
+             "0 min; the orders' arms count as saved only once the grid has chosen their lr; a choice at an end of the grid "
+             "adds grid arms beyond it, counted once the saved arms call for them).", "",
              "| method | lr grid | s / step | s / task besides steps | min / arm (test / validation scoring) | grid arms "
              "(left) | order arms (left) | extra-seed arms (left) | minutes left |",
              "|---|---|---|---|---|---|---|---|---|"]
