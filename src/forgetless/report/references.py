@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-BRIEF = "the field's table of this stream (mean accuracy over O-LoRA's 3 orders), as the study's brief quotes it"
+BRIEF = ("the field's table of this stream (mean accuracy over O-LoRA's 3 orders; O-LoRA: Wang et al., 2023, "
+         "arXiv:2310.14152), as the study's brief quotes it")
 MORAM = "the MoRAM source (shared/seeds/001), TRACE table; its BWT column is a drop (> 0 = forgetting)"
 OSF = "PEFT's OSF example, as the study's brief quotes it"
 
