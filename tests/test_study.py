@@ -212,6 +212,10 @@ def test_the_study_chooses_on_validation_then_runs_every_order(study, stream):
     assert results["methods"]["mtl"]["intervals"]["bwt_tasks"] == {"mean": 0.0, "lo": 0.0, "hi": 0.0}  # joint arm
     assert results["methods"]["lora"]["paired"]["vs"] == "mtl" and "paired" not in results["methods"]["mtl"]
     assert results["study"]["lr_rule"].startswith("the grid point with the highest validation OP")
+    spent, arms = results["study"]["compute"], [json.loads(f.read_text()) for f in out.glob("*/arms/*/seed*.json")]
+    assert spent["arms"] == len(arms) and spent["wall_s"] == pytest.approx(sum(a["wall_s"] for a in arms))
+    assert spent["codes"] == sorted({a["code"] for a in arms}) and f"Compute: {len(arms)} arms" in study_markdown(
+        study["results"])
     assert results["study"]["references"] == []
     assert all(round_trips(folder / "results.json") for folder in (out, out / "grid", out / "order1", out / "order2"))
 

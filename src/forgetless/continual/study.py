@@ -207,6 +207,7 @@ def grid_entries(points: list[tuple[float, MethodSpec]], start: list[float], arm
     return [{"lr": lr, "arm": p.label, "chosen": lr == pick, "added": lr not in start,
              "edge": lr == pick and lr in (lrs[0], lrs[-1]),
              **{f"{m}_dev": arms[p.label][0][m] for m in bootstrap.METRICS},
+             "wall_s": arms[p.label][0]["wall_s"], "code": arms[p.label][0].get("code", "not recorded"),
              "op_vs_chosen": bootstrap.paired({"1": bootstrap.Runs.of(arms[p.label], tasks)}, {"1": chosen},
                                               draws)["op_tasks"]} for lr, p in points]
 
@@ -326,9 +327,18 @@ def study_results(cfg, specs, chosen, grids, per_order, stream, orders, grid, se
         "base": {"intervals": bootstrap.intervals({main: base[main]}, draws), every: bootstrap.intervals(base, draws),
                  "orders": {k: bootstrap.observed({k: r})["op_tasks"] for k, r in base.items()}},
         "op_differences": {"over": every, "pairs": op_vs},  # OP of each arm minus each other's, paired
+        "compute": compute_spent(results),
         "machines": sorted({a.get("machine", "not recorded") for _, _, arms in per_order.values()
                             for seed_arms in arms.values() for a in seed_arms})}  # where the orders' arms ran
     return results
+
+
+def compute_spent(results: RunResult) -> dict:
+    """The study's arms (grid points and every order's seeds), their summed wall time (each arm's training and
+    scoring, not loading the model) and the code fingerprints that ran them."""
+    entries = [e for m in results.methods.values() for e in [*m.stats.get("lr_grid", []), *m.stats["orders"].values()]]
+    return {"arms": sum(len(e.get("seeds", [0])) for e in entries), "wall_s": sum(e["wall_s"] for e in entries),
+            "codes": sorted({c for e in entries for c in e.get("codes", [e.get("code")])})}
 
 
 BOOTSTRAP_HOW = ("percentile intervals; each replicate draws every task's test rows and the general text's windows "
@@ -337,7 +347,8 @@ BOOTSTRAP_HOW = ("percentile intervals; each replicate draws every task's test r
 
 def order_entry(arms: list[dict], tasks: list[str]) -> dict:
     """One order's seed means of the field's metrics, its seeds and R."""
-    return {"tasks": list(tasks), "seeds": [a["seed"] for a in arms],
+    return {"tasks": list(tasks), "seeds": [a["seed"] for a in arms], "wall_s": sum(a["wall_s"] for a in arms),
+            "codes": sorted({a.get("code", "not recorded") for a in arms}),
             **{m: statistics.fmean(a[m] for a in arms) for m in bootstrap.METRICS},
             "r_matrix": mean_nested([a["r_matrix"] for a in arms])}
 

@@ -128,6 +128,11 @@ def study_markdown(results: RunResult) -> str:
              f"lr rule: {study['lr_rule']}.",
              "", *table(*study_rows(results))]
     lines += ["", *(f"- {line}" for line in study_answers(results.to_json()))]
+    if "compute" in study:  # results files from before it have none
+        spent = study["compute"]
+        lines += ["", f"Compute: {spent['arms']} arms (grid points and every order's seeds), {spent['wall_s'] / 3600:.1f} h "
+                      f"of arm time (training and scoring, not loading) on {'; '.join(study['machines'])}; code "
+                      f"fingerprint(s) {', '.join(spent['codes'])} (forgetless.config.code_fingerprint)."]
     if study["references"]:
         lines += ["", "Published rows, as reference points: other models and scales, some on other task sets (see "
                       "'measured on'); not a like-for-like comparison.", "", *table(*reference_rows(results))]
