@@ -29,9 +29,11 @@ def write_report(results: RunResult, out: Path, figures: bool = True) -> list[Pa
     out.mkdir(parents=True, exist_ok=True)
     report = report_for(results)
     frontier, missing = report.frontier, None
-    if frontier is not None and curves(results) and (missing := frontier.undefined(results)):
+    if frontier is not None and not curves(results):  # no sweep: no curve to draw a frontier on
         frontier = None
-    if frontier is not None and curves(results):
+    if frontier is not None and (missing := frontier.undefined(results)):
+        frontier = None
+    if frontier is not None:
         results.extra["frontier"] = operating_points(results, frontier)
         if found := matched(results, frontier):
             results.extra["matched"] = found
