@@ -27,6 +27,7 @@ from forgetless.presets import build_config
 from forgetless.report import write_report
 from forgetless.report.references import references
 from forgetless.report.study import plan_markdown, seeds_note, study_answers, study_markdown, terminal_tables
+from forgetless.report.study import study_rows as table_rows
 from tiny_lm import tiny_llama, tiny_tokenizer
 from tiny_results import round_trips
 
@@ -233,6 +234,12 @@ def test_the_table_prints_published_rows_as_references(study):
     assert base["intervals"]["op_tasks"]["mean"] == pytest.approx(np.mean(R[0][1:]))  # the base's scores: row 0 of R
     assert base["over_orders"]["op_tasks"]["mean"] == pytest.approx(np.mean(list(base["orders"].values())))
     lora = results["methods"]["lora"]
+    heads, rows = table_rows(results)  # every metric as the mean over orders and per order; order 1's 2 seeds too
+    row = dict(zip(heads, next(r for r in rows if r[0] == "lora")))
+    assert row["BWT, mean over orders"].startswith(f"{lora['over_orders']['bwt_tasks']['mean']:+.1f} [")
+    assert row["general PPL change per order (1 / 2)"] == " / ".join(
+        f"{100 * lora['orders'][k]['general_ppl_change']:+.1f}" for k in ("1", "2"))
+    assert row["BWT, order 1 (2 seeds)"].startswith(f"{lora['intervals']['bwt_tasks']['mean']:+.1f} [")
     assert text.split("| lora |")[1].splitlines()[0].endswith(f" {lora['trainable_params']:,} |")  # tiny: under 10k
     assert published.row_count == 8 and list(published.columns[2].cells)[-1] == "80.9"
     assert len(terminal_tables(study["results"], "study", "caption")) == 1  # no published rows: ours alone

@@ -20,29 +20,43 @@ def interval(stat: dict | None, fmt: str = "{:.1f}", scale: float = 1.0) -> str:
 
 
 def study_rows(results: RunResult) -> tuple[list[str], list[list[str]]]:
-    """Our rows: the base model untrained, then each arm: chosen lr, OP mean over orders, order-1 OP / BWT / general
-    PPL change with intervals, OP per order, trainable parameters."""
+    """Our rows: the base model untrained, then each arm: the chosen lr; OP, BWT and general PPL change, each as the
+    mean over orders with its interval and per order; order 1 with its intervals where it has more seeds than the
+    others; trainable parameters."""
     study = results.extra["study"]
     main, orders, seeds = study["main_order"], list(study["orders"]), len(results.seeds)
-    many = len(orders) > 1
-    heads = ["method", "lr (chosen on validation)" if study["lr_grid"] else "lr", *(["OP, mean over orders"] if many else []),
-             f"OP, order {main} ({seeds} seed{'s' if seeds > 1 else ''})", f"BWT, order {main}",
-             f"general PPL change, order {main}", *(["OP per order (" + " / ".join(orders) + ")"] if many else []),
+    over = "over_orders" if len(orders) > 1 else "intervals"
+    where = "mean over orders" if len(orders) > 1 else f"order {main}"
+    extra = len(orders) > 1 and seeds > study["seeds_per_order"]  # order 1's own intervals, over its seeds
+    per = " (" + " / ".join(orders) + ")"
+    cells = (("op_tasks", "{:.1f}", 1.0, ""), ("bwt_tasks", "{:+.1f}", 1.0, ""), ("general_ppl_change", "{:+.1f}", 100.0, " %"))
+    heads = ["method", "lr (chosen on validation)" if study["lr_grid"] else "lr",
+             f"OP, {where}", f"BWT, {where}", f"general PPL change, {where}",
+             *([f"OP per order{per}", f"BWT per order{per}", f"general PPL change per order{per}"] if len(orders) > 1
+               else []),
+             *([f"OP, order {main} ({seeds} seeds)", f"BWT, order {main} ({seeds} seeds)"] if extra else []),
              "trainable params"]
+
+    def values(stats: dict | None, per_order: dict, dash: tuple = ()) -> list[str]:
+        both = [interval(stats.get(key) if stats else None, fmt, scale).replace("]", "]" + unit, 1)
+                if key not in dash else "—" for key, fmt, scale, unit in cells]
+        if len(orders) > 1:
+            both += ["—" if key in dash else " / ".join(fmt.format(scale * per_order[k][key]) for k in orders)
+                     for key, fmt, scale, _ in cells]
+        return both
+
     body = []
     if "base" in study:  # a results file from before the base row has none
         base = study["base"]
-        body.append(["base model, untrained", "—", *([interval(base["over_orders"]["op_tasks"])] if many else []),
-                     interval(base["intervals"]["op_tasks"]), "—", "—",
-                     *([" / ".join(f"{base['orders'][k]:.1f}" for k in orders)] if many else []), "0"])
+        body.append(["base model, untrained", "—",
+                     *values(base[over], {k: {"op_tasks": v} for k, v in base["orders"].items()},
+                             ("bwt_tasks", "general_ppl_change")),
+                     *([interval(base["intervals"]["op_tasks"]), "—"] if extra else []), "0"])
     for label, entry in results.methods.items():
         m = entry.stats  # the study's keys: lr, intervals, over_orders, orders (continual/study.py)
-        intervals = m["intervals"]
-        body.append([label, f"{m['lr']:.3g}", *([interval(m["over_orders"]["op_tasks"])] if many else []),
-                     interval(intervals["op_tasks"]), interval(intervals.get("bwt_tasks"), "{:+.1f}"),
-                     interval(intervals["general_ppl_change"], "{:+.1f}", 100.0).replace("]", "] %", 1),
-                     *([" / ".join(f"{m['orders'][k]['op_tasks']:.1f}" for k in orders)] if many else []),
-                     millions(entry.trainable_params)])
+        body.append([label, f"{m['lr']:.3g}", *values(m[over], m["orders"]),
+                     *([interval(m["intervals"]["op_tasks"]), interval(m["intervals"].get("bwt_tasks"), "{:+.1f}")]
+                       if extra else []), millions(entry.trainable_params)])
     return heads, body
 
 
