@@ -269,8 +269,8 @@ def run_study(lm, tokenizer, cfg: RunConfig, specs: list[MethodSpec], stream: st
             for s in specs:
                 if s.label in more:
                     points[s.label] = sorted([*points[s.label], (more[s.label], at_lr(s, more[s.label]))])
-                    console.print(f"{s.label}: the best validation OP is at an end of its lr grid: adding lr "
-                                  f"{lr_text(more[s.label])}", highlight=False)
+                    console.print(f"{s.label}: the best validation OP is at an end of its lr grid: lr "
+                                  f"{lr_text(more[s.label])} beyond it joins the grid", markup=False, highlight=False)
             if not more:
                 break
         write_report(sequence_results(grid_cfg, built, arms, seeds[:1], preset, "validation"), out / "grid", False)
