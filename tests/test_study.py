@@ -21,7 +21,7 @@ from forgetless.data.instructions import Example, InstructionTask, load_task
 from forgetless.data.streams import EDGE_STEPS, STREAMS, pick_orders, stream_orders
 from forgetless.device import machine_text
 from forgetless.errors import ForgetlessError
-from forgetless.guide import MEASURED, guide_rows, settings, study_rows, summary
+from forgetless.guide import MEASURED, Settings, cli_text, guide_rows, settings, study_rows, summary
 from forgetless.methods.base import parse_method_specs
 from forgetless.presets import build_config
 from forgetless.report import write_report
@@ -333,6 +333,12 @@ def test_the_guide_rows_are_generated_from_a_studys_results(study):
                          "1 seed(s) per order, 1 more on order 1")
     replay = {**results, "methods": {**results["methods"], "lora": {**lora, "options": {**lora["options"], "mix": 0.2}}}}
     assert [(r.method, r.old_data) for r in study_rows(replay, "x")] == [(lora["arm"], True)]  # it replays: old data
+    ewc = {**results, "methods": {**results["methods"], "lora": {**lora, "arm": "lora[lr=0.003]+ewc",
+                                                                   "reads_previous": True}}}
+    (fisher,) = study_rows(ewc, "x")  # trains on no old rows, but its Fisher reads the last task's: old data
+    assert (fisher.method, fisher.old_data) == ("lora[lr=0.003;mix=0]+ewc", True)  # at the mix it trained at
+    assert "trains on no old rows" in fisher.evidence and cli_text(fisher).endswith("--retain old.txt`")
+    assert settings(fisher) == Settings("lora+ewc", 0.003, 0.0, True)  # Trainer: previous=old, no mixed rows
     kept = summary(results, "forgetless study ...", {"section": "the-study", "commit": "abc"})
     kept = json.loads(json.dumps(kept))
     assert study_rows(kept, "the-study") == [row] and len(json.dumps(kept)) < len(json.dumps(results)) / 3
@@ -362,6 +368,9 @@ def test_the_plain_answers_follow_the_means(study):
     replay = {**results, "methods": {**results["methods"], "lora": {**results["methods"]["lora"], "options": {
         **results["methods"]["lora"]["options"], "mix": 0.2}}}}
     assert study_answers(replay)[0].startswith("Closest to the ceiling with old data: `lora`")
+    fisher = {**results, "methods": {**results["methods"], "lora": {**results["methods"]["lora"], "reads_previous": True}}}
+    assert study_answers(fisher)[0].startswith("Closest to the ceiling with old data: `lora`")  # EWC's Fisher reads them
+    assert "`lora` trains on no old rows" in study_answers(fisher)[0]
     assert results["methods"]["mtl"]["joint"] and not results["methods"]["lora"]["joint"]
     no_ceiling = {**results, "methods": {"lora": results["methods"]["lora"]}}
     assert study_answers(no_ceiling)[0].startswith("No joint ceiling")

@@ -70,14 +70,17 @@ MEASURED = [
 # ---- rows from a study ------------------------------------------------------------------------------
 def study_rows(results: dict, section: str) -> list[Advice]:
     """A study's results.json (or its `summary`) -> its rows: with old data and without, the arm with the highest
-    OP (mean over orders) among those that replay earlier tasks' rows (mix > 0) and among those that do not, beside
-    the joint ceiling; its method is the arm (at the lr the study chose); none for a group the study did not run."""
+    OP (mean over orders) among those that need earlier tasks' rows (report.study.uses_old_rows: replay, EWC's
+    Fisher) and among those that do not, beside the joint ceiling; its method is the arm (at the lr the study chose,
+    and the mix it trained at); none for a group the study did not run."""
+    from forgetless.methods.base import MethodSpec, parse_method_specs
+    from forgetless.report.study import uses_old_rows
     methods, study = results["methods"], results["study"]
     over = "over_orders" if len(study["orders"]) > 1 else "intervals"
-    ceiling = [label for label, m in methods.items() if is_joint(m)]
+    ceiling = [label for label, m in methods.items() if m["joint"]]
     rows = []
     for old in (True, False):
-        group = [label for label, m in methods.items() if label not in ceiling and (mix_of(m, results) > 0) == old]
+        group = [label for label, m in methods.items() if label not in ceiling and uses_old_rows(m, results) == old]
         group.sort(key=lambda label: -methods[label][over]["op_tasks"]["mean"])  # ties keep the study's order
         if not group:
             continue
@@ -94,20 +97,14 @@ def study_rows(results: dict, section: str) -> list[Advice]:
             runner = methods[group[1]][over]["op_tasks"]
             close = runner["hi"] >= stat["op_tasks"]["lo"]
             text += f"; next {group[1]}: OP {interval(runner)}{' (intervals overlap)' if close else ''}"
+        if m["reads_previous"]:
+            text += "; it trains on no old rows: each task's start reads the last task's rows (its Fisher)"
+        (spec,) = parse_method_specs(m["arm"])
+        if old and m["options"].get("mix") is None:  # the study's mix, which adapt would otherwise set (REPLAY)
+            spec = MethodSpec(spec.name, {**spec.options, "mix": f"{results['config']['adapt']['mix']:g}"})
         rows.append(Advice("old data (rows of the earlier tasks), a stream of tasks" if old else
-                           "no old data, a stream of tasks", m["arm"], old, scale(results), text, section, stream=True))
+                           "no old data, a stream of tasks", spec.label, old, scale(results), text, section, stream=True))
     return rows
-
-
-def is_joint(m: dict) -> bool:
-    from forgetless.methods.base import parse_method_specs
-    return parse_method_specs(m["arm"])[0].build().cfg.joint
-
-
-def mix_of(m: dict, results: dict) -> float:
-    """The fraction of old rows the arm trained with: its own mix, else the study's."""
-    mix = m["options"].get("mix")
-    return results["config"]["adapt"]["mix"] if mix is None else mix
 
 
 def interval(stat: dict, sign: str = "", scale: float = 1.0) -> str:
@@ -132,7 +129,7 @@ PROVENANCE = ("forgetless_version", "git_commit", "device", "torch", "precision"
 def summary(results: dict, command: str, made: dict) -> dict:
     """The part of a study's results.json the guide reads, with where it came from: `command` (the study's),
     `made` (how this summary was made: its command, commit, machine, date)."""
-    keep = ("method", "options", "arm", "lr", "intervals", "over_orders")
+    keep = ("method", "options", "arm", "lr", "joint", "reads_previous", "intervals", "over_orders")
     return {"guide_summary": {"study_command": command, **made},
             **{k: results[k] for k in ("model", "preset", "seeds", *PROVENANCE) if k in results},
             "config": {"adapt": results["config"]["adapt"]},

@@ -301,6 +301,7 @@ def study_results(cfg, specs, chosen, grids, per_order, stream, orders, grid, se
         label, m = spec.label, results.methods[spec.label].stats
         method = chosen[label].build(cfg.methods.get(spec.name))
         m.update(lr=method.own("lr", cfg.adapt.lr), arm=chosen[label].label, joint=method.cfg.joint,
+                 reads_previous=method.needs_previous,
                  orders={k: order_entry(arms[label], cfg_k.data.tasks) for k, (cfg_k, _, arms) in per_order.items()},
                  intervals=bootstrap.intervals({main: runs[label][main]}, draws))
         if grids:

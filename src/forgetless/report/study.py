@@ -76,9 +76,17 @@ def seeds_note(results: RunResult) -> str:
             "joint arm's OP per order, which differs in data order alone, shows that spread")
 
 
+def uses_old_rows(m: dict, results: dict) -> bool:
+    """Whether a study's arm (its entry in results.json) needs rows of the earlier tasks: it trains on them (its own
+    mix, else the study's, > 0) or its start of task reads the last task's (EWC's Fisher; `adapt` takes them as
+    --retain)."""
+    mix = m["options"].get("mix")
+    return (results["config"]["adapt"]["mix"] if mix is None else mix) > 0 or m["reads_previous"]
+
+
 def study_answers(results: dict, points: float = 2.0) -> list[str]:
     """The study's plain answers, from its results.json: which arm gets closest to the joint ceiling (`mtl`) without
-    old data and with it (highest mean OP; with = it trains on earlier tasks' rows, mix > 0), and which arms keep
+    old data and with it (highest mean OP; with: `uses_old_rows`), and which arms keep
     BWT >= -`points` with OP within `points` of the ceiling (on the means; their intervals are in the table)."""
     methods, study = results["methods"], results["study"]
     over = "over_orders" if len(study["orders"]) > 1 else "intervals"
@@ -90,13 +98,9 @@ def study_answers(results: dict, points: float = 2.0) -> list[str]:
     gaps = "paired_over_orders" if over == "over_orders" else "paired"  # each arm's difference from the ceiling
     pairs = study.get("op_differences", {}).get("pairs", {})
 
-    def replays(m: dict) -> bool:  # its own mix, else the study's
-        mix = m["options"].get("mix")
-        return (results["config"]["adapt"]["mix"] if mix is None else mix) > 0
-
     lines = []
     for old in (False, True):
-        group = [label for label, m in methods.items() if label != ceiling and replays(m) == old]
+        group = [label for label, m in methods.items() if label != ceiling and uses_old_rows(m, results) == old]
         if group:
             group.sort(key=lambda label: -methods[label][over]["op_tasks"]["mean"])  # ties: the first listed
             best, op = group[0], methods[group[0]][over]["op_tasks"]
@@ -107,7 +111,9 @@ def study_answers(results: dict, points: float = 2.0) -> list[str]:
                      if b in pairs.get(best, {}) and spans_zero(pairs[best][b])]
             lines.append(f"Closest to the ceiling {'with' if old else 'without'} old data: `{best}`, OP {interval(op)} "
                          f"against `{ceiling}`'s {interval(top)}: {gap_text} ({where})" +
-                         (f"; not separated from {', '.join(close)}: its OP minus theirs, paired" if close else "") + ".")
+                         (f"; not separated from {', '.join(close)}: its OP minus theirs, paired" if close else "") +
+                         (f"; `{best}` trains on no old rows: its start of task reads the last task's (EWC's Fisher)"
+                          if methods[best]["reads_previous"] else "") + ".")
     kept = [label for label, m in methods.items() if label != ceiling and m[over].get("bwt_tasks")
             and m[over]["bwt_tasks"]["mean"] >= -points and m[over]["op_tasks"]["mean"] >= top["mean"] - points]
     lines.append(f"BWT >= -{points:g} points with OP within {points:g} points of `{ceiling}` (on the means, {where}): "
