@@ -339,6 +339,14 @@ def test_the_guide_rows_are_generated_from_a_studys_results(study):
     assert (fisher.method, fisher.old_data) == ("lora[lr=0.003;mix=0]+ewc", True)  # at the mix it trained at
     assert "trains on no old rows" in fisher.evidence and cli_text(fisher).endswith("--retain old.txt`")
     assert settings(fisher) == Settings("lora+ewc", 0.003, 0.0, True)  # Trainer: previous=old, no mixed rows
+    worse = {**lora, "over_orders": {**over, "op_tasks": {k: v - 1 for k, v in over["op_tasks"].items()}}}
+    (two,) = study_rows({**results, "methods": {**results["methods"], "lora2": worse}}, "x")
+    assert two.method == lora["arm"] and two.evidence.endswith(  # the runner-up, its perplexity beside its OP
+        f"; next lora2: OP {over['op_tasks']['mean'] - 1:.1f} [{over['op_tasks']['lo'] - 1:.1f}, "
+        f"{over['op_tasks']['hi'] - 1:.1f}]{' (intervals overlap)' * (over['op_tasks']['hi'] - 1 >= over['op_tasks']['lo'])}"
+        ", general perplexity "
+        f"{100 * over['general_ppl_change']['mean']:+.1f} [{100 * over['general_ppl_change']['lo']:+.1f}, "
+        f"{100 * over['general_ppl_change']['hi']:+.1f}] %")
     kept = summary(results, "forgetless study ...", {"section": "the-study", "commit": "abc"})
     kept = json.loads(json.dumps(kept))
     assert study_rows(kept, "the-study") == [row] and len(json.dumps(kept)) < len(json.dumps(results)) / 3

@@ -94,9 +94,10 @@ def study_rows(results: dict, section: str) -> list[Advice]:
         text += ", chosen on validation rows)" if study.get("lr_grid") else ", its own)"
         text += "".join(f"; the ceiling {c}: OP {interval(methods[c][over]['op_tasks'])}" for c in ceiling)
         if len(group) > 1:
-            runner = methods[group[1]][over]["op_tasks"]
-            close = runner["hi"] >= stat["op_tasks"]["lo"]
-            text += f"; next {group[1]}: OP {interval(runner)}{' (intervals overlap)' if close else ''}"
+            runner = methods[group[1]][over]
+            close = runner["op_tasks"]["hi"] >= stat["op_tasks"]["lo"]
+            text += (f"; next {group[1]}: OP {interval(runner['op_tasks'])}{' (intervals overlap)' if close else ''}, "
+                     f"general perplexity {interval(runner['general_ppl_change'], '+', 100)} %")
         if m["reads_previous"]:
             text += "; it trains on no old rows: each task's start reads the last task's rows (its Fisher)"
         (spec,) = parse_method_specs(m["arm"])
