@@ -340,13 +340,22 @@ def test_the_guide_rows_are_generated_from_a_studys_results(study):
     assert "trains on no old rows" in fisher.evidence and cli_text(fisher).endswith("--retain old.txt`")
     assert settings(fisher) == Settings("lora+ewc", 0.003, 0.0, True)  # Trainer: previous=old, no mixed rows
     worse = {**lora, "over_orders": {**over, "op_tasks": {k: v - 1 for k, v in over["op_tasks"].items()}}}
-    (two,) = study_rows({**results, "methods": {**results["methods"], "lora2": worse}}, "x")
-    assert two.method == lora["arm"] and two.evidence.endswith(  # the runner-up, its perplexity beside its OP
+    pairs = {"lora": {"lora2": {"mean": 1.0, "lo": 0.5, "hi": 1.5}}}  # lora minus lora2, paired
+    two_arms = {**results, "methods": {**results["methods"], "lora2": worse},
+                "study": {**results["study"], "op_differences": {"over": "over_orders", "pairs": pairs}}}
+    (two,) = study_rows(two_arms, "x")
+    assert two.method == lora["arm"] and two.evidence.endswith(  # the runner-up, paired, its perplexity beside its OP
         f"; next lora2: OP {over['op_tasks']['mean'] - 1:.1f} [{over['op_tasks']['lo'] - 1:.1f}, "
-        f"{over['op_tasks']['hi'] - 1:.1f}]{' (intervals overlap)' * (over['op_tasks']['hi'] - 1 >= over['op_tasks']['lo'])}"
-        ", general perplexity "
+        f"{over['op_tasks']['hi'] - 1:.1f}] (paired difference +1.0 [+0.5, +1.5]), general perplexity "
         f"{100 * over['general_ppl_change']['mean']:+.1f} [{100 * over['general_ppl_change']['lo']:+.1f}, "
         f"{100 * over['general_ppl_change']['hi']:+.1f}] %")
+    pairs["lora"]["lora2"]["lo"] = 0.0  # an interval that reaches 0 says so
+    assert "(paired difference +1.0 [+0.0, +1.5], not separated)" in study_rows(two_arms, "x")[0].evidence
+    top = max(p["lr"] for p in lora["lr_grid"])  # the choice still at the grid's top end after the edge rule
+    edge = [{**p, "chosen": p["lr"] == top, "edge": p["lr"] == top} for p in lora["lr_grid"]]
+    (at_edge,) = study_rows({**results, "methods": {**results["methods"], "lora": {**lora, "lr_grid": edge}}}, "x")
+    assert ", chosen on validation rows, at the grid's top end: a higher lr was not tried)" in at_edge.evidence
+    assert "grid's" not in row.evidence or any(p["chosen"] and p["edge"] for p in lora["lr_grid"])
     kept = summary(results, "forgetless study ...", {"section": "the-study", "commit": "abc"})
     kept = json.loads(json.dumps(kept))
     assert study_rows(kept, "the-study") == [row] and len(json.dumps(kept)) < len(json.dumps(results)) / 3

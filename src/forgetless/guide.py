@@ -71,8 +71,9 @@ MEASURED = [
 def study_rows(results: dict, section: str) -> list[Advice]:
     """A study's results.json (or its `summary`) -> its rows: with old data and without, the arm with the highest
     OP (mean over orders) among those that need earlier tasks' rows (report.study.uses_old_rows: replay, EWC's
-    Fisher) and among those that do not, beside the joint ceiling; its method is the arm (at the lr the study chose,
-    and the mix it trained at); none for a group the study did not run."""
+    Fisher) and among those that do not, beside the joint ceiling and the runner-up (OP paired over the same rows);
+    its method is the arm (at the lr the study chose, and the mix it trained at); none for a group the study did not
+    run."""
     from forgetless.methods.base import MethodSpec, parse_method_specs
     from forgetless.report.study import uses_old_rows
     methods, study = results["methods"], results["study"]
@@ -91,12 +92,13 @@ def study_rows(results: dict, section: str) -> list[Advice]:
                  f"general perplexity {interval(stat['general_ppl_change'], '+', 100)} %"]
         where = "mean over orders" if over == "over_orders" else f"order {study['main_order']}"
         text = f"{', '.join(parts)} ({where}; lr {m['lr']:.3g}"
-        text += ", chosen on validation rows)" if study.get("lr_grid") else ", its own)"
+        text += f", chosen on validation rows{edge_text(m)})" if study.get("lr_grid") else ", its own)"
         text += "".join(f"; the ceiling {c}: OP {interval(methods[c][over]['op_tasks'])}" for c in ceiling)
         if len(group) > 1:
             runner = methods[group[1]][over]
-            close = runner["op_tasks"]["hi"] >= stat["op_tasks"]["lo"]
-            text += (f"; next {group[1]}: OP {interval(runner['op_tasks'])}{' (intervals overlap)' if close else ''}, "
+            gap = study["op_differences"]["pairs"][group[0]][group[1]]
+            text += (f"; next {group[1]}: OP {interval(runner['op_tasks'])} (paired difference "
+                     f"{interval(gap, '+')}{', not separated' if gap['lo'] <= 0 else ''}), "
                      f"general perplexity {interval(runner['general_ppl_change'], '+', 100)} %")
         if m["reads_previous"]:
             text += "; it trains on no old rows: each task's start reads the last task's rows (its Fisher)"
@@ -106,6 +108,16 @@ def study_rows(results: dict, section: str) -> list[Advice]:
         rows.append(Advice("old data (rows of the earlier tasks), a stream of tasks" if old else
                            "no old data, a stream of tasks", spec.label, old, scale(results), text, section, stream=True))
     return rows
+
+
+def edge_text(m: dict) -> str:
+    """', at the grid's top end: a higher lr was not tried' where the chosen lr is still at an end of its grid."""
+    points = m.get("lr_grid") or []
+    chosen = next((p for p in points if p["chosen"]), None)
+    if chosen is None or not chosen.get("edge"):
+        return ""
+    end = "top" if chosen["lr"] == max(p["lr"] for p in points) else "bottom"
+    return f", at the grid's {end} end: a {'higher' if end == 'top' else 'lower'} lr was not tried"
 
 
 def interval(stat: dict, sign: str = "", scale: float = 1.0) -> str:
@@ -135,8 +147,11 @@ def summary(results: dict, command: str, made: dict) -> dict:
             **{k: results[k] for k in ("model", "preset", "seeds", *PROVENANCE) if k in results},
             "config": {"adapt": results["config"]["adapt"]},
             "study": {k: results["study"][k] for k in ("stream", "orders", "main_order", "seeds_per_order",
-                                                         "order1_seeds", "lr_grid", "lr_rule")},
-            "methods": {label: {k: m[k] for k in keep if k in m} for label, m in results["methods"].items()}}
+                                                         "order1_seeds", "lr_grid", "lr_rule", "op_differences")},
+            "methods": {label: {**{k: m[k] for k in keep if k in m},  # of the grid, where the choice lies
+                                **({"lr_grid": [{k: p.get(k) for k in ("lr", "chosen", "edge")} for p in m["lr_grid"]]}
+                                   if "lr_grid" in m else {})}
+                        for label, m in results["methods"].items()}}
 
 
 def guide_rows(study: dict | None) -> list[Advice]:
