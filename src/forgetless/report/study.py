@@ -200,22 +200,25 @@ def terminal_tables(results: RunResult, title: str, caption: str) -> list:
 
 
 def op_vs_bwt(results: RunResult, path: Path):
-    """Accuracy (OP) against forgetting (BWT) on the main order, one point per method with its intervals."""
+    """Accuracy (OP) against forgetting (BWT), the mean over orders (the main order where there is one), one point
+    per method with its intervals."""
     methods = {label: m.stats for label, m in results.methods.items()}
+    study = results.extra["study"]
+    over = "over_orders" if len(study["orders"]) > 1 else "intervals"
     color = colors(list(methods))
     fig, ax = plt.subplots(figsize=(6.4, 4.6))
     for label, m in methods.items():
-        op, bwt = m["intervals"]["op_tasks"], m["intervals"].get("bwt_tasks")
+        op, bwt = m[over]["op_tasks"], m[over].get("bwt_tasks")
         if bwt is None:
             continue
         ax.errorbar(bwt["mean"], op["mean"], xerr=[[bwt["mean"] - bwt["lo"]], [bwt["hi"] - bwt["mean"]]],
                     yerr=[[op["mean"] - op["lo"]], [op["hi"] - op["mean"]]], fmt="o", capsize=3, color=color[label],
                     label=f"{label} (lr {m['lr']:.3g})")
     ax.axvline(0, color="grey", lw=0.8, ls=":")
-    study = results.extra["study"]
     name = study["stream"] if "," not in study["stream"] else "task"
+    where = f"mean over {len(study['orders'])} orders" if over == "over_orders" else f"order {study['main_order']}"
     ax.set(xlabel="BWT over the tasks (points; < 0 = forgetting)  → better", ylabel="OP: accuracy after the last task (%)  ↑")
-    ax.set_title(f"{name} stream, order {study['main_order']}, {len(results.seeds)} seed(s)\n95 % intervals over "
+    ax.set_title(f"{name} stream, {where}, {len(results.seeds)} seed(s) on order {study['main_order']}\n95 % intervals over "
                  f"test rows{' and seeds' if len(results.seeds) > 1 else ' (one seed: not its spread)'}", fontsize=10)
     ax.legend(fontsize=7)
     save(fig, path)
