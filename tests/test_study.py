@@ -240,6 +240,8 @@ def test_the_table_prints_published_rows_as_references(study):
     assert row["general PPL change per order (1 / 2)"] == " / ".join(
         f"{100 * lora['orders'][k]['general_ppl_change']:+.1f}" for k in ("1", "2"))
     assert row["BWT, order 1 (2 seeds)"].startswith(f"{lora['intervals']['bwt_tasks']['mean']:+.1f} [")
+    joint = dict(zip(heads, next(r for r in rows if r[0] == "mtl")))  # the ceiling's BWT is 0 by definition: a dash
+    assert joint["BWT, mean over orders"] == joint["BWT per order (1 / 2)"] == "—"
     assert text.split("| lora |")[1].splitlines()[0].endswith(f" {lora['trainable_params']:,} |")  # tiny: under 10k
     assert published.row_count == 8 and list(published.columns[2].cells)[-1] == "80.9"
     assert len(terminal_tables(study["results"], "study", "caption")) == 1  # no published rows: ours alone

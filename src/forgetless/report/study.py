@@ -21,8 +21,8 @@ def interval(stat: dict | None, fmt: str = "{:.1f}", scale: float = 1.0) -> str:
 
 def study_rows(results: RunResult) -> tuple[list[str], list[list[str]]]:
     """Our rows: the base model untrained, then each arm: the chosen lr; OP, BWT and general PPL change, each as the
-    mean over orders with its interval and per order; order 1 with its intervals where it has more seeds than the
-    others; trainable parameters."""
+    mean over orders with its interval and per order (BWT "—" for a joint arm: 0 by definition); order 1 with its
+    intervals where it has more seeds than the others; trainable parameters."""
     study = results.extra["study"]
     main, orders, seeds = study["main_order"], list(study["orders"]), len(results.seeds)
     over = "over_orders" if len(orders) > 1 else "intervals"
@@ -54,7 +54,7 @@ def study_rows(results: RunResult) -> tuple[list[str], list[list[str]]]:
                      *([interval(base["intervals"]["op_tasks"]), "—"] if extra else []), "0"])
     for label, entry in results.methods.items():
         m = entry.stats  # the study's keys: lr, intervals, over_orders, orders (continual/study.py)
-        body.append([label, f"{m['lr']:.3g}", *values(m[over], m["orders"]),
+        body.append([label, f"{m['lr']:.3g}", *values(m[over], m["orders"], ("bwt_tasks",) if m.get("joint") else ()),
                      *([interval(m["intervals"]["op_tasks"]), interval(m["intervals"].get("bwt_tasks"), "{:+.1f}")]
                        if extra else []), millions(entry.trainable_params)])
     return heads, body
