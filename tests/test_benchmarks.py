@@ -52,7 +52,8 @@ def test_bench_real_quick_interleaves_each_method_with_its_own_lora():
     assert out["methods"]["cms"]["trainable_params"] > out["methods"]["lora"]["trainable_params"]
     profile = out["methods"]["cms"]["profile_ms"]  # the total, then the 3 operators most over LoRA's
     assert profile[0][0] == "total" and len(profile) == 4 and all(mine >= 0 and lora >= 0 for _, mine, lora in profile)
-    assert [op[2] - op[1] for op in profile[1:]] == sorted(op[2] - op[1] for op in profile[1:])
+    gaps = [op[2] - op[1] for op in profile[1:]]  # sorted before each time was rounded to 0.1 ms: out of order by
+    assert all(a <= b + 0.1 + 1e-9 for a, b in zip(gaps, gaps[1:]))  # at most the two roundings
     pooled = [t for r in out["methods"].values() for t in r["baseline_ms_all"]]
     assert out["baseline_ms"] == pytest.approx(statistics.median(pooled), abs=0.1)
     assert "target <= 1.3x" in run.stdout

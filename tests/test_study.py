@@ -358,12 +358,33 @@ def test_the_guide_rows_are_generated_from_a_studys_results(study):
     (at_edge,) = study_rows({**results, "methods": {**results["methods"], "lora": {**lora, "lr_grid": edge}}}, "x")
     assert ", chosen on validation rows, at the grid's top end: a higher lr was not tried)" in at_edge.evidence
     assert "grid's" not in row.evidence or any(p["chosen"] and p["edge"] for p in lora["lr_grid"])
+    low, high = sorted(lora["lr_grid"], key=lambda p: p["lr"])[:2]  # the lower lr within the rows' error, kinder to text
+    near = {"lr": low["lr"], "chosen": False, "op_vs_chosen": {"mean": -1.0, "lo": -3.0, "hi": 1.0},
+            "general_ppl_change_dev": 0.1}
+    grid = [near, {**high, "chosen": True, "edge": False, "general_ppl_change_dev": 0.5}]
+    (kinder,) = study_rows({**results, "methods": {**results["methods"], "lora": {**lora, "lr_grid": grid}}}, "x")
+    assert (f"; at lr {low['lr']:.3g}, within the validation rows' sampling error of it (OP -1.0 [-3.0, +1.0]), "
+            "validation general perplexity rose +10.0 % against +50.0 %") in kinder.evidence
+    for other in ({"op_vs_chosen": {"mean": -4.0, "lo": -6.0, "hi": -2.0}}, {"general_ppl_change_dev": 0.6}):
+        grid = [{**near, **other}, grid[1]]  # separated from the choice, or no kinder to general text: nothing said
+        (plain,) = study_rows({**results, "methods": {**results["methods"], "lora": {**lora, "lr_grid": grid}}}, "x")
+        assert "within the validation rows' sampling error" not in plain.evidence
+    tie = [{**grid[1], "op_tasks_dev": 50.0}, {**high, "lr": 3 * high["lr"], "chosen": False, "op_tasks_dev": 50.0,
+                                                "general_ppl_change_dev": 0.9}]  # equal OP: the lower lr chosen
+    (tied,) = study_rows({**results, "methods": {**results["methods"], "lora": {**lora, "lr_grid": tie}}}, "x")
+    assert (f"; tied on validation OP with lr {3 * high['lr']:.3g} (ties go to the lower lr), where validation general "
+            "perplexity rose +90.0 % against +50.0 %") in tied.evidence
+    assert f"; {lora['trainable_params'] / 1e6:.2f} M trainable parameters on the last task" in row.evidence
     kept = summary(results, "forgetless study ...", {"section": "the-study", "commit": "abc"})
     kept = json.loads(json.dumps(kept))
-    assert study_rows(kept, "the-study") == [row] and len(json.dumps(kept)) < len(json.dumps(results)) / 3
+    assert study_rows(kept, "the-study") == [row] and len(json.dumps(kept)) < len(json.dumps(results)) / 2
     rows = guide_rows(kept)
     assert [a for a in rows if not a.old_data and a.stream] == [row]  # the hand-written stream row without old data
     assert [a for a in rows if a != row] == [a for a in MEASURED if a.old_data or not a.stream]  # the others stay
+    (replayed,) = study_rows(replay, "the-study")  # a side without a hand-written stream row: after its first row
+    rows = guide_rows(json.loads(json.dumps(summary(replay, "forgetless study ...", {"section": "the-study"}))))
+    first_old = next(a for a in MEASURED if a.old_data)
+    assert rows[rows.index(first_old) + 1] == replayed and [a for a in rows if a != replayed] == MEASURED
 
 
 def test_the_plain_answers_follow_the_means(study):

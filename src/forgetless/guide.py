@@ -5,7 +5,7 @@ decision table and docs/methods.md its numbers (scripts/sync_docs.py).
 
 The rows on a stream of tasks are generated from the standard study (`forgetless study standard`) once its
 summary `STUDY` exists (`python scripts/guide_evidence.py STUDY_FOLDER` writes it from the study's results.json);
-until then they are the hand-written rows marked `stream` below."""
+until then the hand-written row marked `stream` below stands for its side."""
 from __future__ import annotations
 
 import json
@@ -28,14 +28,14 @@ class Advice:
 
 
 MEASURED = [
-    Advice("old data (a sample of what the model should keep), one domain or a stream of tasks", "seq-lora", True,
+    Advice("old data (a sample of what the model should keep), one new domain", "seq-lora", True,
            "SmolLM2-135M-Instruct, 4-task stream, 3 seeds",
-           "BWT +14.7 points (95 % +7.1 to +22.3) over the same LoRA without replay (20 % old rows), learning accuracy "
-           "-0.2 (-3.3 to +3.0); seed-only intervals on 50 test rows per task; general-text perplexity still rose "
-           "24.6 % (replaying tasks does not protect general text). For one domain seq-lora and lora are the same",
+           "measured on a stream (a study of one domain with old rows is still to run): BWT +14.7 points (95 % +7.1 "
+           "to +22.3) over the same LoRA without replay (20 % old rows), learning accuracy -0.2 (-3.3 to +3.0); "
+           "seed-only intervals on 50 test rows per task; general-text perplexity still rose 24.6 % (replaying "
+           "tasks does not protect general text). For one domain seq-lora and lora are the same",
            "real-models.md#replay-on-three-seeds-sequential-lora-with-20--of-each-batch-from-the-earlier-tasks-"
-           "2026-11-25",
-           stream=True),
+           "2026-11-25"),
     Advice("old data, and the least forgetting at a given adaptation", "ewc-distill[beta=0.5;mix=0.3;lam=300]", True,
            "byte-level GPT (0.84 M), one spelling pair, 200 steps",
            "at lr 1e-3 (the byte GPT's; on a pretrained model it starts at 5e-5, untested there); the KL term acts on "
@@ -93,6 +93,9 @@ def study_rows(results: dict, section: str) -> list[Advice]:
         where = "mean over orders" if over == "over_orders" else f"order {study['main_order']}"
         text = f"{', '.join(parts)} ({where}; lr {m['lr']:.3g}"
         text += f", chosen on validation rows{edge_text(m)})" if study.get("lr_grid") else ", its own)"
+        text += grid_text(m)
+        text += f"; {m['trainable_params'] / 1e6:.2f} M trainable parameters on the last task" if m.get(
+            "trainable_params") else ""
         text += "".join(f"; the ceiling {c}: OP {interval(methods[c][over]['op_tasks'])}" for c in ceiling)
         if len(group) > 1:
             runner = methods[group[1]][over]
@@ -120,6 +123,32 @@ def edge_text(m: dict) -> str:
     return f", at the grid's {end} end: a {'higher' if end == 'top' else 'lower'} lr was not tried"
 
 
+def grid_text(m: dict) -> str:
+    """What the lr grid adds for a user who must keep general text: another lr tied with the chosen one on validation
+    OP (the rule takes the lower), and the nearest lower lr within the validation rows' sampling error of it (its
+    paired OP difference holds 0) where validation general perplexity rose less."""
+    points = m.get("lr_grid") or []
+    chosen = next((p for p in points if p["chosen"]), None)
+    if chosen is None or chosen.get("general_ppl_change_dev") is None:
+        return ""
+
+    def ppl(p: dict) -> str:
+        return (f"validation general perplexity rose {100 * p['general_ppl_change_dev']:+.1f} % against "
+                f"{100 * chosen['general_ppl_change_dev']:+.1f} %")
+    others = [p for p in points if not p["chosen"] and p.get("general_ppl_change_dev") is not None]
+    tied = [p for p in others if p.get("op_tasks_dev") is not None and chosen.get("op_tasks_dev") is not None
+            and abs(p["op_tasks_dev"] - chosen["op_tasks_dev"]) <= 1e-9]
+    text = "".join(f"; tied on validation OP with lr {p['lr']:.3g} (ties go to the lower lr), where {ppl(p)}"
+                   for p in tied)
+    near = [p for p in others if p not in tied and p["lr"] < chosen["lr"] and p.get("op_vs_chosen")
+            and p["op_vs_chosen"]["hi"] >= 0 and p["general_ppl_change_dev"] < chosen["general_ppl_change_dev"]]
+    if near:
+        lower = max(near, key=lambda p: p["lr"])
+        text += (f"; at lr {lower['lr']:.3g}, within the validation rows' sampling error of it (OP "
+                 f"{interval(lower['op_vs_chosen'], '+')}), {ppl(lower)}")
+    return text
+
+
 def interval(stat: dict, sign: str = "", scale: float = 1.0) -> str:
     """'43.2 [38.1, 48.0]' from {mean, lo, hi}; sign '+' prints signs."""
     return "{0:{s}.1f} [{1:{s}.1f}, {2:{s}.1f}]".format(*(scale * stat[k] for k in ("mean", "lo", "hi")), s=sign)
@@ -142,24 +171,32 @@ PROVENANCE = ("forgetless_version", "git_commit", "device", "torch", "precision"
 def summary(results: dict, command: str, made: dict) -> dict:
     """The part of a study's results.json the guide reads, with where it came from: `command` (the study's),
     `made` (how this summary was made: its command, commit, machine, date)."""
-    keep = ("method", "options", "arm", "lr", "joint", "reads_previous", "intervals", "over_orders")
+    keep = ("method", "options", "arm", "lr", "joint", "reads_previous", "trainable_params", "intervals",
+            "over_orders")
     return {"guide_summary": {"study_command": command, **made},
             **{k: results[k] for k in ("model", "preset", "seeds", *PROVENANCE) if k in results},
             "config": {"adapt": results["config"]["adapt"]},
             "study": {k: results["study"][k] for k in ("stream", "orders", "main_order", "seeds_per_order",
                                                          "order1_seeds", "lr_grid", "lr_rule", "op_differences")},
-            "methods": {label: {**{k: m[k] for k in keep if k in m},  # of the grid, where the choice lies
-                                **({"lr_grid": [{k: p.get(k) for k in ("lr", "chosen", "edge")} for p in m["lr_grid"]]}
+            "methods": {label: {**{k: m[k] for k in keep if k in m},  # of the grid: the choice, the others' gap to it
+                                **({"lr_grid": [{k: p.get(k) for k in ("lr", "chosen", "edge", "op_tasks_dev",
+                                                                      "op_vs_chosen", "general_ppl_change_dev")}
+                                                for p in m["lr_grid"]]}
                                    if "lr_grid" in m else {})}
                         for label, m in results["methods"].items()}}
 
 
 def guide_rows(study: dict | None) -> list[Advice]:
-    """`MEASURED`, its stream rows replaced by `study`'s (a `summary`) where it has one for the same side."""
+    """`MEASURED` with `study`'s rows (a `summary`): each replaces the hand-written stream row of its side (old data
+    or not), or where that side has none, follows its first row (which stays `forgetless adapt`'s default)."""
     if study is None:
         return MEASURED
     generated = {a.old_data: a for a in study_rows(study, study["guide_summary"]["section"])}
-    return [generated.get(a.old_data, a) if a.stream else a for a in MEASURED]
+    rows = [generated.pop(a.old_data) if a.stream and a.old_data in generated else a for a in MEASURED]
+    for old, advice in generated.items():
+        first = next(i for i, a in enumerate(rows) if a.old_data == old)
+        rows.insert(first + 1, advice)
+    return rows
 
 
 GUIDE = guide_rows(json.loads(STUDY.read_text()) if STUDY.exists() else None)
