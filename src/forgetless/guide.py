@@ -192,8 +192,10 @@ def guide_rows(study: dict | None) -> list[Advice]:
     if study is None:
         return MEASURED
     generated = {a.old_data: a for a in study_rows(study, study["guide_summary"]["section"])}
-    rows = [generated.pop(a.old_data) if a.stream and a.old_data in generated else a for a in MEASURED]
-    for old, advice in generated.items():
+    rows = []
+    for a in MEASURED:  # a hand-written stream row gives way to the study's row of its side
+        rows.append(generated.pop(a.old_data) if a.stream and a.old_data in generated else a)
+    for old, advice in generated.items():  # the sides without one
         first = next(i for i, a in enumerate(rows) if a.old_data == old)
         rows.insert(first + 1, advice)
     return rows
