@@ -5,8 +5,9 @@ The arm is `forgetless study`'s: the `real` preset (4 tasks of 256 training rows
 rows per task and the held-out FOMC, 32 general-text windows), one `lora` arm, seed 0; options cut it down for a
 loaded machine. "old" is the arm with the scoring of `--old-rev` (default: the commit before the lean scoring, read
 from git: `git show REV:src/forgetless/continual/scoring.py`, loaded in place of today's) and every R cell scored
-after every task (data.r_cells all, as then), "new" today's code with the study's `--r-cells` (default metrics: between
-tasks only the task just learned).
+after every task (data.r_cells all, as then) and training batches padded as drawn, "new" today's code with the study's
+`--r-cells` (default metrics: between tasks only the task just learned) and `--group-by-length` (default 8: training
+rows regrouped by length over 8 batches, adapt.group_by_length).
 Per precision (`--precisions fp32,bf16`; bf16 only where the CPU runs it natively, unless given), old and new
 alternate `--repeats` times (old, new, old, new ...), so machine load hits both; the medians are compared. The metric
 check compares new's first run with old's first run (bench_precision.metric_check: R cells and general PPL after
@@ -61,6 +62,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--old-rev", default=OLD_REV, help="the git revision whose scoring is 'old'")
     parser.add_argument("--r-cells", default="metrics", choices=["all", "metrics"],
                         help="the R cells the new arm scores between tasks (the old one: all)")
+    parser.add_argument("--group-by-length", type=int, default=8,
+                        help="the new arm's adapt.group_by_length (the old one: 0, batches as drawn)")
     parser.add_argument("--scoring-rows", type=int, default=0, help="time label scoring alone: this many test rows of "
                         "the first task, old and new alternating --repeats times per precision (no arm)")
     parser.add_argument("--quick", action="store_true", help="the tests' tiny Llama, one task: seconds")
@@ -93,10 +96,11 @@ def overrides(args) -> dict:
 
 
 def run_arm(lm, tokenizer, settings: dict, precision: str, out: Path, about: str, scoring=None,
-            r_cells: str = "all") -> tuple[dict, float]:
-    """One `lora` arm: (results, wall seconds); `scoring`: a scoring module used in place of today's."""
+            r_cells: str = "all", group: int = 0) -> tuple[dict, float]:
+    """One `lora` arm: (results, wall seconds); `scoring`: a scoring module used in place of today's; `group`:
+    adapt.group_by_length."""
     cfg = build_config("real", {**settings, "data": {**settings["data"], "r_cells": r_cells},
-                                "adapt": {**settings["adapt"], "precision": precision}})
+                                "adapt": {**settings["adapt"], "precision": precision, "group_by_length": group}})
     patch = mock.patch.object(instruct, "task_hits", scoring.task_hits) if scoring else mock.patch.dict({})
     with patch:
         t0 = time.perf_counter()
@@ -114,16 +118,18 @@ def main():
     settings = overrides(args)
     load_avg = os.getloadavg()
     print(f"{about}, {args.threads} thread(s), load {load_avg[0]:.1f} on {os.cpu_count()} CPUs; old = scoring of "
-          f"{args.old_rev}, every R cell; new: r_cells {args.r_cells}", flush=True)
+          f"{args.old_rev}, every R cell, batches as drawn; new: r_cells {args.r_cells}, group_by_length "
+          f"{args.group_by_length}", flush=True)
     if args.scoring_rows:
         return scoring_only(lm, tokenizer, old, args, precisions, device)
     timed, first = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for precision in precisions:
             for r in range(args.repeats):
-                for name, scoring, cells in (("old", old, "all"), ("new", None, args.r_cells)):
+                for name, scoring, cells, group in (("old", old, "all", 0),
+                                                    ("new", None, args.r_cells, args.group_by_length)):
                     results, wall = run_arm(lm, tokenizer, settings, precision, Path(tmp) / f"{precision}-{name}-{r}",
-                                            about, scoring, cells)
+                                            about, scoring, cells, group)
                     train_s = results.methods["lora"].wall_s["mean"]
                     timed.setdefault((precision, name), []).append({"wall_s": round(wall, 1),
                                                                     "train_s": round(train_s, 1),

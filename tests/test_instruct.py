@@ -169,9 +169,9 @@ def test_neutral_mixes_general_text_without_targets_and_replay_mixes_earlier_tas
     seen = []
 
     class Recording(instruct.InstructionSampler):
-        def __init__(self, rows, batch_size, seed, other=None, p=0.0):
+        def __init__(self, rows, batch_size, seed, other=None, p=0.0, group=1):
             seen.append((other, p))
-            super().__init__(rows, batch_size, seed, other, p)
+            super().__init__(rows, batch_size, seed, other, p, group=group)
 
     monkeypatch.setattr(instruct, "InstructionSampler", Recording)
     run(tmp_path / "neutral", ["neutral"])

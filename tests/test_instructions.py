@@ -243,3 +243,54 @@ def test_sampler_resumes_exactly(tok):
         assert torch.equal(got.x, want.x) and torch.equal(got.y, want.y)
         assert torch.equal(got.from_other, want.from_other)
     assert not torch.equal(first.x, expected[0].x) or not torch.equal(first.from_other, expected[0].from_other)
+
+
+def rows_of(batch) -> list[tuple]:
+    """(x without padding, from other) of every row of a batch: its length is where its targets end."""
+    ends = [int((y != -100).nonzero().max()) + 1 for y in batch.y]
+    return [(tuple(x[:n].tolist()), o) for x, n, o in zip(batch.x, ends, batch.from_other.tolist())]
+
+
+def test_grouped_sampler_regroups_the_same_rows_by_length(tok):
+    main = encode([Example(f"Question {i}?" + " more" * (7 * i % 23), f"a{i}") for i in range(40)], tok, max_len=64)
+    other = encode([Example(f"Story {i}:", "once " * (i + 1)) for i in range(5)], tok, max_len=64)
+    plain = InstructionSampler(main, batch_size=4, seed=3, other=other, p=0.3)
+    grouped = InstructionSampler(main, batch_size=4, seed=3, other=other, p=0.3, group=5)
+    want, got = [plain.next() for _ in range(5)], [grouped.next() for _ in range(5)]
+    assert sorted(r for b in got for r in rows_of(b)) == sorted(r for b in want for r in rows_of(b))  # same rows, mix
+    assert [b.x.shape[1] for b in got] != [b.x.shape[1] for b in want]
+    got += [grouped.next() for _ in range(55)]
+    want += [plain.next() for _ in range(55)]
+    assert all(b.x.shape == (4, max(len(x) for x, _ in rows_of(b))) for b in got)   # each padded to its longest row
+    share = {name: sum(len(r) for b in batches for r, _ in rows_of(b)) / sum(b.x.numel() for b in batches)
+             for name, batches in (("plain", want), ("grouped", got))}
+    assert share["grouped"] > share["plain"] + 0.1  # rows of 5-27 tokens: far less padding
+    assert sum(b.from_other.float().mean().item() for b in got) / 60 == pytest.approx(0.3, abs=0.04)
+    assert torch.equal(InstructionSampler(main, 4, 3, group=1).next().x, InstructionSampler(main, 4, 3).next().x)
+
+
+@pytest.mark.parametrize("served", [0, 2, 5, 7])
+def test_grouped_sampler_resumes_exactly_within_a_group(tok, served):
+    main = encode([Example(f"Question {i}?" + " more" * (5 * i % 17), f"a{i}") for i in range(30)], tok, max_len=64)
+    sampler = InstructionSampler(main, batch_size=3, seed=11, group=5)
+    for _ in range(served):
+        sampler.next()
+    state = sampler.get_state().clone()
+    expected = [sampler.next() for _ in range(8)]
+    fresh = InstructionSampler(main, batch_size=3, seed=99, group=5)
+    fresh.next()
+    fresh.set_state(state)
+    for want in expected:
+        got = fresh.next()
+        assert torch.equal(got.x, want.x) and torch.equal(got.y, want.y)
+
+
+def test_group_by_length_is_refused_where_rows_are_windows():
+    from forgetless.continual import protocols
+    from forgetless.continual.protocol import Request, choose
+    from forgetless.presets import build_config
+    cfg = build_config("smoke", {"adapt": {"group_by_length": 8}})
+    with pytest.raises(ForgetlessError, match="adapt.group_by_length acts on instruction rows only; the two-domain"):
+        choose(protocols(), Request("two-domain", cfg, "smoke"))
+    with pytest.raises(ForgetlessError, match="adapt.group_by_length must not be negative"):
+        build_config("smoke", {"adapt": {"group_by_length": -1}})

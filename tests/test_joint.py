@@ -49,16 +49,19 @@ def test_a_joint_arm_of_the_instruction_stream_trains_once_on_every_tasks_rows(t
     seen = []
 
     class Recording(instruct.InstructionSampler):
-        def __init__(self, rows, batch_size, seed, other=None, p=0.0):
+        def __init__(self, rows, batch_size, seed, other=None, p=0.0, group=1):
             seen.append(len(rows))
-            super().__init__(rows, batch_size, seed, other, p)
+            groups.add(group)
+            super().__init__(rows, batch_size, seed, other, p, group=group)
 
+    groups = set()
     monkeypatch.setattr(instruct, "InstructionSampler", Recording)
     tok = tiny_tokenizer()
-    cfg = build_config("real", SMALL)
+    cfg = build_config("real", {**SMALL, "adapt": {**SMALL["adapt"], "group_by_length": 2}})
     results = instruct.run_on(tiny_llama(tok.vocab_size), tok, cfg, ["seq-lora", "seq-lora[joint=true]"], [0],
                               tmp_path, "real", "tiny-llama")
     assert seen == [16, 16, 32]                        # seq-lora: each task's 16 rows; the joint arm: both tasks'
+    assert groups == {2}                               # adapt.group_by_length reaches every arm's sampler
     arms = results["methods"]
     joint, sequential = arms["seq-lora[joint=true]"], arms["seq-lora"]
     check_joint(joint, sequential, 2)

@@ -9,8 +9,9 @@ import torch
 from tiny_lm import tiny_gpt2, tiny_llama, tiny_tokenizer
 
 import forgetless
+from forgetless.continual import scoring
 from forgetless.continual.scoring import (exact_match, general_perplexity, general_text, greedy_answers, label_accuracy,
-                                          label_scores, score_task)
+                                          label_scores, score_task, shared_prefix)
 from forgetless.data.instructions import Example, InstructionTask, load_task, prompt_ids, text_ids
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import GPT, GPTConfig
@@ -49,6 +50,7 @@ def test_fast_label_scores_equal_one_forward_per_candidate(kind, tok, dbpedia):
     prompts = [ex.prompt for ex in dbpedia.test[:5]]
     lengths = {len(prompt_ids(tok, p)) for p in prompts}
     assert len(lengths) > 1  # batches mix prompt lengths, so left padding is exercised
+    assert shared_prefix([prompt_ids(tok, p) for p in prompts]) > 20  # the instruction's tokens run once, cached
     ref = naive_scores(model, tok, prompts, dbpedia.labels)
     fast = label_scores(model, tok, prompts, dbpedia.labels, batch_size=3)  # batches of 3 and 2
     assert fast.shape == (5, 14)
@@ -57,6 +59,27 @@ def test_fast_label_scores_equal_one_forward_per_candidate(kind, tok, dbpedia):
     assert torch.equal(fast.argmax(1), ref.argmax(1))
     mean = label_scores(model, tok, prompts, dbpedia.labels, batch_size=5, normalize=True)
     assert (mean - naive_scores(model, tok, prompts, dbpedia.labels, normalize=True)).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("route", ["eager", "one label a forward"])
+def test_labels_scored_together_or_alone_equal_one_forward_per_candidate(route, tok, dbpedia, monkeypatch):
+    model = tiny_llama(tok.vocab_size)
+    if route == "eager":  # an additive 4D mask in place of SDPA's boolean one
+        model.config._attn_implementation = "eager"
+        assert scoring.mask_kind(model) == "additive"
+    else:
+        monkeypatch.setattr(scoring, "mask_kind", lambda model: None)
+    prompts = [ex.prompt for ex in dbpedia.test[:4]]
+    fast = label_scores(model, tok, prompts, dbpedia.labels, batch_size=3)
+    assert (fast - naive_scores(model, tok, prompts, dbpedia.labels)).abs().max().item() < 1e-4
+    monkeypatch.setattr(scoring, "LABEL_LOGITS_BYTES", 1)  # every label its own group: the same scores
+    assert (label_scores(model, tok, prompts, dbpedia.labels, batch_size=3) - fast).abs().max().item() < 1e-5
+
+
+def test_shared_prefix_leaves_each_row_a_token_of_its_own():
+    assert shared_prefix([[1, 5, 6, 7], [1, 5, 6, 8, 9], [1, 5, 9]]) == 2
+    assert shared_prefix([[1, 5, 6], [1, 5, 6]]) == 2 and shared_prefix([[3], [3, 4]]) == 0
+    assert shared_prefix([[2, 5], [1, 5]]) == 0
 
 
 def test_label_accuracy_counts_argmax_decisions(tok, dbpedia):

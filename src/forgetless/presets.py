@@ -65,12 +65,17 @@ class AdaptConfig(TrainConfig):
     mix: float = field(default=0.0, metadata={
         "help": "fraction of every adaptation batch drawn from the original domain (data mixing / replay), "
                 "for every method without its own `mix`; also --mix"})
+    group_by_length: int = field(default=0, metadata={
+        "help": "instruction rows: draw this many batches at once and regroup their rows by length, so a batch pads "
+                "less (transformers' group_by_length): the same rows and mix in other batches; 0: off"})
     aliases: ClassVar[dict] = {"replay": "mix"}  # the knob's earlier name, still read from files and flags
 
     def __post_init__(self):
         super().__post_init__()
         if not 0.0 <= self.mix <= 1.0:
             raise ForgetlessError(f"adapt.mix must be in [0, 1], got {self.mix}")
+        if self.group_by_length < 0:
+            raise ForgetlessError(f"adapt.group_by_length must not be negative (0: off), got {self.group_by_length}")
 
 
 @dataclass

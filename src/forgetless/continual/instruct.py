@@ -87,6 +87,7 @@ class Instructions(Protocol):
     pretrains = False
     report = SEQUENCE  # its results are a sequence's (`kind` instructions)
     refines = "sequence"
+    instruction_rows = True
     method_set, default_methods = "sequence", Sequence.default_methods
     result_keys = ("kind", "tasks", "held_out_tasks", "score", "config", "bases")
     method_keys = ("op", "op_tasks", "bwt", "bwt_tasks", "la", "general_ppl_change", "general_ppl", "r_matrix")
@@ -296,7 +297,8 @@ def learn_task(adapted, t: int, rows: Encoded, stream: Stream, cfg: RunConfig, s
     other = stream.mix_from or (stream.general_rows if method.mixes_original else earlier)
     adapt = method.training_config(cfg.adapt)
     adapt = dataclasses.replace(adapt, mix=adapt.mix if other else 0.0)
-    sampler = InstructionSampler(rows, adapt.batch_size, 1000 * seed + t, other if adapt.mix else None, adapt.mix)
+    sampler = InstructionSampler(rows, adapt.batch_size, 1000 * seed + t, other if adapt.mix else None, adapt.mix,
+                                 group=adapt.group_by_length)
     params = adapted.trainable_parameters()
     history = train(adapted.model, params, sampler, adapt, lambda m, batch: adapted.losses(batch),
                     hooks=HookChain([method, timer]) if timer else method,

@@ -83,6 +83,7 @@ class Protocol:
     report: Report    # writes its results (report/kinds.py: files, terminal tables, frontier)
     refines = ""      # a protocol it runs in place of, for the requests it `takes` (e.g. sequence's instruction tasks)
     options: tuple[str, ...] = ()              # the OWNED Request fields it reads
+    instruction_rows = False                   # trains on instruction rows of many lengths (else equal windows)
     method_set = ""                            # whose set `--methods all` runs (Method.default_for; "": its name)
     default_methods: ClassVar[dict[str, str]] = {}  # preset ("*": any) -> what `--methods default` runs (else `all`)
     result_keys: tuple[str, ...] = ()          # top-level keys of its results.json beyond every protocol's (§6.3)
@@ -155,6 +156,9 @@ def choose(registry: dict[str, Protocol], request: Request) -> Protocol:
             owner = next(p for p in registry.values() if field_name in p.options)
             raise ForgetlessError(f"{flag} runs the {owner.refines or owner.name} protocol ({owner.name}); give "
                                   f"--protocol {owner.refines or owner.name}, or drop {flag}")
+    if request.cfg.adapt.group_by_length > 1 and not chosen.instruction_rows:
+        raise ForgetlessError(f"adapt.group_by_length acts on instruction rows only; the {chosen.name} protocol trains "
+                              "on windows of one length: drop it, or give instruction --tasks")
     chosen.check(request)
     return chosen.prepared(request)
 

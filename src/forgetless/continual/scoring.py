@@ -10,6 +10,7 @@ than the model's context loses its beginning.
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 import torch.nn as nn
@@ -20,6 +21,8 @@ from forgetless.data.splits import check_length, eval_windows
 from forgetless.device import autocast
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import cache_arg, cache_of, takes_logits_to_keep
+
+LABEL_LOGITS_BYTES = 256 << 20  # fp32 logits of the labels scored in one forward: at most this much at once
 
 
 # ---- label accuracy --------------------------------------------------------------------------
@@ -47,9 +50,11 @@ def label_scores(model: nn.Module, tokenizer, prompts: list[str], labels: list[s
     tokens and of the eos that ends it (the eos keeps a label that is a prefix of another from winning
     for free); normalize=True divides by that token count.
 
-    Prompts run in batches of similar length (`by_length`: little padding), left-padded, once each; on their KV
-    cache each label then runs over its own tokens only (no padding to the longest label, no copy of the cache:
-    the cache is cut back to the prompts after each label) and the head's log-softmax is taken at those positions.
+    The tokens every prompt starts with (a task's instruction and options) run once; their KV cache, repeated per
+    row, is where each batch of the rest starts. The rest runs in batches of similar length (`by_length`: little
+    padding), left-padded (the padding sits between the shared tokens and each row's own, masked), once each. The
+    head's log-softmax at a prompt's end scores every label's first token; the labels' further tokens run together
+    in one forward on that cache, each seeing the prompt and its own tokens (`label_rest`).
     """
     check_causal_lm(model)
     if not labels:
@@ -60,33 +65,100 @@ def label_scores(model: nn.Module, tokenizer, prompts: list[str], labels: list[s
     bos = getattr(tokenizer, "bos_id", None)
     device = next(model.parameters()).device
     rows = [keep_end(prompt_ids(tokenizer, p), room, bos) for p in prompts]
+    shared = shared_prefix(rows)
     out = torch.zeros(len(prompts), len(cands))
     key = cache_arg(model)
     with inference(model):
+        if shared:
+            prefix = torch.tensor(rows[0][:shared], device=device)[None]  # (1, S)
+            prefix_cache = cache_of(model(input_ids=prefix, use_cache=True, **last_logits_only(model)))
+            rows = [r[shared:] for r in rows]
         for batch in by_length(rows, batch_size):
             ids, mask = left_padded([rows[i] for i in batch], pad)      # (b, P)
-            ids, mask = ids.to(device), mask.to(device)
-            first = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=True,
-                          **last_logits_only(model))
-            cache, lengths, b = cache_of(first), mask.sum(1), len(batch)
+            ids, mask, b = ids.to(device), mask.to(device), len(batch)
+            past = {}
+            if shared:
+                cache = copy.deepcopy(prefix_cache)
+                cache.batch_repeat_interleave(b)
+                past = {key: cache}
+            pos = shared + positions(mask)                               # (b, P)
+            mask = torch.cat([mask.new_ones(b, shared), mask], 1)       # (b, S + P)
+            first = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                          **last_logits_only(model), **past)
+            cache, lengths, batch = cache_of(first), mask.sum(1), torch.tensor(batch)
             if not hasattr(cache, "crop"):
                 raise ForgetlessError(f"{type(model).__name__} returned a legacy KV cache (tuples); label scoring "
                                       "needs a transformers version whose models return Cache objects")
             first_lp = first.logits[:, -1].float().log_softmax(-1)      # (b, V): every label's first token
-            for k, cand in enumerate(cands):
-                token_lp = first_lp[:, cand[0]]                          # (b,)
-                if len(cand) > 1:
-                    rest = cand[:-1].to(device).expand(b, -1)            # (b, Lk-1): the label's inputs
-                    attn = torch.cat([mask, torch.ones_like(rest)], 1)
-                    pos = lengths[:, None] + torch.arange(len(cand) - 1, device=device)  # (b, Lk-1)
-                    logits = model(input_ids=rest, attention_mask=attn, position_ids=pos, use_cache=True,
-                                   **{key: cache}).logits.float()  # (b, Lk-1, V)
-                    cache.crop(1 - len(cand))  # drop the label's tokens: the prompts' cache again
-                    lp = logits.gather(-1, cand[1:].to(device).expand(b, -1)[..., None]).squeeze(-1) \
-                        - logits.logsumexp(-1)                           # (b, Lk-1)
-                    token_lp = token_lp + lp.sum(-1)
-                out[batch, k] = (token_lp / len(cand) if normalize else token_lp).cpu()
+            out[batch] = first_lp[:, [c[0] for c in cands]].cpu()        # (b, K)
+            for group in label_groups(model, cands, b):
+                out[batch[:, None], group] += label_rest(model, key, cache, mask, lengths, [cands[k] for k in group])
+    if normalize:
+        out /= torch.tensor([len(c) for c in cands], dtype=out.dtype)
     return out
+
+
+def label_groups(model: nn.Module, cands: list[torch.Tensor], b: int) -> list[list[int]]:
+    """The labels with tokens after their first, in groups that run in one forward: logits of at most
+    LABEL_LOGITS_BYTES; one label a group where the model's attention takes no custom mask (`mask_kind`)."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 1
+    groups, size = [], LABEL_LOGITS_BYTES
+    for k, c in enumerate(cands):
+        if len(c) < 2:
+            continue
+        cost = b * (len(c) - 1) * vocab * 4
+        if mask_kind(model) is None or size + cost > LABEL_LOGITS_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(k)
+        size += cost
+    return groups
+
+
+def label_rest(model: nn.Module, key: str, cache, mask: torch.Tensor, lengths: torch.Tensor,
+               cands: list[torch.Tensor]) -> torch.Tensor:
+    """(b, k): the summed log-probs of each label's tokens after its first, in one forward on the prompts' cache:
+    the labels' inputs one after another, each attending to the prompt and to its own earlier tokens (a 4D mask;
+    a 2D one for one label); the cache is cut back to the prompts after."""
+    b, k, device = len(mask), len(cands), mask.device
+    spans = [len(c) - 1 for c in cands]
+    ids = torch.cat([c[:-1] for c in cands]).to(device).expand(b, -1)              # (b, Q): every label's inputs
+    targets = torch.cat([c[1:] for c in cands]).to(device).expand(b, -1)           # (b, Q): what they predict
+    label = torch.repeat_interleave(torch.arange(k), torch.tensor(spans)).to(device)  # (Q,): whose input
+    offset = torch.cat([torch.arange(n) for n in spans]).to(device)                # (Q,): where in its label
+    attn = torch.cat([mask, torch.ones_like(ids)], 1)                              # (b, S + P + Q)
+    if k > 1:
+        own = (label[:, None] == label[None, :]) & (offset[:, None] >= offset[None, :])  # (Q, Q)
+        attend = torch.cat([mask.bool()[:, None, :].expand(-1, len(label), -1), own.expand(b, -1, -1)], 2)
+        attn = model_mask(model, attend[:, None])                                  # (b, 1, Q, S + P + Q)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=lengths[:, None] + offset, use_cache=True,
+                   **{key: cache}).logits.float()                                  # (b, Q, V)
+    cache.crop(-len(label))  # drop the labels' tokens: the prompts' cache again
+    lp = logits.gather(-1, targets[..., None]).squeeze(-1) - logits.logsumexp(-1)   # (b, Q)
+    return torch.zeros(b, k).index_add_(1, label.cpu(), lp.cpu())
+
+
+def mask_kind(model: nn.Module) -> str | None:
+    """How the model's attention takes a custom 4D mask: "bool" (SDPA), "additive" (eager), None (other kernels:
+    one label a forward)."""
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return {"sdpa": "bool", "eager": "additive"}.get(implementation)
+
+
+def model_mask(model: nn.Module, attend: torch.Tensor) -> torch.Tensor:
+    """`attend` (b, 1, Q, K), True where a query sees a key, as the model's attention takes it."""
+    if mask_kind(model) == "bool":
+        return attend
+    dtype = next(model.parameters()).dtype
+    return torch.zeros(attend.shape, dtype=dtype, device=attend.device).masked_fill(~attend, torch.finfo(dtype).min)
+
+
+def shared_prefix(rows: list[list[int]]) -> int:
+    """How many tokens every row starts with, each row keeping at least one of its own."""
+    first, n = rows[0], min(len(r) for r in rows) - 1
+    for row in rows[1:]:
+        n = next((i for i in range(n) if row[i] != first[i]), n)
+    return max(n, 0)
 
 
 def by_length(rows: list[list[int]], batch_size: int) -> list[list[int]]:

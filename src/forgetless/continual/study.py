@@ -73,6 +73,7 @@ class Study(Protocol):
     name = "study"
     pretrains = False
     report = STUDY
+    instruction_rows = True
     method_set = Sequence.name
     # the floor (sequential LoRA), the ceiling (joint training), replay (20 % of each batch from the earlier tasks),
     # the toy goal's recipe, and the field's baselines; on every preset

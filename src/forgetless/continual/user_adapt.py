@@ -68,7 +68,8 @@ def adapt_on_data(model: nn.Module, tokenizer, method: Method, new, old, cfg: Ad
     adapted.start_task(1, old_train if method.needs_previous else None)
     params = adapted.trainable_parameters()
     sampler = InstructionSampler(encoded(new_train, pad), cfg.batch_size, seed,
-                                 encoded(old_train, pad) if mix > 0 else None, mix)
+                                 encoded(old_train, pad) if mix > 0 else None, mix,
+                                 group=cfg.group_by_length)
     with PeakRSS() as memory:
         t0 = time.perf_counter()
         history = train(adapted.model, params, sampler, cfg, lambda m, batch: adapted.losses(batch), hooks=method,

@@ -302,30 +302,61 @@ class InstructionSampler:
     The draws are a `data.splits.Sampler` over example indices (windows of 2 tokens of 0..n: the first
     is uniform in 0..n-1), so the mixing uses its stochastic rounding and its one generator, whose
     state `get_state`/`set_state` save and restore (exact resume).
+
+    `group` > 1 (`adapt.group_by_length`): `group` batches are drawn at once, their rows sorted by length and cut
+    into batches again, served in a random order: the same rows and mix, less padding (as transformers'
+    group_by_length). The state is then the generator's at the group's start and the batches served of it.
     """
 
     def __init__(self, encoded: Encoded, batch_size: int, seed: int, other: Encoded | None = None,
-                 p: float = 0.0, pad_id: int | None = None):
+                 p: float = 0.0, pad_id: int | None = None, group: int = 1):
         if not len(encoded) or other is not None and not len(other):
             raise ForgetlessError("an instruction sampler needs at least one encoded example in each set")
         self.encoded, self.other = encoded, other
         self.pad_id = encoded.pad_id if pad_id is None else pad_id
         self.indices = Sampler(torch.arange(len(encoded) + 1), batch_size, 1, seed,
                                None if other is None else torch.arange(len(other) + 1), p)
+        self.group, self.queue, self.group_start = max(1, group), [], self.indices.get_state()
 
     def next(self) -> Batch:
+        if self.group == 1:
+            return self.padded(self.draw())
+        if not self.queue:
+            self.group_start, self.queue = self.indices.get_state(), self.grouped()
+        return self.queue.pop(0)
+
+    def draw(self) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+        """One batch's rows: (x (L,), y (L,), from other) each."""
         picks = self.indices.next()  # x (B, 1): example indices; from_other (B,)
-        rows = [(self.other if o else self.encoded) for o in picks.from_other.tolist()]
-        rows = [(s.x[i], s.y[i]) for s, i in zip(rows, picks.x[:, 0].tolist())]
-        width = max(len(x) for x, _ in rows)
+        flags = picks.from_other.tolist()
+        return [((self.other if o else self.encoded).x[i], (self.other if o else self.encoded).y[i], o)
+                for o, i in zip(flags, picks.x[:, 0].tolist())]
+
+    def grouped(self) -> list[Batch]:
+        """`group` batches' rows, longest first, cut into batches of the batch size, in a random order."""
+        rows = sorted((row for _ in range(self.group) for row in self.draw()), key=lambda r: -len(r[0]))
+        size = len(rows) // self.group
+        batches = [self.padded(rows[i:i + size]) for i in range(0, len(rows), size)]
+        return [batches[i] for i in torch.randperm(len(batches), generator=self.indices.generator).tolist()]
+
+    def padded(self, rows: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> Batch:
+        width = max(len(x) for x, _, _ in rows)
         x = torch.full((len(rows), width), self.pad_id, dtype=torch.long)       # (B, T)
         y = torch.full((len(rows), width), IGNORE, dtype=torch.long)            # (B, T)
-        for r, (xi, yi) in enumerate(rows):
+        for r, (xi, yi, _) in enumerate(rows):
             x[r, :len(xi)], y[r, :len(yi)] = xi, yi
-        return Batch(x, y, picks.from_other)
+        return Batch(x, y, torch.tensor([o for _, _, o in rows], dtype=torch.bool))
 
     def get_state(self) -> torch.Tensor:
-        return self.indices.get_state()
+        if self.group == 1:
+            return self.indices.get_state()
+        served = torch.tensor([self.group - len(self.queue) if self.queue else 0], dtype=torch.int32)
+        return torch.cat([self.group_start if self.queue else self.indices.get_state(), served.view(torch.uint8)])
 
     def set_state(self, state: torch.Tensor):
-        self.indices.set_state(state)
+        if self.group == 1:
+            return self.indices.set_state(state)
+        self.indices.set_state(state[:-4].clone())
+        served = int(state[-4:].clone().view(torch.int32))
+        self.group_start, self.queue = self.indices.get_state(), self.grouped() if served else []
+        del self.queue[:served]
