@@ -16,6 +16,7 @@ each task, in sampling errors).
     python benchmarks/bench_arm.py [--precisions fp32,bf16] [--repeats 1] [--tasks dbpedia,amazon,yahoo,agnews]
         [--steps 32] [--train-examples 256] [--test-rows 50] [--held-out FOMC] [--threads N] [--quick]
 
+`--padding-only`: the training tokens that are padding, as drawn and grouped (`--group-by-length`), no arm.
 `--scoring-rows N`: label scoring alone (N test rows of the first task), old and new alternating, no arm.
 `--quick`: the tests' tiny Llama and one task (seconds; the test of this script).
 """
@@ -40,7 +41,7 @@ from bench_precision import load, metric_check
 from forgetless.continual import instruct, scoring
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.instruct import load_stream, run_on
-from forgetless.data.instructions import load_task
+from forgetless.data.instructions import InstructionSampler, load_task
 from forgetless.device import autocast, cpu_bf16, resolve_device
 from forgetless.presets import build_config
 
@@ -66,6 +67,8 @@ def parse_args() -> argparse.Namespace:
                         help="the new arm's adapt.group_by_length (the old one: 0, batches as drawn)")
     parser.add_argument("--scoring-rows", type=int, default=0, help="time label scoring alone: this many test rows of "
                         "the first task, old and new alternating --repeats times per precision (no arm)")
+    parser.add_argument("--padding-only", action="store_true", help="count the training tokens that are padding, "
+                        "as drawn and with --group-by-length (no arm: seconds)")
     parser.add_argument("--quick", action="store_true", help="the tests' tiny Llama, one task: seconds")
     args = parser.parse_args()
     if min(args.threads, args.repeats, args.steps, args.train_examples, args.test_rows) < 1:
@@ -122,6 +125,10 @@ def main():
           f"{args.group_by_length}", flush=True)
     if args.scoring_rows:
         return scoring_only(lm, tokenizer, old, args, precisions, device)
+    if args.padding_only:
+        cfg = build_config("real", settings)
+        return print(json.dumps({"bench": "arm padding", "padding": padding(load_stream(cfg, tokenizer), cfg,
+                                                                            args.group_by_length)}))
     timed, first = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for precision in precisions:
@@ -139,12 +146,13 @@ def main():
                           f"scoring and the rest), load {os.getloadavg()[0]:.1f}", flush=True)
     cfg = build_config("real", settings)
     stream = load_stream(cfg, tokenizer)
+    padded = padding(stream, cfg, args.group_by_length)
     general = stream.general.windows
     losses = [evaluate(lm, general[i:i + 1])["loss"] for i in range(len(general))]
     tested = [len(t.test[:cfg.data.test_rows or None]) for t in stream.tasks]
     median = {k: statistics.median(run["wall_s"] for run in v) for k, v in timed.items()}
     out = {"bench": "arm", "precisions": {}, "config": {**vars(args), "settings": settings, "model": about},
-           "load_at_start": load_avg, "load_at_end": os.getloadavg(), "provenance": provenance(transformers="transformers")}
+           "padding": padded, "load_at_start": load_avg, "load_at_end": os.getloadavg(), "provenance": provenance(transformers="transformers")}
     for precision in precisions:
         check = metric_check(first[precision, "old"], first[precision, "new"], losses, tested,
                              general.numel() - len(general), ("old", "new"))
@@ -158,6 +166,23 @@ def main():
         out["new_bf16_vs_old_fp32"] = round(median["fp32", "old"] / median["bf16", "new"], 3)
         print(f"new bf16 against old fp32: {out['new_bf16_vs_old_fp32']:.2f}x", flush=True)
     print(json.dumps(out))
+
+
+def padding(stream, cfg, group: int) -> dict:
+    """Per task: training tokens of the arm's batches (seed 0's draws) and the share that is padding, as drawn and
+    regrouped by length over `group` batches."""
+    out = {}
+    for t, (name, rows) in enumerate(zip(cfg.data.tasks, stream.train), start=1):
+        for label, g in (("as drawn", 1), (f"group_by_length {group}", group)):
+            sampler = InstructionSampler(rows, cfg.adapt.batch_size, t, group=g)  # learn_task's seed for seed 0
+            batches = [sampler.next() for _ in range(cfg.adapt.steps)]
+            tokens = sum(b.x.numel() for b in batches)
+            real = sum(int((y != -100).nonzero().max()) + 1 for b in batches for y in b.y)  # a row ends at its eos
+            out.setdefault(name, {})[label] = {"tokens": tokens, "padding": round(1 - real / tokens, 3)}
+        print(f"{name}: training tokens as drawn {out[name]['as drawn']['tokens']:,} "
+              f"({out[name]['as drawn']['padding']:.0%} padding), grouped by {group} "
+              f"{out[name][label]['tokens']:,} ({out[name][label]['padding']:.0%})", flush=True)
+    return out
 
 
 def scoring_only(lm, tokenizer, old, args, precisions: list[str], device):

@@ -138,6 +138,9 @@ def test_bench_arm_quick_times_old_and_new_and_checks_the_metrics():
     fp32 = line["precisions"]["fp32"]
     assert [len(fp32["old"]), len(fp32["new"])] == [1, 1] and fp32["old"][0]["wall_s"] > 0 and fp32["speedup"] > 0
     assert fp32["metric_check"]["cells"] > 0 and fp32["metric_check"]["max_z"] < 1  # the same label wins per row
+    padded = line["padding"]["dbpedia"]
+    assert padded["group_by_length 8"]["tokens"] <= padded["as drawn"]["tokens"]
+    assert 0 <= padded["group_by_length 8"]["padding"] <= padded["as drawn"]["padding"] < 1
 
 
 def test_bench_memory_counts_the_terms_state_over_what_trains(tmp_path):

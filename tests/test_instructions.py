@@ -259,6 +259,7 @@ def test_grouped_sampler_regroups_the_same_rows_by_length(tok):
     want, got = [plain.next() for _ in range(5)], [grouped.next() for _ in range(5)]
     assert sorted(r for b in got for r in rows_of(b)) == sorted(r for b in want for r in rows_of(b))  # same rows, mix
     assert [b.x.shape[1] for b in got] != [b.x.shape[1] for b in want]
+    assert sorted(int(b.from_other.sum()) for b in got) == sorted(int(b.from_other.sum()) for b in want)
     got += [grouped.next() for _ in range(55)]
     want += [plain.next() for _ in range(55)]
     assert all(b.x.shape == (4, max(len(x) for x, _ in rows_of(b))) for b in got)   # each padded to its longest row

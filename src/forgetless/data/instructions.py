@@ -303,9 +303,10 @@ class InstructionSampler:
     is uniform in 0..n-1), so the mixing uses its stochastic rounding and its one generator, whose
     state `get_state`/`set_state` save and restore (exact resume).
 
-    `group` > 1 (`adapt.group_by_length`): `group` batches are drawn at once, their rows sorted by length and cut
-    into batches again, served in a random order: the same rows and mix, less padding (as transformers'
-    group_by_length). The state is then the generator's at the group's start and the batches served of it.
+    `group` > 1 (`adapt.group_by_length`): `group` batches are drawn at once and their rows regrouped by length
+    (each set's rows longest first), every batch keeping its drawn count of `other` rows, then served in a random
+    order: the same rows and mix, less padding (as transformers' group_by_length). The state is then the
+    generator's at the group's start and the batches served of it.
     """
 
     def __init__(self, encoded: Encoded, batch_size: int, seed: int, other: Encoded | None = None,
@@ -333,10 +334,17 @@ class InstructionSampler:
                 for o, i in zip(flags, picks.x[:, 0].tolist())]
 
     def grouped(self) -> list[Batch]:
-        """`group` batches' rows, longest first, cut into batches of the batch size, in a random order."""
-        rows = sorted((row for _ in range(self.group) for row in self.draw()), key=lambda r: -len(r[0]))
-        size = len(rows) // self.group
-        batches = [self.padded(rows[i:i + size]) for i in range(0, len(rows), size)]
+        """`group` batches' rows regrouped by length, each batch keeping its drawn count of `other` rows (a method's
+        term on those rows sees the same counts), served in a random order."""
+        drawn = [self.draw() for _ in range(self.group)]
+        by_set = [sorted((row for rows in drawn for row in rows if row[2] == o), key=lambda r: -len(r[0]))
+                  for o in (False, True)]
+        batches = []
+        for rows in drawn:
+            n_other = sum(o for _, _, o in rows)
+            take = [by_set[0][:len(rows) - n_other], by_set[1][:n_other]]
+            by_set = [by_set[0][len(take[0]):], by_set[1][len(take[1]):]]
+            batches.append(self.padded(take[0] + take[1]))
         return [batches[i] for i in torch.randperm(len(batches), generator=self.indices.generator).tolist()]
 
     def padded(self, rows: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> Batch:
