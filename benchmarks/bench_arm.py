@@ -119,7 +119,7 @@ def main():
     lm, tokenizer, about = load(argparse.Namespace(quick=args.quick, model=args.model), device)
     old = old_scoring(args.old_rev)
     settings = overrides(args)
-    load_avg = os.getloadavg()
+    load_avg, made_by = os.getloadavg(), provenance(transformers="transformers")  # the code as imported, at the start
     print(f"{about}, {args.threads} thread(s), load {load_avg[0]:.1f} on {os.cpu_count()} CPUs; old = scoring of "
           f"{args.old_rev}, every R cell, batches as drawn; new: r_cells {args.r_cells}, group_by_length "
           f"{args.group_by_length}", flush=True)
@@ -152,7 +152,7 @@ def main():
     tested = [len(t.test[:cfg.data.test_rows or None]) for t in stream.tasks]
     median = {k: statistics.median(run["wall_s"] for run in v) for k, v in timed.items()}
     out = {"bench": "arm", "precisions": {}, "config": {**vars(args), "settings": settings, "model": about},
-           "padding": padded, "load_at_start": load_avg, "load_at_end": os.getloadavg(), "provenance": provenance(transformers="transformers")}
+           "padding": padded, "load_at_start": load_avg, "load_at_end": os.getloadavg(), "provenance": made_by}
     for precision in precisions:
         check = metric_check(first[precision, "old"], first[precision, "new"], losses, tested,
                              general.numel() - len(general), ("old", "new"))

@@ -137,10 +137,9 @@ def test_bench_arm_quick_times_old_and_new_and_checks_the_metrics():
     line = json.loads(run.stdout.strip().splitlines()[-1])
     fp32 = line["precisions"]["fp32"]
     assert [len(fp32["old"]), len(fp32["new"])] == [1, 1] and fp32["old"][0]["wall_s"] > 0 and fp32["speedup"] > 0
-    assert fp32["metric_check"]["cells"] > 0 and fp32["metric_check"]["max_z"] < 1  # the same label wins per row
-    padded = line["padding"]["dbpedia"]
-    assert padded["group_by_length 8"]["tokens"] <= padded["as drawn"]["tokens"]
-    assert 0 <= padded["group_by_length 8"]["padding"] <= padded["as drawn"]["padding"] < 1
+    assert fp32["metric_check"]["cells"] > 0 and fp32["metric_check"]["max_z"] < 1  # 2 steps: scores barely move
+    padded = line["padding"]["dbpedia"]  # 2 steps of a group of 8: other rows than as drawn, so only the form
+    assert all(v["tokens"] > 0 and 0 <= v["padding"] < 1 for v in padded.values()) and len(padded) == 2
 
 
 def test_bench_memory_counts_the_terms_state_over_what_trains(tmp_path):

@@ -273,17 +273,19 @@ def test_grouped_sampler_regroups_the_same_rows_by_length(tok):
 @pytest.mark.parametrize("served", [0, 2, 5, 7])
 def test_grouped_sampler_resumes_exactly_within_a_group(tok, served):
     main = encode([Example(f"Question {i}?" + " more" * (5 * i % 17), f"a{i}") for i in range(30)], tok, max_len=64)
-    sampler = InstructionSampler(main, batch_size=3, seed=11, group=5)
+    other = encode([Example(f"Story {i}:", "once " * (i + 1)) for i in range(5)], tok, max_len=64)
+    sampler = InstructionSampler(main, batch_size=3, seed=11, other=other, p=0.4, group=5)
     for _ in range(served):
         sampler.next()
     state = sampler.get_state().clone()
     expected = [sampler.next() for _ in range(8)]
-    fresh = InstructionSampler(main, batch_size=3, seed=99, group=5)
+    fresh = InstructionSampler(main, batch_size=3, seed=99, other=other, p=0.4, group=5)
     fresh.next()
     fresh.set_state(state)
     for want in expected:
         got = fresh.next()
         assert torch.equal(got.x, want.x) and torch.equal(got.y, want.y)
+        assert torch.equal(got.from_other, want.from_other)
 
 
 def test_group_by_length_is_refused_where_rows_are_windows():

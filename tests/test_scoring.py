@@ -76,6 +76,22 @@ def test_labels_scored_together_or_alone_equal_one_forward_per_candidate(route, 
     assert (label_scores(model, tok, prompts, dbpedia.labels, batch_size=3) - fast).abs().max().item() < 1e-5
 
 
+def test_a_sliding_window_model_scores_one_label_a_forward(tok, dbpedia):
+    model = tiny_llama(tok.vocab_size)
+    assert scoring.mask_kind(model) == "bool"
+    model.config.sliding_window = 4096  # a 4D mask would replace the window: each label alone, with the model's mask
+    assert scoring.mask_kind(model) is None
+
+
+def test_prompts_without_shared_tokens_score_as_one_forward_per_candidate(dbpedia):
+    bare = tiny_tokenizer(bos=False)
+    model = tiny_llama(bare.vocab_size)
+    prompts = ["Alpha beta gamma.\nAnswer:", "Zeta is a letter too.\nAnswer:", "Question: which one?"]
+    assert shared_prefix([prompt_ids(bare, p) for p in prompts]) == 0
+    fast = label_scores(model, bare, prompts, dbpedia.labels[:5], batch_size=2)
+    assert (fast - naive_scores(model, bare, prompts, dbpedia.labels[:5])).abs().max().item() < 1e-4
+
+
 def test_shared_prefix_leaves_each_row_a_token_of_its_own():
     assert shared_prefix([[1, 5, 6, 7], [1, 5, 6, 8, 9], [1, 5, 9]]) == 2
     assert shared_prefix([[1, 5, 6], [1, 5, 6]]) == 2 and shared_prefix([[3], [3, 4]]) == 0

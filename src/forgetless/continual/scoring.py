@@ -101,7 +101,8 @@ def label_scores(model: nn.Module, tokenizer, prompts: list[str], labels: list[s
 def label_groups(model: nn.Module, cands: list[torch.Tensor], b: int) -> list[list[int]]:
     """The labels with tokens after their first, in groups that run in one forward: logits of at most
     LABEL_LOGITS_BYTES; one label a group where the model's attention takes no custom mask (`mask_kind`)."""
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 1
+    output = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    vocab = output.weight.shape[0] if output is not None else model.config.vocab_size
     groups, size = [], LABEL_LOGITS_BYTES
     for k, c in enumerate(cands):
         if len(c) < 2:
@@ -139,9 +140,16 @@ def label_rest(model: nn.Module, key: str, cache, mask: torch.Tensor, lengths: t
 
 
 def mask_kind(model: nn.Module) -> str | None:
-    """How the model's attention takes a custom 4D mask: "bool" (SDPA), "additive" (eager), None (other kernels:
-    one label a forward)."""
-    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    """How the model's attention takes a custom 4D mask: "bool" (SDPA), "additive" (eager), None (one label a forward):
+    other kernels, sliding-window or chunked layers (a 4D mask would replace their window), or transformers before
+    5 (whose models read a 4D mask in another form)."""
+    import transformers
+    config = getattr(model, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    windowed = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None) or \
+        any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or [])
+    if windowed or int(transformers.__version__.split(".")[0]) < 5:
+        return None
     return {"sdpa": "bool", "eager": "additive"}.get(implementation)
 
 
