@@ -72,8 +72,18 @@ def test_labels_scored_together_or_alone_equal_one_forward_per_candidate(route, 
     prompts = [ex.prompt for ex in dbpedia.test[:4]]
     fast = label_scores(model, tok, prompts, dbpedia.labels, batch_size=3)
     assert (fast - naive_scores(model, tok, prompts, dbpedia.labels)).abs().max().item() < 1e-4
-    monkeypatch.setattr(scoring, "LABEL_LOGITS_BYTES", 1)  # every label its own group: the same scores
+    monkeypatch.setattr(scoring, "LABEL_FORWARD_BYTES", 1)  # every label its own group: the same scores
     assert (label_scores(model, tok, prompts, dbpedia.labels, batch_size=3) - fast).abs().max().item() < 1e-5
+
+
+def test_label_groups_are_sized_by_logits_and_attention(tok):
+    model = tiny_llama(tok.vocab_size)
+    cands = [torch.tensor([5, 6, 2]), torch.tensor([7, 2]), torch.tensor([2]), torch.tensor([8, 9, 10, 2])]
+    assert scoring.label_groups(model, cands, 4, 100) == [[0, 1, 3]]      # the eos-only label has no rest
+    per_token = 4 * (tok.vocab_size + 3 * (100 + 6)) * 4                   # b x (V + (heads + 1) x keys) x fp32
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(scoring, "LABEL_FORWARD_BYTES", 3 * per_token)       # 2 + 1 tokens fit, then 3 more
+        assert scoring.label_groups(model, cands, 4, 100) == [[0, 1], [3]]
 
 
 def test_a_sliding_window_model_scores_one_label_a_forward(tok, dbpedia):

@@ -22,7 +22,7 @@ from forgetless.device import autocast
 from forgetless.errors import ForgetlessError
 from forgetless.models.gpt import cache_arg, cache_of, takes_logits_to_keep
 
-LABEL_LOGITS_BYTES = 256 << 20  # fp32 logits of the labels scored in one forward: at most this much at once
+LABEL_FORWARD_BYTES = 256 << 20  # logits, attention weights and mask of the labels scored in one forward
 
 
 # ---- label accuracy --------------------------------------------------------------------------
@@ -91,24 +91,27 @@ def label_scores(model: nn.Module, tokenizer, prompts: list[str], labels: list[s
                                       "needs a transformers version whose models return Cache objects")
             first_lp = first.logits[:, -1].float().log_softmax(-1)      # (b, V): every label's first token
             out[batch] = first_lp[:, [c[0] for c in cands]].cpu()        # (b, K)
-            for group in label_groups(model, cands, b):
+            for group in label_groups(model, cands, b, mask.shape[1]):
                 out[batch[:, None], group] += label_rest(model, key, cache, mask, lengths, [cands[k] for k in group])
     if normalize:
         out /= torch.tensor([len(c) for c in cands], dtype=out.dtype)
     return out
 
 
-def label_groups(model: nn.Module, cands: list[torch.Tensor], b: int) -> list[list[int]]:
-    """The labels with tokens after their first, in groups that run in one forward: logits of at most
-    LABEL_LOGITS_BYTES; one label a group where the model's attention takes no custom mask (`mask_kind`)."""
+def label_groups(model: nn.Module, cands: list[torch.Tensor], b: int, prompt: int) -> list[list[int]]:
+    """The labels with tokens after their first, in groups that run in one forward on prompts of `prompt` tokens:
+    per label token, its fp32 logits, one layer's attention weights over every key and the mask, at most
+    LABEL_FORWARD_BYTES a group; one label a group where the model's attention takes no custom mask (`mask_kind`)."""
     output = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     vocab = output.weight.shape[0] if output is not None else model.config.vocab_size
-    groups, size = [], LABEL_LOGITS_BYTES
+    heads = getattr(getattr(model, "config", None), "num_attention_heads", None) or 1
+    keys = prompt + sum(len(c) - 1 for c in cands)  # the most keys a label token can face
+    groups, size = [], LABEL_FORWARD_BYTES
     for k, c in enumerate(cands):
         if len(c) < 2:
             continue
-        cost = b * (len(c) - 1) * vocab * 4
-        if mask_kind(model) is None or size + cost > LABEL_LOGITS_BYTES:
+        cost = b * (len(c) - 1) * (vocab + (heads + 1) * keys) * 4
+        if mask_kind(model) is None or size + cost > LABEL_FORWARD_BYTES:
             groups.append([])
             size = 0
         groups[-1].append(k)
