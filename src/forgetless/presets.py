@@ -67,7 +67,7 @@ class AdaptConfig(TrainConfig):
                 "for every method without its own `mix`; also --mix"})
     group_by_length: int = field(default=0, metadata={
         "help": "instruction rows: draw this many batches at once and regroup their rows by length, so a batch pads "
-                "less (transformers' group_by_length): the same rows, each batch with its drawn count of mixed-in "
+                "less (like transformers' group_by_length): the same rows, each batch with its drawn count of mixed-in "
                 "rows; 0: off"})
     aliases: ClassVar[dict] = {"replay": "mix"}  # the knob's earlier name, still read from files and flags
 

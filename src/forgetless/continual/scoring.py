@@ -106,12 +106,12 @@ def label_groups(model: nn.Module, cands: list[torch.Tensor], b: int, prompt: in
     vocab = output.weight.shape[0] if output is not None else model.config.vocab_size
     heads = getattr(getattr(model, "config", None), "num_attention_heads", None) or 1
     keys = prompt + sum(len(c) - 1 for c in cands)  # the most keys a label token can face
-    groups, size = [], LABEL_FORWARD_BYTES
+    groups, size, alone = [], LABEL_FORWARD_BYTES, mask_kind(model) is None
     for k, c in enumerate(cands):
         if len(c) < 2:
             continue
         cost = b * (len(c) - 1) * (vocab + (heads + 1) * keys) * 4
-        if mask_kind(model) is None or size + cost > LABEL_FORWARD_BYTES:
+        if alone or size + cost > LABEL_FORWARD_BYTES:
             groups.append([])
             size = 0
         groups[-1].append(k)

@@ -305,7 +305,7 @@ class InstructionSampler:
 
     `group` > 1 (`adapt.group_by_length`): `group` batches are drawn at once and their rows regrouped by length
     (each set's rows longest first), every batch keeping its drawn count of `other` rows, then served in a random
-    order: the same rows and mix, less padding (as transformers' group_by_length). The state is then the
+    order: the same rows and mix, less padding (like transformers' group_by_length). The state is then the
     generator's at the group's start and the batches served of it.
     """
 
@@ -329,22 +329,16 @@ class InstructionSampler:
     def draw(self) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
         """One batch's rows: (x (L,), y (L,), from other) each."""
         picks = self.indices.next()  # x (B, 1): example indices; from_other (B,)
-        flags = picks.from_other.tolist()
-        return [((self.other if o else self.encoded).x[i], (self.other if o else self.encoded).y[i], o)
-                for o, i in zip(flags, picks.x[:, 0].tolist())]
+        sets = [(self.other if o else self.encoded, o) for o in picks.from_other.tolist()]
+        return [(s.x[i], s.y[i], o) for (s, o), i in zip(sets, picks.x[:, 0].tolist())]
 
     def grouped(self) -> list[Batch]:
         """`group` batches' rows regrouped by length, each batch keeping its drawn count of `other` rows (a method's
         term on those rows sees the same counts), served in a random order."""
         drawn = [self.draw() for _ in range(self.group)]
-        by_set = [sorted((row for rows in drawn for row in rows if row[2] == o), key=lambda r: -len(r[0]))
-                  for o in (False, True)]
-        batches = []
-        for rows in drawn:
-            n_other = sum(o for _, _, o in rows)
-            take = [by_set[0][:len(rows) - n_other], by_set[1][:n_other]]
-            by_set = [by_set[0][len(take[0]):], by_set[1][len(take[1]):]]
-            batches.append(self.padded(take[0] + take[1]))
+        main, other = (iter(sorted((row for rows in drawn for row in rows if row[2] == o), key=lambda r: -len(r[0])))
+                       for o in (False, True))
+        batches = [self.padded([next(main) if not o else next(other) for _, _, o in rows]) for rows in drawn]
         return [batches[i] for i in torch.randperm(len(batches), generator=self.indices.generator).tolist()]
 
     def padded(self, rows: list[tuple[torch.Tensor, torch.Tensor, bool]]) -> Batch:
