@@ -5,9 +5,10 @@ The arm is `forgetless study`'s: the `real` preset (4 tasks of 256 training rows
 rows per task and the held-out FOMC, 32 general-text windows), one `lora` arm, seed 0; options cut it down for a
 loaded machine. "old" is the arm with the scoring of `--old-rev` (default: the commit before the lean scoring, read
 from git: `git show REV:src/forgetless/continual/scoring.py`, loaded in place of today's) and every R cell scored
-after every task (data.r_cells all, as then) and training batches padded as drawn, "new" today's code with the study's
-`--r-cells` (default metrics: between tasks only the task just learned) and `--group-by-length` (default 8: training
-rows regrouped by length over 8 batches, adapt.group_by_length).
+after every task (data.r_cells all, as then), training batches padded as drawn and every row run whole (no shared
+prompt run once: loss.SHARED_MIN out of reach), "new" today's code with the study's `--r-cells` (default metrics:
+between tasks only the task just learned) and `--group-by-length` (default 8: training rows regrouped by length over 8
+batches, adapt.group_by_length).
 Per precision (`--precisions fp32,bf16`; bf16 only where the CPU runs it natively, unless given), old and new
 alternate `--repeats` times (old, new, old, new ...), so machine load hits both; the medians are compared. The metric
 check compares new's first run with old's first run (bench_precision.metric_check: R cells and general PPL after
@@ -23,6 +24,7 @@ each task, in sampling errors).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -38,6 +40,7 @@ import torch
 from _timing import provenance
 from bench_precision import load, metric_check
 
+from forgetless import loss
 from forgetless.continual import instruct, scoring
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.instruct import load_stream, run_on
@@ -100,12 +103,14 @@ def overrides(args) -> dict:
 
 def run_arm(lm, tokenizer, settings: dict, precision: str, out: Path, about: str, scoring=None,
             r_cells: str = "all", group: int = 0) -> tuple[dict, float]:
-    """One `lora` arm: (results, wall seconds); `scoring`: a scoring module used in place of today's; `group`:
-    adapt.group_by_length."""
+    """One `lora` arm: (results, wall seconds); `scoring`: a scoring module used in place of today's, and every
+    training row run whole; `group`: adapt.group_by_length."""
     cfg = build_config("real", {**settings, "data": {**settings["data"], "r_cells": r_cells},
                                 "adapt": {**settings["adapt"], "precision": precision, "group_by_length": group}})
-    patch = mock.patch.object(instruct, "task_hits", scoring.task_hits) if scoring else mock.patch.dict({})
-    with patch:
+    with contextlib.ExitStack() as old:
+        if scoring:
+            old.enter_context(mock.patch.object(instruct, "task_hits", scoring.task_hits))
+            old.enter_context(mock.patch.object(loss, "SHARED_MIN", sys.maxsize))
         t0 = time.perf_counter()
         results = run_on(lm, tokenizer, cfg, ["lora"], [0], out, "real", about)
         return results, time.perf_counter() - t0
@@ -121,7 +126,7 @@ def main():
     settings = overrides(args)
     load_avg, made_by = os.getloadavg(), provenance(transformers="transformers")  # the code as imported, at the start
     print(f"{about}, {args.threads} thread(s), load {load_avg[0]:.1f} on {os.cpu_count()} CPUs; old = scoring of "
-          f"{args.old_rev}, every R cell, batches as drawn; new: r_cells {args.r_cells}, group_by_length "
+          f"{args.old_rev}, every R cell, batches as drawn, rows whole; new: r_cells {args.r_cells}, group_by_length "
           f"{args.group_by_length}", flush=True)
     if args.scoring_rows:
         return scoring_only(lm, tokenizer, old, args, precisions, device)

@@ -12,8 +12,11 @@ from torch.utils._pytree import tree_leaves
 import forgetless
 from forgetless import loss as loss_module
 from forgetless.data.splits import Batch
+from forgetless.loss import shared_prompt
+from forgetless.methods import METHODS, build_method
 from forgetless.methods.distill import DistillTerm
 from forgetless.models.gpt import GPT, logits_of
+from forgetless.models.hf import gradient_checkpointing
 
 V, ROWS = 256, 3  # the tiny models' vocabulary; positions per chunk where a test forces chunks
 
@@ -146,3 +149,70 @@ def test_the_ewc_penalty_made_before_the_forward_gives_the_same_gradients(monkey
     ours, theirs = gradients(adapted, first), gradients(adapted, after)
     for n in ours:
         torch.testing.assert_close(ours[n], theirs[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def prompted_batch(rows: int = 4, shared: int = 10, T: int = 16) -> Batch:
+    """`rows` rows starting with the same `shared` tokens, each then its own; targets scored from the shared prompt's
+    end on (a task's instruction, each row's input and answer), the last two rows old data."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.cat([torch.randint(3, V, (1, shared), generator=g).expand(rows, -1),
+                   torch.randint(3, V, (rows, T + 1 - shared), generator=g)], 1)    # (B, T+1)
+    y = w[:, 1:].clone()
+    y[:, :shared + 1] = -100
+    return Batch(w[:, :-1], y, torch.arange(rows) >= rows - 2)
+
+
+PREFIX_ONCE = [(kind, name) for name in [n for n, cls in METHODS.items() if cls.prefix_once] + ["lora+ewc", "lora+distill"]
+               for kind in ("gpt2", "llama") if (kind, name) != ("gpt2", "osf")]  # OSF wraps no Conv1D (GPT-2's)
+
+
+@pytest.mark.parametrize("kind, name", PREFIX_ONCE)
+def test_a_shared_prompt_run_once_gives_the_same_loss_and_gradients(monkeypatch, kind, name):
+    """Every method that declares `prefix_once`: its loss and gradients with the batch's shared prompt run once
+    (its KV cache repeated for every row) are those of every row run whole."""
+    monkeypatch.setattr(loss_module, "SHARED_MIN", 4)
+    adapted, b = attached(kind, name), prompted_batch()
+    adapted.eval()  # no dropout (GPT-2 has some), the same in both
+    calls = []
+    monkeypatch.setattr(loss_module, "prompt_cache", lambda *a, f=loss_module.prompt_cache: calls.append(a[1].shape)
+                        or f(*a))
+    shared, _ = adapted.losses(b)
+    assert calls == [(1, 10)], "the shared prompt did not run once"
+    monkeypatch.setattr(loss_module, "SHARED_MIN", 10 ** 6)  # every row whole
+    whole, _ = adapted.losses(b)
+    assert len(calls) == 1
+    torch.testing.assert_close(shared, whole, rtol=1e-5, atol=1e-6)
+    ours, theirs = gradients(adapted, shared), gradients(adapted, whole)
+    assert any(g.abs().sum() > 0 for g in ours.values())
+    for n in ours:
+        torch.testing.assert_close(ours[n], theirs[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_a_shared_prompt_runs_once_only_where_its_cache_serves_every_row_exactly(monkeypatch):
+    monkeypatch.setattr(loss_module, "SHARED_MIN", 4)
+    llama, b = tiny("llama"), prompted_batch()
+    assert shared_prompt(llama, b) == 10
+    scored = Batch(b.x, torch.where(torch.arange(16) == 6, b.x, b.y), b.from_other)  # a scored target at 6
+    assert shared_prompt(llama, scored) == 6
+    masked = Batch(b.x, b.y, b.from_other, torch.ones_like(b.x).index_fill_(1, torch.tensor([8]), 0))
+    assert shared_prompt(llama, masked) == 8
+    other = Batch(b.x.index_fill(1, torch.tensor([5]), 2).index_fill_(0, torch.tensor([1]), 1), b.y, b.from_other)
+    assert shared_prompt(llama, other) == 0  # row 1 differs at 0: nothing shared
+    assert shared_prompt(llama, Batch(b.x[:1], b.y[:1], b.from_other[:1])) == 0  # one row
+    assert shared_prompt(tiny("gpt"), b) == 0  # our GPT keeps no KV cache
+    gradient_checkpointing(llama)
+    assert shared_prompt(llama, b) == 0
+    windowed = tiny("llama")
+    monkeypatch.setattr(windowed.config, "sliding_window", 8, raising=False)
+    assert shared_prompt(windowed, b) == 0
+
+
+def test_methods_that_read_their_forward_do_not_share_a_prompt(monkeypatch):
+    """Neutral's l1 term reads the gates the batch's forward left per row, APN adds its routing loss: their batches
+    run whole (no `prefix_once`), and so does any composition with one of them."""
+    assert not METHODS["neutral"].prefix_once and not METHODS["apn-retrofit"].prefix_once
+    assert not build_method("neutral+ewc").prefix_once and build_method("lora+ewc").prefix_once
+    monkeypatch.setattr(loss_module, "SHARED_MIN", 4)
+    monkeypatch.setattr(loss_module, "prompt_cache", lambda *a: pytest.fail("a prompt ran once"))
+    adapted = attached("llama", "neutral")
+    adapted.losses(prompted_batch())

@@ -256,7 +256,8 @@ class Adapted(nn.Module):
                                  ("retained" in batch or "from_other" in batch))
         batch = Batch.of(batch).to(self.device)
         with self.method.penalties_first(self.model):
-            return training_loss(self.model, batch, self.method.extra_loss, self.method.token_weights)
+            return training_loss(self.model, batch, self.method.extra_loss, self.method.token_weights,
+                                 self.method.prefix_once)
 
     def loss(self, batch) -> torch.Tensor:
         return self.losses(batch)[0]

@@ -21,29 +21,61 @@ from torch.utils.checkpoint import checkpoint
 
 from forgetless.data.splits import Batch
 from forgetless.distributed import is_shard
-from forgetless.models.gpt import logits_of, takes_logits_to_keep
+from forgetless.models.gpt import cache_of, forward_takes, last_logits_only, logits_of, takes_logits_to_keep, windowed
 from forgetless.side import aux_loss
 
 CHUNK_BYTES = 64 << 20  # fp32 bytes of one chunk of (positions, V) logits in the loss and the KL
+SHARED_MIN = 8  # shared prompt tokens worth a forward of their own (shared_prompt)
 POSTPROCESSED: set[type] = set()  # model classes whose logits were found not to be their head's output
 
 
-def training_loss(model: nn.Module, batch: Batch, extra=None, token_weights=None) -> tuple[torch.Tensor, torch.Tensor]:
+def training_loss(model: nn.Module, batch: Batch, extra=None, token_weights=None, share_prompt: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(LM loss + modules' auxiliary losses + `extra(model, batch)`, LM loss alone).
 
     Targets of -100 are not scored (e.g. prompt tokens of instruction data): the output head runs only at the
     positions scored (a third less time per step on SmolLM2 with answers-only loss). `token_weights(logits, batch)`
     may return (B, T) weights for the LM loss (None: plain mean); with it, every position's logits are computed.
+    `share_prompt` (a method's `prefix_once`): the unscored tokens every row starts with (a task's instruction and
+    options) run once, and every row goes on from their KV cache (`shared_prompt`): the same loss and gradients
+    in exact arithmetic, a forward and backward of those tokens for the batch instead of one per row.
     """
-    whole, scored = batch, batch.y != -100                                           # (B, T)
-    keep = None
+    whole, x, y, cache = batch, batch.x, batch.y, None                               # (B, T)
+    shared = shared_prompt(model, batch) if share_prompt and token_weights is None else 0
+    if shared:
+        cache = prompt_cache(model, x[:1, :shared], len(x))
+        x, y = x[:, shared:], y[:, shared:]                                          # (B, T - S): the mask stays whole
+    keep, scored = None, y != -100
     if token_weights is None and not scored.all() and takes_logits_to_keep(model):
         keep = scored.any(0).nonzero().flatten()  # (P,) positions some row scores: the rest reach no head
-        batch = Batch(batch.x, batch.y[:, keep], batch.from_other, batch.mask)
+        y = y[:, keep]
     if token_weights is not None:
-        return loss_terms(model, logits_of(model, batch.x, keep, batch.mask), batch.y, whole, extra, token_weights)
-    inputs, head, vocab = head_inputs(model, batch.x, keep, batch.mask)             # (B, P, d) or logits (B, P, V)
-    return loss_terms(model, inputs, batch.y, whole, extra, head=head, vocab=vocab)
+        return loss_terms(model, logits_of(model, x, keep, batch.mask), y, whole, extra, token_weights)
+    inputs, head, vocab = head_inputs(model, x, keep, batch.mask, cache=cache)      # (B, P, d) or logits (B, P, V)
+    return loss_terms(model, inputs, y, whole, extra, head=head, vocab=vocab)
+
+
+def shared_prompt(model: nn.Module, batch: Batch) -> int:
+    """How many tokens every row of `batch` starts with, none scored or masked, each row keeping one of its own;
+    0 below SHARED_MIN, for one row, or where a KV cache of them would not serve the rows exactly: a model other
+    than a transformers one with a cache, windowed attention, gradient checkpointing, FSDP."""
+    x = batch.x                                                                      # (B, T)
+    if len(x) < 2 or not forward_takes(model, "use_cache") or windowed(model) or is_shard(next(model.parameters())) \
+            or any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
+        return 0
+    same = (x == x[:1]).all(0) & (batch.y == -100).all(0)                            # (T,)
+    if batch.mask is not None:
+        same &= batch.mask.bool().all(0)
+    n = min(int(same.cumprod(0).sum()), x.shape[1] - 1)
+    return n if n >= SHARED_MIN else 0
+
+
+def prompt_cache(model: nn.Module, ids: torch.Tensor, rows: int):
+    """The KV cache of one forward of `ids` (1, S) (under autograd: the rows' gradients flow back through it),
+    repeated for `rows` rows."""
+    cache = cache_of(model(input_ids=ids, use_cache=True, **last_logits_only(model)))
+    cache.batch_repeat_interleave(rows)
+    return cache
 
 
 def loss_terms(model: nn.Module, logits: torch.Tensor, targets: torch.Tensor, batch: Batch, extra=None,
@@ -112,16 +144,16 @@ def chunked_sum(fn: Callable, vocab: int, *rows: torch.Tensor, **kwargs) -> torc
 
 
 def head_inputs(model: nn.Module, idx: torch.Tensor, keep: torch.Tensor | None = None,
-                mask: torch.Tensor | None = None, params: dict[str, torch.Tensor] | None = None
+                mask: torch.Tensor | None = None, params: dict[str, torch.Tensor] | None = None, cache=None
                 ) -> tuple[torch.Tensor, Callable | None, int]:
     """(what the output head reads (B, P, d), the head, the vocabulary size) in the forward of `idx` (B, T) (as
-    `logits_of` runs it: `keep`, `mask`, `params` in place of the model's, the head then taking them too); the
+    `logits_of` runs it: `keep`, `mask`, `params` in place of the model's, the head then taking them too, `cache`); the
     forward runs the head on no position. A model whose logits are not its head's output (no output head
     found, logits transformed after it, as by Gemma 2's soft-capping: found at a first forward, which then runs
     again) or whose head FSDP shards gives (its logits (B, P, V), None, V)."""
     head = output_head(model)
     if head is None or type(model) in POSTPROCESSED or any(is_shard(p) for p in head.parameters()):
-        logits = logits_of(model, idx, keep, mask, params)
+        logits = logits_of(model, idx, keep, mask, params, cache)
         return logits, None, logits.shape[-1]
     seen, made = [], []
 
@@ -133,13 +165,15 @@ def head_inputs(model: nn.Module, idx: torch.Tensor, keep: torch.Tensor | None =
     handles = [head.register_forward_pre_hook(before),
                head.register_forward_hook(lambda module, args, out: made.append(out))]
     try:
-        logits = logits_of(model, idx, keep, mask, params)                          # (B, 0, V)
+        logits = logits_of(model, idx, keep, mask, params, cache)                   # (B, 0, V)
     finally:
         for handle in handles:
             handle.remove()
     if len(seen) != 1 or len(made) != 1 or logits is not made[0]:
         POSTPROCESSED.add(type(model))
-        return head_inputs(model, idx, keep, mask, params)
+        if cache is not None:
+            cache.crop(cache.get_seq_length() - idx.shape[1])  # the cached prompt again
+        return head_inputs(model, idx, keep, mask, params, cache)
     if params is not None:
         head = partial(functional_call, head, head_params(model, head, params))
     return seen[0], head, logits.shape[-1]

@@ -20,7 +20,7 @@ from forgetless.data.instructions import Example, InstructionTask, head, keep_en
 from forgetless.data.splits import check_length, eval_windows
 from forgetless.device import autocast
 from forgetless.errors import ForgetlessError
-from forgetless.models.gpt import cache_arg, cache_of, takes_logits_to_keep
+from forgetless.models.gpt import cache_arg, cache_of, last_logits_only, windowed
 
 LABEL_FORWARD_BYTES = 256 << 20  # logits, attention weights and mask of the labels scored in one forward
 
@@ -147,13 +147,9 @@ def mask_kind(model: nn.Module) -> str | None:
     other kernels, sliding-window or chunked layers (a 4D mask would replace their window), or transformers before
     5 (whose models read a 4D mask in another form)."""
     import transformers
-    config = getattr(model, "config", None)
-    implementation = getattr(config, "_attn_implementation", None)
-    windowed = getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None) or \
-        any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or [])
-    if windowed or int(transformers.__version__.split(".")[0]) < 5:
+    if windowed(model) or int(transformers.__version__.split(".")[0]) < 5:
         return None
-    return {"sdpa": "bool", "eager": "additive"}.get(implementation)
+    return {"sdpa": "bool", "eager": "additive"}.get(getattr(getattr(model, "config", None), "_attn_implementation", None))
 
 
 def model_mask(model: nn.Module, attend: torch.Tensor) -> torch.Tensor:
@@ -298,12 +294,6 @@ def check_causal_lm(model: nn.Module):
     if not hasattr(model, "generate"):  # transformers causal LMs (and PEFT / Adapted wrappers of them)
         raise ForgetlessError(f"scoring instruction tasks needs a Hugging Face causal LM (attention masks and a KV "
                               f"cache); {type(model).__name__} is not one")
-
-
-def last_logits_only(model: nn.Module) -> dict:
-    """{"logits_to_keep": 1} when the model's forward takes it (transformers >= 4.50): a prompt pass then
-    skips the output head on every position but the last."""
-    return {"logits_to_keep": 1} if takes_logits_to_keep(model) else {}
 
 
 def pad_of(tokenizer) -> int:

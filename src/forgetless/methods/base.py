@@ -249,6 +249,8 @@ class Method(StepHooks):
     takes_terms = True  # `METHOD+TERM` composes protecting terms with it (False: it anchors itself, e.g. ewc)
     attach_rounding = 0.0  # attach and start_task(1) change no logit bit for bit (the protocols reuse the base's
     # scores for the attached model's first point); > 0: by up to this much (tests/test_contract.py checks either)
+    prefix_once = False  # its modules act on each token alone and its terms read nothing its training forward left:
+    # the unscored prompt every row of a batch starts with may run once for the batch (loss.shared_prompt)
 
     @classmethod
     def pretrained_options(cls) -> dict:
@@ -388,6 +390,7 @@ class Term:
     weight_penalty = False  # its loss is a function of the trained weights alone (EWC's penalty): made before the
     # forward (Composed.penalties_first), so that its gradients come last, one parameter at a time
     default_mix: float | None = None  # the composition's mix where the method sets none (rows for the term to read)
+    prefix_once = False  # it reads nothing the batch's forward left (Method.prefix_once; a composition's: all parts')
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -435,6 +438,7 @@ class Composed(Method):
                                                          if t.unshardable), "")
             self.copies = base.copies + 1 + sum(t.copies for t in terms)  # + the start copy
             self.needs_previous = base.needs_previous or any(t.needs_previous for t in terms)
+            self.prefix_once = base.prefix_once and all(t.prefix_once for t in terms)
             self.reads_retained = " and ".join(filter(None, [base.reads_retained, *(t.reads_retained for t in terms)]))
             self.start_copies = () if base.injects else ("start.",)  # at task 1 the base's (from_pretrained has them)
 

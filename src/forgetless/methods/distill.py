@@ -58,7 +58,7 @@ class DistillTerm(Term):
     Config = DistillTermConfig
     unshardable = ""
     reads_retained = "distillation's KL term"
-    default_mix = 0.1
+    default_mix, prefix_once = 0.1, True  # its KL runs its own forward of the retained rows
 
     def loss(self, method, model, batch):
         if not method.start or self.cfg.beta == 0 or not batch.from_other.any():
@@ -93,7 +93,7 @@ def kl_sum(student: torch.Tensor, teacher: torch.Tensor, head=None, teacher_head
 class Distill(Composed):
     """Full fine-tuning plus a KL term to the task's starting model on the mixed-in original rows."""
     Config = DistillConfig
-    order, trains, injects, takes_terms, copies = 91, ALL, False, False, 1
+    order, trains, injects, takes_terms, copies, prefix_once = 91, ALL, False, False, 1, True
     unshardable = ""
     start_copies = ("start.",)  # copies of the weights at the task's start
     default_for = ()  # named only: `--methods all` (and the tables it reproduces) stay as they were

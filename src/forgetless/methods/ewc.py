@@ -51,7 +51,7 @@ class EWCTerm(Term):
     """A diagonal-Fisher penalty pulling the trainable parameters back to where the task started."""
     Config = EWCTermConfig
     unshardable = ""
-    needs_previous, copies, weight_penalty = True, 1, True
+    needs_previous, copies, weight_penalty, prefix_once = True, 1, True, True
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -112,7 +112,7 @@ class Pull(torch.autograd.Function):
 class EWC(Composed):
     """Full fine-tuning plus a diagonal-Fisher penalty towards the weights of the learned domains."""
     Config = EWCConfig
-    order, trains, injects, takes_terms, copies = 90, ALL, False, False, 2
+    order, trains, injects, takes_terms, copies, prefix_once = 90, ALL, False, False, 2, True
     unshardable = ""
     start_copies = ("start.",)  # copies of the weights at the task's start
     needs_previous = True

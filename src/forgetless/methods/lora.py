@@ -37,7 +37,7 @@ class LoRAMethodConfig(MethodConfig):
 class LoRA(Method):
     """LoRA via peft on the linears; in a sequence, merged after each task and started afresh."""
     Config = LoRAMethodConfig
-    order, merges, export_form, unshardable = 30, True, PEFT, ""
+    order, merges, export_form, unshardable, prefix_once = 30, True, PEFT, "", True
 
     def attach(self, model):
         from peft import LoraConfig, inject_adapter_in_model  # here: importing peft (and transformers) takes seconds

@@ -28,7 +28,7 @@ class MoRAMMethodConfig(BankConfig, MoRAMConfig):
 class MoRAM(GrowingBank):
     """Rank-1 memory atoms beside the linears, r new atoms per task, self-activated retrieval."""
     Config = MoRAMMethodConfig
-    order = 60
+    order, prefix_once = 60, True
     module_cls = MoRAMLinear
     per_task = ("keys", "values")
 

@@ -31,7 +31,7 @@ class OLoRAMethodConfig(BankConfig, OLoRAConfig):
 class OLoRA(GrowingBank):
     """One LoRA per task, kept and frozen after it; each new LoRA orthogonal to the earlier ones."""
     Config = OLoRAMethodConfig
-    order, merges = 63, True
+    order, merges, prefix_once = 63, True, True
     module_cls = OLoRALinear
     per_task = ("down", "up")
 

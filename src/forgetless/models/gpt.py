@@ -178,14 +178,18 @@ class GPT(nn.Module):
 
 
 def logits_of(model: nn.Module, idx: torch.Tensor, keep: torch.Tensor | None = None,
-              mask: torch.Tensor | None = None, params: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+              mask: torch.Tensor | None = None, params: dict[str, torch.Tensor] | None = None,
+              cache=None) -> torch.Tensor:
     """Logits (B, T, V) from our GPT or from a Hugging Face causal LM; with `keep` (P,) positions, only
     those (B, P, V), through the HF model's `logits_to_keep` (see `takes_logits_to_keep`); `mask` (B, T)
     is the HF model's attention_mask (our GPT is causal and takes none: pad it on the right); `params`
-    (named as in the model) in place of the model's own (torch.func.functional_call)."""
+    (named as in the model) in place of the model's own (torch.func.functional_call); `cache`: a HF model's KV
+    cache of tokens before `idx` (the mask then covers them too)."""
     kwargs = {} if keep is None else {"logits_to_keep": keep}
     if mask is not None and not isinstance(model, GPT):
         kwargs["attention_mask"] = mask
+    if cache is not None:
+        kwargs[cache_arg(model)] = cache
     out = model(idx, **kwargs) if params is None else functional_call(model, params, (idx,), kwargs)
     return out.logits if hasattr(out, "logits") else out
 
@@ -205,6 +209,20 @@ def cache_arg(model: nn.Module) -> str:
 def cache_of(out) -> object:
     """The KV cache a transformers forward returned (`cache`, or `past_key_values` before it was renamed)."""
     return out["cache"] if "cache" in out else out.past_key_values
+
+
+def last_logits_only(model: nn.Module) -> dict:
+    """{"logits_to_keep": 1} when the model's forward takes it (transformers >= 4.50): a prompt pass then
+    skips the output head on every position but the last."""
+    return {"logits_to_keep": 1} if takes_logits_to_keep(model) else {}
+
+
+def windowed(model: nn.Module) -> bool:
+    """Whether some attention layer of a transformers model sees a window or chunk of the keys only (sliding-window,
+    chunked layers): a KV cache there may drop keys, and a custom mask would replace the window."""
+    config = getattr(model, "config", None)
+    return bool(getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None) or
+                any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []))
 
 
 def forward_takes(model: nn.Module, name: str) -> bool:
