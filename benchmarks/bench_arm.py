@@ -10,12 +10,14 @@ prompt run once: loss.SHARED_MIN out of reach), "new" today's code with the stud
 between tasks only the task just learned) and `--group-by-length` (default 8: training rows regrouped by length over 8
 batches, adapt.group_by_length).
 Per precision (`--precisions fp32,bf16`; bf16 only where the CPU runs it natively, unless given), old and new
-alternate `--repeats` times (old, new, old, new ...), so machine load hits both; the medians are compared. The metric
+alternate `--repeats` times (old, new, old, new ...; `--new-first`: new, old, ...), so machine load hits both; the
+medians are compared. The metric
 check compares new's first run with old's first run (bench_precision.metric_check: R cells and general PPL after
 each task, in sampling errors).
 
-    python benchmarks/bench_arm.py [--precisions fp32,bf16] [--repeats 1] [--tasks dbpedia,amazon,yahoo,agnews]
-        [--steps 32] [--train-examples 256] [--test-rows 50] [--held-out FOMC] [--threads N] [--quick]
+    python benchmarks/bench_arm.py [--precisions fp32,bf16] [--repeats 1] [--new-first]
+        [--tasks dbpedia,amazon,yahoo,agnews] [--steps 32] [--train-examples 256] [--test-rows 50] [--held-out FOMC]
+        [--threads N] [--quick]
 
 `--padding-only`: the training tokens that are padding, as drawn and grouped (`--group-by-length`), no arm.
 `--scoring-rows N`: label scoring alone (N test rows of the first task), old and new alternating, no arm.
@@ -58,6 +60,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     parser.add_argument("--precisions", default=None, help="fp32,bf16 [default: bf16 too where the CPU has it]")
     parser.add_argument("--repeats", type=int, default=1, help="old/new pairs per precision")
+    parser.add_argument("--new-first", action="store_true", help="each pair runs new, then old (an order effect "
+                        "shows against a run in the default order)")
     parser.add_argument("--tasks", default="dbpedia,amazon,yahoo,agnews", help="the stream's tasks, in order")
     parser.add_argument("--held-out", default="FOMC", help="held-out tasks ('' for none)")
     parser.add_argument("--steps", type=int, default=32, help="training steps per task")
@@ -138,8 +142,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for precision in precisions:
             for r in range(args.repeats):
-                for name, scoring, cells, group in (("old", old, "all", 0),
-                                                    ("new", None, args.r_cells, args.group_by_length)):
+                pair = [("old", old, "all", 0), ("new", None, args.r_cells, args.group_by_length)]
+                for name, scoring, cells, group in pair[::-1] if args.new_first else pair:
                     results, wall = run_arm(lm, tokenizer, settings, precision, Path(tmp) / f"{precision}-{name}-{r}",
                                             about, scoring, cells, group)
                     train_s = results.methods["lora"].wall_s["mean"]

@@ -162,8 +162,9 @@ def prompted_batch(rows: int = 4, shared: int = 10, T: int = 16) -> Batch:
     return Batch(w[:, :-1], y, torch.arange(rows) >= rows - 2)
 
 
-PREFIX_ONCE = [(kind, name) for name in [n for n, cls in METHODS.items() if cls.prefix_once] + ["lora+ewc", "lora+distill"]
-               for kind in ("gpt2", "llama") if (kind, name) != ("gpt2", "osf")]  # OSF wraps no Conv1D (GPT-2's)
+DECLARED = [n for n, cls in METHODS.items() if cls.prefix_once] + ["lora+ewc", "lora+distill"]
+PREFIX_ONCE = [(kind, name) for name in DECLARED for kind in ("gpt2", "llama")
+               if (kind, name) != ("gpt2", "osf")]  # OSF wraps no Conv1D (GPT-2's)
 
 
 @pytest.mark.parametrize("kind, name", PREFIX_ONCE)
