@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from tiny_models import tiny
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from transformers import LlamaForCausalLM
 
 import forgetless
 from forgetless import loss as loss_module
@@ -151,15 +152,21 @@ def test_the_ewc_penalty_made_before_the_forward_gives_the_same_gradients(monkey
         torch.testing.assert_close(ours[n], theirs[n], rtol=1e-5, atol=1e-7, msg=n)
 
 
-def prompted_batch(rows: int = 4, shared: int = 10, T: int = 16) -> Batch:
+def prompted_batch(rows: int = 4, shared: int = 10, T: int = 16, ends: tuple[int, ...] = ()) -> Batch:
     """`rows` rows starting with the same `shared` tokens, each then its own; targets scored from the shared prompt's
-    end on (a task's instruction, each row's input and answer), the last two rows old data."""
+    end on (a task's instruction, each row's input and answer), the last two rows old data; `ends`: row i's tokens
+    stop at ends[i], padding (0, masked, unscored) after, and the batch has a mask."""
     g = torch.Generator().manual_seed(1)
     w = torch.cat([torch.randint(3, V, (1, shared), generator=g).expand(rows, -1),
                    torch.randint(3, V, (rows, T + 1 - shared), generator=g)], 1)    # (B, T+1)
     y = w[:, 1:].clone()
     y[:, :shared + 1] = -100
-    return Batch(w[:, :-1], y, torch.arange(rows) >= rows - 2)
+    x, mask = w[:, :-1].clone(), None
+    if ends:
+        mask = torch.ones_like(x)
+        for row, end in enumerate(ends):
+            x[row, end:], y[row, end - 1:], mask[row, end:] = 0, -100, 0
+    return Batch(x, y, torch.arange(rows) >= rows - 2, mask)
 
 
 DECLARED = [n for n, cls in METHODS.items() if cls.prefix_once] + ["lora+ewc", "lora+distill"]
@@ -167,29 +174,59 @@ PREFIX_ONCE = [(kind, name) for name in DECLARED for kind in ("gpt2", "llama")
                if (kind, name) != ("gpt2", "osf")]  # OSF wraps no Conv1D (GPT-2's)
 
 
-@pytest.mark.parametrize("kind, name", PREFIX_ONCE)
-def test_a_shared_prompt_run_once_gives_the_same_loss_and_gradients(monkeypatch, kind, name):
-    """Every method that declares `prefix_once`: its loss and gradients with the batch's shared prompt run once
-    (its KV cache repeated for every row) are those of every row run whole."""
+def check_shared_prompt(monkeypatch, adapted, b: Batch, shared: int):
+    """The loss and gradients with the batch's shared prompt run once (`shared` tokens, its KV cache repeated for
+    every row) are those of every row run whole."""
     monkeypatch.setattr(loss_module, "SHARED_MIN", 4)
-    adapted, b = attached(kind, name), prompted_batch()
-    adapted.eval()  # no dropout (GPT-2 has some), the same in both
     calls = []
     monkeypatch.setattr(loss_module, "prompt_cache", lambda *a, f=loss_module.prompt_cache: calls.append(a[1].shape)
                         or f(*a))
-    shared, _ = adapted.losses(b)
-    assert calls == [(1, 10)], "the shared prompt did not run once"
+    once, _ = adapted.losses(b)
+    assert calls == [(1, shared)], "the shared prompt did not run once"
     monkeypatch.setattr(loss_module, "SHARED_MIN", 10 ** 6)  # every row whole
     whole, _ = adapted.losses(b)
     assert len(calls) == 1
-    torch.testing.assert_close(shared, whole, rtol=1e-5, atol=1e-6)
-    ours, theirs = gradients(adapted, shared), gradients(adapted, whole)
+    torch.testing.assert_close(once, whole, rtol=1e-5, atol=1e-6)
+    ours, theirs = gradients(adapted, once), gradients(adapted, whole)
     assert any(g.abs().sum() > 0 for g in ours.values())
     for n in ours:
         torch.testing.assert_close(ours[n], theirs[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
-def test_a_shared_prompt_runs_once_only_where_its_cache_serves_every_row_exactly(monkeypatch):
+@pytest.mark.parametrize("kind, name", PREFIX_ONCE)
+def test_a_shared_prompt_run_once_gives_the_same_loss_and_gradients(monkeypatch, kind, name):
+    """Every method that declares `prefix_once`, in training mode (GPT-2 in eval mode: its dropout would refuse)."""
+    adapted = attached(kind, name)
+    if kind == "gpt2":
+        adapted.eval()
+    check_shared_prompt(monkeypatch, adapted, prompted_batch(), 10)
+
+
+def test_a_shared_prompt_serves_padded_rows_with_a_mask(monkeypatch):
+    check_shared_prompt(monkeypatch, attached("llama", "lora"), prompted_batch(ends=(16, 13, 15, 12)), 10)
+
+
+def test_a_model_that_transforms_its_logits_shares_a_prompt_on_its_logits(monkeypatch):
+    """The first batch finds the logits are not the head's output: the forward runs again on the prompt's cache."""
+    class Halved(LlamaForCausalLM):
+        def forward(self, input_ids=None, use_cache=None, logits_to_keep=0, **kwargs):
+            out = super().forward(input_ids=input_ids, use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+            out.logits = out.logits / 2
+            return out
+
+    torch.manual_seed(0)
+    adapted = forgetless.attach(Halved(tiny("llama").config), "lora").train()
+    with torch.no_grad():
+        for _, p in adapted.trainable_parameters():
+            p.add_(0.05)
+    check_shared_prompt(monkeypatch, adapted, prompted_batch(), 10)
+    assert Halved in loss_module.POSTPROCESSED
+    loss_module.POSTPROCESSED.discard(Halved)
+
+
+def test_a_shared_prompt_runs_once_only_where_it_gives_every_rows_result(monkeypatch):
+    """Conditions: the tokens shared, unscored, unmasked, one left to each row; two rows or more; a transformers
+    model with a cache, no gradient checkpointing, no dropout in training."""
     monkeypatch.setattr(loss_module, "SHARED_MIN", 4)
     llama, b = tiny("llama"), prompted_batch()
     assert shared_prompt(llama, b) == 10
@@ -197,15 +234,34 @@ def test_a_shared_prompt_runs_once_only_where_its_cache_serves_every_row_exactly
     assert shared_prompt(llama, scored) == 6
     masked = Batch(b.x, b.y, b.from_other, torch.ones_like(b.x).index_fill_(1, torch.tensor([8]), 0))
     assert shared_prompt(llama, masked) == 8
-    other = Batch(b.x.index_fill(1, torch.tensor([5]), 2).index_fill_(0, torch.tensor([1]), 1), b.y, b.from_other)
-    assert shared_prompt(llama, other) == 0  # row 1 differs at 0: nothing shared
+    other = Batch(b.x.index_fill(0, torch.tensor([1]), 1), b.y, b.from_other)    # row 1 differs from the start
+    assert shared_prompt(llama, other) == 0
+    same = Batch(b.x[:1].expand(4, -1), torch.full_like(b.y, -100), b.from_other)  # identical rows
+    assert shared_prompt(llama, same) == 15
     assert shared_prompt(llama, Batch(b.x[:1], b.y[:1], b.from_other[:1])) == 0  # one row
     assert shared_prompt(tiny("gpt"), b) == 0  # our GPT keeps no KV cache
+    gpt2 = tiny("gpt2")
+    assert shared_prompt(gpt2.eval(), b) == 10 and shared_prompt(gpt2.train(), b) == 0  # its dropout, in training
+    assert shared_prompt(forgetless.attach(tiny("llama"), "lora", dropout=0.1).train().model, b) == 0
+    functional = tiny("llama").train()  # Llama applies its attention dropout as a function: found in the config
+    assert shared_prompt(functional, b) == 10
+    functional.config.attention_dropout = 0.1
+    assert shared_prompt(functional, b) == 0
     gradient_checkpointing(llama)
     assert shared_prompt(llama, b) == 0
-    windowed = tiny("llama")
-    monkeypatch.setattr(windowed.config, "sliding_window", 8, raising=False)
-    assert shared_prompt(windowed, b) == 0
+
+
+def test_a_cache_that_cannot_serve_a_shared_prompt_runs_every_row_whole(monkeypatch):
+    """A cache other than transformers' plain one (here a tuple, as transformers 4.x returns): the rows run whole, and
+    the model's class is not asked again."""
+    monkeypatch.setattr(loss_module, "SHARED_MIN", 4)
+    monkeypatch.setattr(loss_module, "UNCACHED", set())
+    adapted, b = attached("llama", "lora"), prompted_batch()
+    monkeypatch.setattr(loss_module, "cache_of", lambda out: ((torch.zeros(1),),))
+    once, _ = adapted.losses(b)
+    assert type(adapted.model) in loss_module.UNCACHED and shared_prompt(adapted.model, b) == 0
+    monkeypatch.setattr(loss_module, "SHARED_MIN", 10 ** 6)
+    torch.testing.assert_close(once, adapted.losses(b)[0])
 
 
 def test_methods_that_read_their_forward_do_not_share_a_prompt(monkeypatch):

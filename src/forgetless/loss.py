@@ -21,11 +21,14 @@ from torch.utils.checkpoint import checkpoint
 
 from forgetless.data.splits import Batch
 from forgetless.distributed import is_shard
-from forgetless.models.gpt import cache_of, forward_takes, last_logits_only, logits_of, takes_logits_to_keep, windowed
+from forgetless.models.gpt import cache_of, forward_takes, last_logits_only, logits_of, takes_logits_to_keep
 from forgetless.side import aux_loss
 
 CHUNK_BYTES = 64 << 20  # fp32 bytes of one chunk of (positions, V) logits in the loss and the KL
 SHARED_MIN = 8  # shared prompt tokens worth a forward of their own (shared_prompt)
+DROPOUT_KEYS = ("attention_dropout", "dropout", "hidden_dropout", "attn_pdrop", "resid_pdrop", "embd_pdrop")  # config
+# keys of dropout that transformers models apply as a function, not an nn.Dropout (Llama's, OPT's, BLOOM's, GPT-2's)
+UNCACHED: set[type] = set()  # model classes whose KV cache cannot serve a shared prompt (prompt_cache)
 POSTPROCESSED: set[type] = set()  # model classes whose logits were found not to be their head's output
 
 
@@ -42,8 +45,7 @@ def training_loss(model: nn.Module, batch: Batch, extra=None, token_weights=None
     """
     whole, x, y, cache = batch, batch.x, batch.y, None                               # (B, T)
     shared = shared_prompt(model, batch) if share_prompt and token_weights is None else 0
-    if shared:
-        cache = prompt_cache(model, x[:1, :shared], len(x))
+    if shared and (cache := prompt_cache(model, x[:1, :shared], len(x))) is not None:
         x, y = x[:, shared:], y[:, shared:]                                          # (B, T - S): the mask stays whole
     keep, scored = None, y != -100
     if token_weights is None and not scored.all() and takes_logits_to_keep(model):
@@ -57,12 +59,17 @@ def training_loss(model: nn.Module, batch: Batch, extra=None, token_weights=None
 
 def shared_prompt(model: nn.Module, batch: Batch) -> int:
     """How many tokens every row of `batch` starts with, none scored or masked, each row keeping one of its own;
-    0 below SHARED_MIN, for one row, or where a KV cache of them would not serve the rows exactly: a model other
-    than a transformers one with a cache, windowed attention, gradient checkpointing, FSDP."""
-    x = batch.x                                                                      # (B, T)
-    if len(x) < 2 or not forward_takes(model, "use_cache") or windowed(model) or is_shard(next(model.parameters())) \
-            or any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
+    0 below SHARED_MIN, for one row, or where running them once would not give every row's own result: a model
+    other than a transformers one with a cache (or one whose cache was found unfit, UNCACHED), FSDP, gradient
+    checkpointing, dropout in training (the rows would share one mask on the prompt)."""
+    x, config = batch.x, getattr(model, "config", None)                              # (B, T)
+    if len(x) < 2 or type(model) in UNCACHED or not forward_takes(model, "use_cache") or \
+            is_shard(next(model.parameters())) or model.training and any(
+                isinstance(p := getattr(config, key, 0), (int, float)) and p > 0 for key in DROPOUT_KEYS):
         return 0
+    for m in model.modules():
+        if getattr(m, "gradient_checkpointing", False) is True or model.training and isinstance(m, nn.Dropout) and m.p:
+            return 0
     same = (x == x[:1]).all(0) & (batch.y == -100).all(0)                            # (T,)
     if batch.mask is not None:
         same &= batch.mask.bool().all(0)
@@ -72,8 +79,15 @@ def shared_prompt(model: nn.Module, batch: Batch) -> int:
 
 def prompt_cache(model: nn.Module, ids: torch.Tensor, rows: int):
     """The KV cache of one forward of `ids` (1, S) (under autograd: the rows' gradients flow back through it),
-    repeated for `rows` rows."""
+    repeated for `rows` rows; None (and the model's class UNCACHED) where the cache is not transformers' plain one
+    (every layer a DynamicLayer, which keeps every key and appends new ones): sliding-window and chunked layers may
+    drop keys, linear-attention and state-space layers update their state in place, transformers 4.x returns tuples
+    in places."""
     cache = cache_of(model(input_ids=ids, use_cache=True, **last_logits_only(model)))
+    layers = getattr(cache, "layers", None)
+    if not layers or any(type(layer).__name__ != "DynamicLayer" for layer in layers):
+        UNCACHED.add(type(model))
+        return None
     cache.batch_repeat_interleave(rows)
     return cache
 
@@ -172,7 +186,7 @@ def head_inputs(model: nn.Module, idx: torch.Tensor, keep: torch.Tensor | None =
     if len(seen) != 1 or len(made) != 1 or logits is not made[0]:
         POSTPROCESSED.add(type(model))
         if cache is not None:
-            cache.crop(cache.get_seq_length() - idx.shape[1])  # the cached prompt again
+            cache.crop(-idx.shape[1])  # the cached prompt again
         return head_inputs(model, idx, keep, mask, params, cache)
     if params is not None:
         head = partial(functional_call, head, head_params(model, head, params))

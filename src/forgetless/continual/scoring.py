@@ -149,7 +149,8 @@ def mask_kind(model: nn.Module) -> str | None:
     import transformers
     if windowed(model) or int(transformers.__version__.split(".")[0]) < 5:
         return None
-    return {"sdpa": "bool", "eager": "additive"}.get(getattr(getattr(model, "config", None), "_attn_implementation", None))
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return {"sdpa": "bool", "eager": "additive"}.get(implementation)
 
 
 def model_mask(model: nn.Module, attend: torch.Tensor) -> torch.Tensor:

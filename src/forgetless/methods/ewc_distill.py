@@ -30,7 +30,8 @@ class EWCDistillConfig(DistillConfig, EWCConfig):
 class EWCDistill(Composed):
     """Full fine-tuning plus a KL term on mixed-in original rows and a diagonal-Fisher penalty."""
     Config = EWCDistillConfig
-    order, trains, injects, takes_terms, copies, prefix_once = 93, ALL, False, False, 2, True  # Fisher, one anchor = teacher
+    order, trains, injects, takes_terms, copies = 93, ALL, False, False, 2  # Fisher, one anchor = teacher
+    prefix_once = True
     unshardable = ""
     default_for = ()  # named only, like distill
     start_copies = ("start.",)  # copies of the weights at the task's start

@@ -77,7 +77,8 @@ class OSF(Method):
     """PEFT's OSF on the target linears; between tasks the delta is merged and the SVD redone with a larger
     frozen subspace."""
     Config = OSFMethodConfig
-    order, trains, merges, prefix_once = 70, WEIGHTS, True, True  # the weights' own singular directions, through peft's layers
+    order, trains, merges = 70, WEIGHTS, True  # the weights' own singular directions, through peft's layers
+    prefix_once = True
     unshardable = "it splits every whole weight matrix by its SVD at each task's start, and a rank holds a shard"
     default_for = ()  # named only: `--methods all` (and the tables it reproduces) stay as they were
     attach_rounding = 1e-6  # peft's OSF adds U S V - U0 S0 V0 as one product

@@ -218,8 +218,8 @@ def last_logits_only(model: nn.Module) -> dict:
 
 
 def windowed(model: nn.Module) -> bool:
-    """Whether some attention layer of a transformers model sees a window or chunk of the keys only (sliding-window,
-    chunked layers): a KV cache there may drop keys, and a custom mask would replace the window."""
+    """Whether some layer of a transformers model is not full attention: sliding-window or chunked attention (a KV
+    cache there may drop keys, a custom mask would replace the window), linear attention or state-space layers."""
     config = getattr(model, "config", None)
     return bool(getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None) or
                 any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []))
