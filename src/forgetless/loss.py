@@ -63,18 +63,20 @@ def shared_prompt(model: nn.Module, batch: Batch) -> int:
     other than a transformers one with a cache (or one whose cache was found unfit, UNCACHED), FSDP, gradient
     checkpointing, dropout in training (the rows would share one mask on the prompt)."""
     x, config = batch.x, getattr(model, "config", None)                              # (B, T)
-    if len(x) < 2 or type(model) in UNCACHED or not forward_takes(model, "use_cache") or \
+    if len(x) < 2:
+        return 0
+    same = (x == x[:1]).all(0) & (batch.y == -100).all(0)                            # (T,)
+    if batch.mask is not None:
+        same &= batch.mask.bool().all(0)
+    n = min(int(same.cumprod(0).sum()), x.shape[1] - 1)
+    if n < SHARED_MIN or type(model) in UNCACHED or not forward_takes(model, "use_cache") or \
             is_shard(next(model.parameters())) or model.training and any(
                 isinstance(p := getattr(config, key, 0), (int, float)) and p > 0 for key in DROPOUT_KEYS):
         return 0
     for m in model.modules():
         if getattr(m, "gradient_checkpointing", False) is True or model.training and isinstance(m, nn.Dropout) and m.p:
             return 0
-    same = (x == x[:1]).all(0) & (batch.y == -100).all(0)                            # (T,)
-    if batch.mask is not None:
-        same &= batch.mask.bool().all(0)
-    n = min(int(same.cumprod(0).sum()), x.shape[1] - 1)
-    return n if n >= SHARED_MIN else 0
+    return n
 
 
 def prompt_cache(model: nn.Module, ids: torch.Tensor, rows: int):
