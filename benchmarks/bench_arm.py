@@ -11,16 +11,20 @@ between tasks only the task just learned) and `--group-by-length` (default 8: tr
 batches, adapt.group_by_length).
 Per precision (`--precisions fp32,bf16`; bf16 only where the CPU runs it natively, unless given), old and new
 alternate `--repeats` times (old, new, old, new ...; `--new-first`: new, old, ...), so machine load hits both; the
-medians are compared. The metric
-check compares new's first run with old's first run (bench_precision.metric_check: R cells and general PPL after
-each task, in sampling errors).
+medians are compared; `--bf16-against-fp32`: only old in fp32 and new in bf16. Each arm's time is also given
+without the untrained model's scores, which a study computes once for all its arms (old and new alike): an arm's
+cost in a study. The metric check compares new's first run with old's first run (bench_precision.metric_check: R
+cells and general PPL after each task, in sampling errors). New trains bf16 on a CPU with eager attention
+(device.training_attention), old with the model's SDPA.
 
-    python benchmarks/bench_arm.py [--precisions fp32,bf16] [--repeats 1] [--new-first]
+    python benchmarks/bench_arm.py [--precisions fp32,bf16 | --bf16-against-fp32] [--repeats 1] [--new-first]
         [--tasks dbpedia,amazon,yahoo,agnews] [--steps 32] [--train-examples 256] [--test-rows 50] [--held-out FOMC]
         [--threads N] [--quick]
 
 `--padding-only`: the training tokens that are padding, as drawn and grouped (`--group-by-length`), no arm.
 `--scoring-rows N`: label scoring alone (N test rows of the first task), old and new alternating, no arm.
+`--attention N`: N training steps of the first task's batches (seed 0, grouped), each run with the model's SDPA
+attention and with the eager attention bf16 training takes on a CPU (device.training_attention), alternating, no arm.
 `--quick`: the tests' tiny Llama and one task (seconds; the test of this script).
 """
 from __future__ import annotations
@@ -42,12 +46,14 @@ import torch
 from _timing import provenance
 from bench_precision import load, metric_check
 
-from forgetless import loss
+from forgetless import attach, loss
+from forgetless import device as device_module
 from forgetless.continual import instruct, scoring
 from forgetless.continual.evaluate import evaluate
 from forgetless.continual.instruct import load_stream, run_on
+from forgetless.continual.instruct import saved_scores as instruct_saved_scores
 from forgetless.data.instructions import InstructionSampler, load_task
-from forgetless.device import autocast, cpu_bf16, resolve_device
+from forgetless.device import autocast, cpu_bf16, resolve_device, training_attention
 from forgetless.presets import build_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +68,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=1, help="old/new pairs per precision")
     parser.add_argument("--new-first", action="store_true", help="each pair runs new, then old (an order effect "
                         "shows against a run in the default order)")
+    parser.add_argument("--bf16-against-fp32", action="store_true", help="only old in fp32 and new in bf16, "
+                        "compared with each other (the bf16 goal), --repeats times")
     parser.add_argument("--tasks", default="dbpedia,amazon,yahoo,agnews", help="the stream's tasks, in order")
     parser.add_argument("--held-out", default="FOMC", help="held-out tasks ('' for none)")
     parser.add_argument("--steps", type=int, default=32, help="training steps per task")
@@ -76,6 +84,8 @@ def parse_args() -> argparse.Namespace:
                         "the first task, old and new alternating --repeats times per precision (no arm)")
     parser.add_argument("--padding-only", action="store_true", help="count the training tokens that are padding, "
                         "as drawn and with --group-by-length (no arm: seconds)")
+    parser.add_argument("--attention", type=int, default=0, help="time training steps with SDPA and with eager "
+                        "attention: this many batches of the first task, each run both ways, alternating (no arm)")
     parser.add_argument("--quick", action="store_true", help="the tests' tiny Llama, one task: seconds")
     args = parser.parse_args()
     if min(args.threads, args.repeats, args.steps, args.train_examples, args.test_rows) < 1:
@@ -106,18 +116,30 @@ def overrides(args) -> dict:
 
 
 def run_arm(lm, tokenizer, settings: dict, precision: str, out: Path, about: str, scoring=None,
-            r_cells: str = "all", group: int = 0) -> tuple[dict, float]:
-    """One `lora` arm: (results, wall seconds); `scoring`: a scoring module used in place of today's, and every
-    training row run whole; `group`: adapt.group_by_length."""
+            r_cells: str = "all", group: int = 0) -> tuple[dict, float, float]:
+    """One `lora` arm: (results, wall seconds, of which the untrained model's scores took); `scoring`: a scoring
+    module used in place of today's, every training row run whole with SDPA attention; `group`:
+    adapt.group_by_length. A study scores the untrained model once for all its arms (instruct.saved_scores, both
+    old and new): an arm's cost there is the wall time without it."""
     cfg = build_config("real", {**settings, "data": {**settings["data"], "r_cells": r_cells},
                                 "adapt": {**settings["adapt"], "precision": precision, "group_by_length": group}})
+    base = []
+
+    def timed_base(*args):
+        t0 = time.perf_counter()
+        scored = instruct_saved_scores(*args)
+        base.append(time.perf_counter() - t0)
+        return scored
+
     with contextlib.ExitStack() as old:
+        old.enter_context(mock.patch.object(instruct, "saved_scores", timed_base))
         if scoring:
             old.enter_context(mock.patch.object(instruct, "task_hits", scoring.task_hits))
             old.enter_context(mock.patch.object(loss, "SHARED_MIN", sys.maxsize))
+            old.enter_context(mock.patch.object(device_module, "EAGER_BYTES", 0))
         t0 = time.perf_counter()
         results = run_on(lm, tokenizer, cfg, ["lora"], [0], out, "real", about)
-        return results, time.perf_counter() - t0
+        return results, time.perf_counter() - t0, sum(base)
 
 
 def main():
@@ -134,46 +156,57 @@ def main():
           f"{args.group_by_length}", flush=True)
     if args.scoring_rows:
         return scoring_only(lm, tokenizer, old, args, precisions, device)
+    if args.attention:
+        return attention_only(lm, tokenizer, args, settings, precisions, device)
     if args.padding_only:
         cfg = build_config("real", settings)
         return print(json.dumps({"bench": "arm padding", "padding": padding(load_stream(cfg, tokenizer), cfg,
                                                                             args.group_by_length)}))
+    runs = [("fp32", "old"), ("bf16", "new")] if args.bf16_against_fp32 else \
+        [(precision, name) for precision in precisions for name in (("new", "old") if args.new_first else ("old", "new"))]
     timed, first = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
-        for precision in precisions:
-            for r in range(args.repeats):
-                pair = [("old", old, "all", 0), ("new", None, args.r_cells, args.group_by_length)]
-                for name, scoring, cells, group in pair[::-1] if args.new_first else pair:
-                    results, wall = run_arm(lm, tokenizer, settings, precision, Path(tmp) / f"{precision}-{name}-{r}",
-                                            about, scoring, cells, group)
-                    train_s = results.methods["lora"].wall_s["mean"]
-                    timed.setdefault((precision, name), []).append({"wall_s": round(wall, 1),
-                                                                    "train_s": round(train_s, 1),
-                                                                    "rest_s": round(wall - train_s, 1)})
-                    first.setdefault((precision, name), results.to_json())
-                    print(f"{precision} {name} #{r}: {wall:.1f} s ({train_s:.1f} s training, {wall - train_s:.1f} s "
-                          f"scoring and the rest), load {os.getloadavg()[0]:.1f}", flush=True)
+        for r in range(args.repeats):
+            for precision, name in runs:
+                scoring, cells, group = (old, "all", 0) if name == "old" else (None, args.r_cells, args.group_by_length)
+                results, wall, base = run_arm(lm, tokenizer, settings, precision, Path(tmp) / f"{precision}-{name}-{r}",
+                                              about, scoring, cells, group)
+                train_s = results.methods["lora"].wall_s["mean"]
+                timed.setdefault((precision, name), []).append({
+                    "wall_s": round(wall, 1), "train_s": round(train_s, 1), "rest_s": round(wall - train_s, 1),
+                    "base_scores_s": round(base, 1), "study_arm_s": round(wall - base, 1)})
+                first.setdefault((precision, name), results.to_json())
+                print(f"{precision} {name} #{r}: {wall:.1f} s ({train_s:.1f} s training, {wall - train_s:.1f} s "
+                      f"scoring and the rest, of which {base:.1f} s the untrained model's scores), load "
+                      f"{os.getloadavg()[0]:.1f}", flush=True)
     cfg = build_config("real", settings)
     stream = load_stream(cfg, tokenizer)
     padded = padding(stream, cfg, args.group_by_length)
     general = stream.general.windows
     losses = [evaluate(lm, general[i:i + 1])["loss"] for i in range(len(general))]
     tested = [len(t.test[:cfg.data.test_rows or None]) for t in stream.tasks]
-    median = {k: statistics.median(run["wall_s"] for run in v) for k, v in timed.items()}
+    median = {k: {key: statistics.median(run[key] for run in v) for key in ("wall_s", "study_arm_s")}
+              for k, v in timed.items()}
     out = {"bench": "arm", "precisions": {}, "config": {**vars(args), "settings": settings, "model": about},
            "padding": padded, "load_at_start": load_avg, "load_at_end": os.getloadavg(), "provenance": made_by}
-    for precision in precisions:
-        check = metric_check(first[precision, "old"], first[precision, "new"], losses, tested,
-                             general.numel() - len(general), ("old", "new"))
-        speedup = median[precision, "old"] / median[precision, "new"]
-        out["precisions"][precision] = {"old": timed[precision, "old"], "new": timed[precision, "new"],
-                                        "speedup": round(speedup, 3), "metric_check": check}
-        print(f"{precision}: old {median[precision, 'old']:.1f} s, new {median[precision, 'new']:.1f} s: "
-              f"{speedup:.2f}x; metrics: {check['cells']} values, largest change {check['max_z']:.2f} sampling "
-              f"errors, {check['cells_beyond_one_se']} at or beyond one", flush=True)
-    if {"fp32", "bf16"} <= set(precisions):
-        out["new_bf16_vs_old_fp32"] = round(median["fp32", "old"] / median["bf16", "new"], 3)
-        print(f"new bf16 against old fp32: {out['new_bf16_vs_old_fp32']:.2f}x", flush=True)
+    pairs = [(p, p) for p in precisions if {(p, "old"), (p, "new")} <= set(timed)] + \
+        ([("fp32", "bf16")] if ("fp32", "old") in timed and ("bf16", "new") in timed else [])
+    for old_p, new_p in dict.fromkeys(pairs):
+        a, b = median[old_p, "old"], median[new_p, "new"]
+        check = metric_check(first[old_p, "old"], first[new_p, "new"], losses, tested, general.numel() - len(general),
+                             ("old", "new"))
+        label = old_p if old_p == new_p else "new_bf16_vs_old_fp32"
+        out["precisions"][label] = {"old": timed[old_p, "old"], "new": timed[new_p, "new"],
+                                    "speedup": round(a["wall_s"] / b["wall_s"], 3),
+                                    "study_arm_speedup": round(a["study_arm_s"] / b["study_arm_s"], 3),
+                                    "metric_check": check}
+        if label == "new_bf16_vs_old_fp32":
+            out[label] = round(a["wall_s"] / b["wall_s"], 3)
+        print(f"{label}: old {old_p} {a['wall_s']:.1f} s, new {new_p} {b['wall_s']:.1f} s: "
+              f"{a['wall_s'] / b['wall_s']:.2f}x (an arm in a study, the untrained model scored once for all: "
+              f"{a['study_arm_s']:.1f} s against {b['study_arm_s']:.1f} s, {a['study_arm_s'] / b['study_arm_s']:.2f}x); "
+              f"metrics: {check['cells']} values, largest change {check['max_z']:.2f} sampling errors, "
+              f"{check['cells_beyond_one_se']} at or beyond one", flush=True)
     print(json.dumps(out))
 
 
@@ -212,6 +245,31 @@ def scoring_only(lm, tokenizer, old, args, precisions: list[str], device):
         print(json.dumps({"bench": "arm scoring", "precision": precision, "rows": len(prompts), **runs,
                           "ratios": [round(a / b, 2) for a, b in zip(runs["old"], runs["new"])], "argmax_agree": agree,
                           "max_abs_diff": (scores["old"] - scores["new"]).abs().max().item()}), flush=True)
+
+
+def attention_only(lm, tokenizer, args, settings: dict, precisions: list[str], device):
+    """`--attention` training steps of `lora` on the first task's batches, each with SDPA and with eager attention
+    (device.training_attention; the order alternates), no weight moving: seconds of each, summed."""
+    cfg = build_config("real", {**settings, "data": {**settings["data"], "tasks": settings["data"]["tasks"][:1]}})
+    stream = load_stream(cfg, tokenizer)
+    sampler = InstructionSampler(stream.train[0], cfg.adapt.batch_size, 1, group=args.group_by_length)
+    batches = [sampler.next().to(device) for _ in range(args.attention)]
+    adapted = attach(lm, "lora")
+    adapted.model.train()
+    for precision in precisions:
+        seconds = {"sdpa": 0.0, "eager": 0.0}
+        for i, batch in enumerate(batches):
+            for name in list(seconds)[::1 if i % 2 else -1]:
+                limit = 0 if name == "sdpa" else device_module.EAGER_BYTES
+                with mock.patch.object(device_module, "EAGER_BYTES", limit):
+                    t0 = time.perf_counter()
+                    with autocast(device, precision), training_attention(adapted.model, device, precision, batch.x):
+                        adapted.losses(batch)[0].backward()
+                    seconds[name] += time.perf_counter() - t0
+                adapted.model.zero_grad(set_to_none=True)
+        print(json.dumps({"bench": "arm attention", "precision": precision, "steps": len(batches),
+                          "tokens": sum(b.x.numel() for b in batches), **{k: round(v, 2) for k, v in seconds.items()},
+                          "sdpa_over_eager": round(seconds["sdpa"] / seconds["eager"], 3)}), flush=True)
 
 
 if __name__ == "__main__":

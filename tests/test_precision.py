@@ -8,9 +8,11 @@ import forgetless.device as devices
 from forgetless import train
 from forgetless.continual import evaluate as evaluate_module
 from forgetless.continual.instruct import run_on
+from forgetless.continual.learner import Learner
 from forgetless.continual.two_domain import run_two_domain
 from forgetless.errors import ForgetlessError
-from forgetless.presets import PRESETS, build_config, resolve_run
+from forgetless.methods import build_method
+from forgetless.presets import PRESETS, AdaptConfig, build_config, resolve_run
 from tiny_lm import tiny_llama, tiny_tokenizer
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -146,3 +148,55 @@ def test_instruction_scores_run_under_the_training_precision(cpu_probes, tmp_pat
     assert results["precision"] == {"used": "bf16", "requested": "auto", "why": "auto: the CPU has AVX-512 BF16"}
     assert results["config"]["adapt"]["precision"] == "bf16"
     assert states and all(states), f"{states.count(False)} of {len(states)} forwards ran without bf16 autocast"
+
+
+def attention_seen(model) -> list:
+    """(attention implementation, gradients on) at every forward of `model`."""
+    seen = []
+    model.register_forward_pre_hook(lambda module, args: seen.append(
+        (module.config._attn_implementation, torch.is_grad_enabled())))
+    return seen
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_bf16_training_on_a_cpu_runs_attention_eagerly_and_scoring_keeps_sdpa(precision, tmp_path, one_thread):
+    tok = tiny_tokenizer()
+    lm = tiny_llama(tok.vocab_size)
+    seen = attention_seen(lm)
+    cfg = build_config("real", {"data": {"tasks": ["dbpedia"], "train_examples": 8, "test_rows": 4, "eval_windows": 2},
+                                "adapt": {"steps": 2, "batch_size": 4, "precision": precision}})
+    run_on(lm, tok, cfg, ["lora"], [0], tmp_path, "real", "tiny-llama")
+    training = {impl for impl, grad in seen if grad}
+    assert training == ({"eager"} if precision == "bf16" else {"sdpa"}), seen
+    assert {impl for impl, grad in seen if not grad} == {"sdpa"}  # scoring: no backward, SDPA is as fast there
+    assert lm.config._attn_implementation == "sdpa"
+
+
+def test_eager_attention_only_within_its_memory_budget_and_sdpa_back_after_an_error(monkeypatch):
+    lm = tiny_llama(64)
+    rows = torch.zeros(4, 32, dtype=torch.long)
+    inside = []
+    for limit, expected in ((devices.EAGER_BYTES, "eager"), (4 * 2 * 32 * 32 * 8 * 2 - 1, "sdpa")):
+        monkeypatch.setattr(devices, "EAGER_BYTES", limit)  # the tiny Llama: 2 heads, 2 layers
+        with devices.training_attention(lm, CPU, "bf16", rows):
+            inside.append(lm.config._attn_implementation)
+    with torch.no_grad(), devices.training_attention(lm, CPU, "bf16", rows):
+        inside.append(lm.config._attn_implementation)
+    assert inside == ["eager", "sdpa", "sdpa"]
+    monkeypatch.setattr(devices, "EAGER_BYTES", 1 << 30)
+    with pytest.raises(RuntimeError), devices.training_attention(lm, CPU, "bf16", rows):
+        assert lm.config._attn_implementation == "eager"
+        raise RuntimeError("a failed step")
+    assert lm.config._attn_implementation == "sdpa"
+    lm.set_attn_implementation("eager")  # a model loaded eager stays so
+    with devices.training_attention(lm, CPU, "bf16", rows):
+        assert lm.config._attn_implementation == "eager"
+    assert lm.config._attn_implementation == "eager"
+
+
+def test_the_online_learner_trains_bf16_on_a_cpu_with_eager_attention():
+    lm = tiny_llama(64)
+    seen = attention_seen(lm)
+    learner = Learner(lm, build_method("lora", {}), AdaptConfig(precision="bf16", warmup=0))
+    learner.learn(torch.randint(3, 64, (2, 17)), 1)  # windows (W, T + 1)
+    assert [impl for impl, grad in seen if grad] == ["eager"] and lm.config._attn_implementation == "sdpa"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
 
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+EAGER_BYTES = 1 << 30  # the most attention weights (8 bytes an entry, every layer) eager attention keeps for a backward
 
 
 def autocast(device: torch.device, precision: str):
@@ -39,6 +41,27 @@ def autocast(device: torch.device, precision: str):
     if precision == "fp16" and device.type != "cuda":
         raise ForgetlessError(f"precision fp16 needs a CUDA device, not {device.type}; use bf16 or fp32")
     return torch.autocast(device.type, dtype=PRECISIONS[precision], enabled=precision != "fp32")
+
+
+@contextmanager
+def training_attention(model, device: torch.device, precision: str, rows: torch.Tensor):
+    """A training forward of `rows` (B, T) in bf16 on a CPU, on a transformers model whose attention is SDPA: eager
+    attention while its weights for the backward (B, heads, T, T) in every layer stay under EAGER_BYTES, the model's
+    own after. PyTorch's CPU flash attention is slow in bf16's backward: a SmolLM2-135M LoRA step on 151-256 token
+    rows ran 9-17 % faster eagerly; in fp32 or without gradients it did not (benchmarks/bench_arm.py --attention)."""
+    config = getattr(model, "config", None)
+    heads, layers = getattr(config, "num_attention_heads", None), getattr(config, "num_hidden_layers", None)
+    swap = (device.type == "cpu" and resolve_precision(precision, device)[0] == "bf16" and torch.is_grad_enabled()
+            and getattr(config, "_attn_implementation", None) == "sdpa" and heads and layers
+            and rows.shape[0] * heads * rows.shape[-1] ** 2 * 8 * layers <= EAGER_BYTES
+            and getattr(model, "_can_set_attn_implementation", lambda: False)())
+    if swap:
+        model.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        if swap:
+            model.set_attn_implementation("sdpa")
 
 
 def resolve_precision(precision: str, device: torch.device) -> tuple[str, str]:

@@ -20,7 +20,7 @@ from forgetless import distributed
 from forgetless.checkpoint import load_checkpoint, load_optimizer, optimizer_tensors, save_checkpoint
 from forgetless.config import stable_hash
 from forgetless.data.splits import Batch, Sampler
-from forgetless.device import PRECISIONS, autocast
+from forgetless.device import PRECISIONS, autocast, training_attention
 from forgetless.errors import ForgetlessError
 from forgetless.hooks import HookChain, StepHooks, module_hooks
 from forgetless.optim import OPTIMIZERS, build_optimizer
@@ -129,7 +129,7 @@ def train(model: nn.Module, params: list[tuple[str, nn.Parameter]], sampler: Sam
                 group["lr"] = lr_at(step, cfg)
             model.train()
             batch, share = distributed.shard(sampler.next().to(device))  # this rank's rows of the global batch
-            with autocast(device, cfg.precision):
+            with autocast(device, cfg.precision), training_attention(model, device, cfg.precision, batch.x):
                 loss, lm_loss = loss_fn(model, batch)
             if share != 1.0:  # the LM loss as this rank's part of the global batch's token mean
                 loss = loss + (share - 1.0) * lm_loss

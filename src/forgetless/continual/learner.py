@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from forgetless.adapted import attach
 from forgetless.data.splits import Batch, Sampler
-from forgetless.device import autocast
+from forgetless.device import autocast, training_attention
 from forgetless.errors import ForgetlessError
 from forgetless.hooks import HookChain, module_hooks
 from forgetless.methods import Method
@@ -68,8 +68,10 @@ class Learner:
         lm = float("nan")
         for _ in range(steps):
             self.model.train()
-            with autocast(self.device, self.cfg.precision):
-                loss, lm_loss = self.adapted.losses(self.batch(windows))
+            batch = self.batch(windows)
+            with autocast(self.device, self.cfg.precision), \
+                    training_attention(self.model, self.device, self.cfg.precision, batch.x):
+                loss, lm_loss = self.adapted.losses(batch)
             if not torch.isfinite(loss):
                 raise TrainingDiverged(f"online update {self.steps + 1}: loss is {loss.item()}; lower the learning rate")
             self.opt.zero_grad(set_to_none=True)
