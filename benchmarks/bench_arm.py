@@ -163,7 +163,7 @@ def main():
         return print(json.dumps({"bench": "arm padding", "padding": padding(load_stream(cfg, tokenizer), cfg,
                                                                             args.group_by_length)}))
     runs = [("fp32", "old"), ("bf16", "new")] if args.bf16_against_fp32 else \
-        [(precision, name) for precision in precisions for name in (("new", "old") if args.new_first else ("old", "new"))]
+        [(p, name) for p in precisions for name in (("new", "old") if args.new_first else ("old", "new"))]
     timed, first = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
@@ -204,7 +204,8 @@ def main():
             out[label] = round(a["wall_s"] / b["wall_s"], 3)
         print(f"{label}: old {old_p} {a['wall_s']:.1f} s, new {new_p} {b['wall_s']:.1f} s: "
               f"{a['wall_s'] / b['wall_s']:.2f}x (an arm in a study, the untrained model scored once for all: "
-              f"{a['study_arm_s']:.1f} s against {b['study_arm_s']:.1f} s, {a['study_arm_s'] / b['study_arm_s']:.2f}x); "
+              f"{a['study_arm_s']:.1f} s against {b['study_arm_s']:.1f} s, "
+              f"{a['study_arm_s'] / b['study_arm_s']:.2f}x); "
               f"metrics: {check['cells']} values, largest change {check['max_z']:.2f} sampling errors, "
               f"{check['cells_beyond_one_se']} at or beyond one", flush=True)
     print(json.dumps(out))

@@ -47,8 +47,9 @@ def autocast(device: torch.device, precision: str):
 def training_attention(model, device: torch.device, precision: str, rows: torch.Tensor):
     """A training forward of `rows` (B, T) in bf16 on a CPU, on a transformers model whose attention is SDPA: eager
     attention while its weights for the backward (B, heads, T, T) in every layer stay under EAGER_BYTES, the model's
-    own after. PyTorch's CPU flash attention is slow in bf16's backward: a SmolLM2-135M LoRA step on 151-256 token
-    rows ran 9-17 % faster eagerly; in fp32 or without gradients it did not (benchmarks/bench_arm.py --attention)."""
+    own after. PyTorch's CPU flash attention is slow in bf16's backward: SmolLM2-135M LoRA steps on the real preset's
+    dbpedia batches took 1.20x as long with SDPA as eagerly (benchmarks/bench_arm.py --attention 32); fp32 steps and
+    forwards without gradients were no faster eagerly (checks not kept)."""
     config = getattr(model, "config", None)
     heads, layers = getattr(config, "num_attention_heads", None), getattr(config, "num_hidden_layers", None)
     swap = (device.type == "cpu" and resolve_precision(precision, device)[0] == "bf16" and torch.is_grad_enabled()
