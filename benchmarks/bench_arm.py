@@ -12,9 +12,10 @@ batches, adapt.group_by_length).
 Per precision (`--precisions fp32,bf16`; bf16 only where the CPU runs it natively, unless given), old and new
 alternate `--repeats` times (old, new, old, new ...; `--new-first`: new, old, ...), so machine load hits both; the
 medians are compared; `--bf16-against-fp32`: only old in fp32 and new in bf16. Each arm's time is also given
-without the untrained model's scores, which a study computes once for all its arms (old and new alike): an arm's
-cost in a study. The metric check compares new's first run with old's first run (bench_precision.metric_check: R
-cells and general PPL after each task, in sampling errors). New trains bf16 on a CPU with eager attention
+without the untrained model's scores (`without_base_s`): a run of N arms (`forgetless study`, old and new alike)
+scores the untrained model once for all, so an arm's share of it is 1/N; without it is the limit of many arms.
+The headline is the whole arm's wall time. The metric check compares new's first run with old's first run
+(bench_precision.metric_check: R cells and general PPL after each task, in sampling errors). New trains bf16 on a CPU with eager attention
 (device.training_attention), old with the model's SDPA.
 
     python benchmarks/bench_arm.py [--precisions fp32,bf16 | --bf16-against-fp32] [--repeats 1] [--new-first]
@@ -23,8 +24,9 @@ cells and general PPL after each task, in sampling errors). New trains bf16 on a
 
 `--padding-only`: the training tokens that are padding, as drawn and grouped (`--group-by-length`), no arm.
 `--scoring-rows N`: label scoring alone (N test rows of the first task), old and new alternating, no arm.
-`--attention N`: N training steps of the first task's batches (seed 0, grouped), each run with the model's SDPA
-attention and with the eager attention bf16 training takes on a CPU (device.training_attention), alternating, no arm.
+`--attention N`: N bf16 training steps of the first task's batches (seed 0, grouped), each run with the model's
+SDPA attention and with the eager attention bf16 training takes on a CPU (device.training_attention), alternating,
+no arm.
 `--quick`: the tests' tiny Llama and one task (seconds; the test of this script).
 """
 from __future__ import annotations
@@ -119,8 +121,8 @@ def run_arm(lm, tokenizer, settings: dict, precision: str, out: Path, about: str
             r_cells: str = "all", group: int = 0) -> tuple[dict, float, float]:
     """One `lora` arm: (results, wall seconds, of which the untrained model's scores took); `scoring`: a scoring
     module used in place of today's, every training row run whole with SDPA attention; `group`:
-    adapt.group_by_length. A study scores the untrained model once for all its arms (instruct.saved_scores, both
-    old and new): an arm's cost there is the wall time without it."""
+    adapt.group_by_length. A run of several arms scores the untrained model once for all (instruct.saved_scores,
+    both old and new)."""
     cfg = build_config("real", {**settings, "data": {**settings["data"], "r_cells": r_cells},
                                 "adapt": {**settings["adapt"], "precision": precision, "group_by_length": group}})
     base = []
@@ -162,8 +164,9 @@ def main():
         cfg = build_config("real", settings)
         return print(json.dumps({"bench": "arm padding", "padding": padding(load_stream(cfg, tokenizer), cfg,
                                                                             args.group_by_length)}))
-    runs = [("fp32", "old"), ("bf16", "new")] if args.bf16_against_fp32 else \
-        [(p, name) for p in precisions for name in (("new", "old") if args.new_first else ("old", "new"))]
+    order = ("new", "old") if args.new_first else ("old", "new")
+    runs = sorted([("fp32", "old"), ("bf16", "new")], key=lambda run: order.index(run[1])) \
+        if args.bf16_against_fp32 else [(p, name) for p in precisions for name in order]
     timed, first = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.repeats):
@@ -173,8 +176,8 @@ def main():
                                               about, scoring, cells, group)
                 train_s = results.methods["lora"].wall_s["mean"]
                 timed.setdefault((precision, name), []).append({
-                    "wall_s": round(wall, 1), "train_s": round(train_s, 1), "rest_s": round(wall - train_s, 1),
-                    "base_scores_s": round(base, 1), "study_arm_s": round(wall - base, 1)})
+                    "wall_s": round(wall, 3), "train_s": round(train_s, 3), "rest_s": round(wall - train_s, 3),
+                    "base_scores_s": round(base, 3), "without_base_s": round(wall - base, 3)})
                 first.setdefault((precision, name), results.to_json())
                 print(f"{precision} {name} #{r}: {wall:.1f} s ({train_s:.1f} s training, {wall - train_s:.1f} s "
                       f"scoring and the rest, of which {base:.1f} s the untrained model's scores), load "
@@ -185,27 +188,27 @@ def main():
     general = stream.general.windows
     losses = [evaluate(lm, general[i:i + 1])["loss"] for i in range(len(general))]
     tested = [len(t.test[:cfg.data.test_rows or None]) for t in stream.tasks]
-    median = {k: {key: statistics.median(run[key] for run in v) for key in ("wall_s", "study_arm_s")}
+    median = {k: {key: statistics.median(run[key] for run in v) for key in ("wall_s", "without_base_s")}
               for k, v in timed.items()}
     out = {"bench": "arm", "precisions": {}, "config": {**vars(args), "settings": settings, "model": about},
            "padding": padded, "load_at_start": load_avg, "load_at_end": os.getloadavg(), "provenance": made_by}
     pairs = [(p, p) for p in precisions if {(p, "old"), (p, "new")} <= set(timed)] + \
         ([("fp32", "bf16")] if ("fp32", "old") in timed and ("bf16", "new") in timed else [])
-    for old_p, new_p in dict.fromkeys(pairs):
+    for old_p, new_p in pairs:
         a, b = median[old_p, "old"], median[new_p, "new"]
         check = metric_check(first[old_p, "old"], first[new_p, "new"], losses, tested, general.numel() - len(general),
                              ("old", "new"))
         label = old_p if old_p == new_p else "new_bf16_vs_old_fp32"
         out["precisions"][label] = {"old": timed[old_p, "old"], "new": timed[new_p, "new"],
                                     "speedup": round(a["wall_s"] / b["wall_s"], 3),
-                                    "study_arm_speedup": round(a["study_arm_s"] / b["study_arm_s"], 3),
+                                    "speedup_without_base": round(a["without_base_s"] / b["without_base_s"], 3),
                                     "metric_check": check}
         if label == "new_bf16_vs_old_fp32":
             out[label] = round(a["wall_s"] / b["wall_s"], 3)
         print(f"{label}: old {old_p} {a['wall_s']:.1f} s, new {new_p} {b['wall_s']:.1f} s: "
-              f"{a['wall_s'] / b['wall_s']:.2f}x (an arm in a study, the untrained model scored once for all: "
-              f"{a['study_arm_s']:.1f} s against {b['study_arm_s']:.1f} s, "
-              f"{a['study_arm_s'] / b['study_arm_s']:.2f}x); "
+              f"{a['wall_s'] / b['wall_s']:.2f}x (without the untrained model's scores: "
+              f"{a['without_base_s']:.1f} s against {b['without_base_s']:.1f} s, "
+              f"{a['without_base_s'] / b['without_base_s']:.2f}x); "
               f"metrics: {check['cells']} values, largest change {check['max_z']:.2f} sampling errors, "
               f"{check['cells_beyond_one_se']} at or beyond one", flush=True)
     print(json.dumps(out))
@@ -249,28 +252,32 @@ def scoring_only(lm, tokenizer, old, args, precisions: list[str], device):
 
 
 def attention_only(lm, tokenizer, args, settings: dict, precisions: list[str], device):
-    """`--attention` training steps of `lora` on the first task's batches, each with SDPA and with eager attention
-    (device.training_attention; the order alternates), no weight moving: seconds of each, summed."""
+    """`--attention` training steps of `lora` on the first task's batches in bf16, each with SDPA and with eager
+    attention (device.training_attention; the order alternates), no weight moving: seconds of each, summed."""
+    if "bf16" not in precisions:
+        raise SystemExit("--attention compares bf16 training steps (fp32 keeps SDPA): add bf16 to --precisions")
     cfg = build_config("real", {**settings, "data": {**settings["data"], "tasks": settings["data"]["tasks"][:1]}})
     stream = load_stream(cfg, tokenizer)
     sampler = InstructionSampler(stream.train[0], cfg.adapt.batch_size, 1, group=args.group_by_length)
     batches = [sampler.next().to(device) for _ in range(args.attention)]
     adapted = attach(lm, "lora")
     adapted.model.train()
-    for precision in precisions:
-        seconds = {"sdpa": 0.0, "eager": 0.0}
-        for i, batch in enumerate(batches):
-            for name in list(seconds)[::1 if i % 2 else -1]:
-                limit = 0 if name == "sdpa" else device_module.EAGER_BYTES
-                with mock.patch.object(device_module, "EAGER_BYTES", limit):
-                    t0 = time.perf_counter()
-                    with autocast(device, precision), training_attention(adapted.model, device, precision, batch.x):
-                        adapted.losses(batch)[0].backward()
-                    seconds[name] += time.perf_counter() - t0
-                adapted.model.zero_grad(set_to_none=True)
-        print(json.dumps({"bench": "arm attention", "precision": precision, "steps": len(batches),
-                          "tokens": sum(b.x.numel() for b in batches), **{k: round(v, 2) for k, v in seconds.items()},
-                          "sdpa_over_eager": round(seconds["sdpa"] / seconds["eager"], 3)}), flush=True)
+    seconds, used = {"sdpa": 0.0, "eager": 0.0}, {"sdpa": set(), "eager": set()}
+    hook = adapted.model.register_forward_pre_hook(lambda module, args: ran.add(module.config._attn_implementation))
+    for i, batch in enumerate(batches):
+        for name in list(seconds)[::1 if i % 2 else -1]:
+            ran = used[name]
+            with mock.patch.object(device_module, "EAGER_BYTES", 0 if name == "sdpa" else device_module.EAGER_BYTES):
+                t0 = time.perf_counter()
+                with autocast(device, "bf16"), training_attention(adapted.model, device, "bf16", batch.x):
+                    adapted.losses(batch)[0].backward()
+                seconds[name] += time.perf_counter() - t0
+            adapted.model.zero_grad(set_to_none=True)
+    hook.remove()
+    print(json.dumps({"bench": "arm attention", "precision": "bf16", "steps": len(batches),
+                      "tokens": sum(b.x.numel() for b in batches), **{k: round(v, 3) for k, v in seconds.items()},
+                      "ran": {k: sorted(v) for k, v in used.items()},
+                      "sdpa_over_eager": round(seconds["sdpa"] / seconds["eager"], 3)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 import forgetless
 from forgetless.cli import app
+from forgetless.device import eager_attention_bytes
 from forgetless.memory import ENV, FROZEN, TRAINED, LivePeak, Setting, estimate, meta_model
 from forgetless.methods import build_method
 from forgetless.models import hf
@@ -49,6 +50,22 @@ def test_activation_constants_are_what_autograd_saves_per_token_and_layer(mode, 
     measured = (per(2, 32) - per(1, 32) - per(2, 16) + per(1, 16)) / (2 * 16)  # bytes per token per layer
     coefficients = (FROZEN if frozen else TRAINED)[mode]
     assert measured == sum(c * x for c, x in zip(coefficients, (48, 80, 24, 4, 1)))
+
+
+def test_eager_attention_keeps_what_its_estimate_counts():
+    """bf16 training on a CPU runs attention eagerly (device.training_attention): what it saves beyond SDPA is
+    within the estimate's part for it (8 bytes an entry) and at least the fp32 softmax and its bf16 copy (6)."""
+    model = llama(2)
+    sdpa = saved_bytes(model, 64, amp=True)
+    model.set_attn_implementation("eager")
+    extra = saved_bytes(model, 64, amp=True) - sdpa
+    counted = eager_attention_bytes(2, 64, 4, 2)  # saved_bytes' 2 rows, 4 query heads, 2 layers
+    assert 6 / 8 * counted <= extra <= counted, (extra, counted)
+    s = Setting(2, 64, precision="bf16", eager=True)
+    with_eager = estimate(meta_model(LlamaConfig(**SHAPE)), build_method("lora"), s).parts
+    assert with_eager["eager attention"] == eager_attention_bytes(2, 64, 4, 2)
+    assert "eager attention" not in estimate(meta_model(LlamaConfig(**SHAPE)), build_method("lora"),
+                                             Setting(2, 64, precision="bf16", eager=True, checkpointing=True)).parts
 
 
 SHAPE = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -14,6 +14,7 @@ from forgetless.errors import ForgetlessError
 from forgetless.methods import build_method
 from forgetless.presets import PRESETS, AdaptConfig, build_config, resolve_run
 from tiny_lm import tiny_llama, tiny_tokenizer
+from transformers import PreTrainedModel
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -158,6 +159,11 @@ def attention_seen(model) -> list:
     return seen
 
 
+switches_attention = pytest.mark.skipif(not hasattr(PreTrainedModel, "set_attn_implementation"),
+                                        reason="this transformers cannot switch a model's attention")
+
+
+@switches_attention
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_bf16_training_on_a_cpu_runs_attention_eagerly_and_scoring_keeps_sdpa(precision, tmp_path, one_thread):
     tok = tiny_tokenizer()
@@ -172,28 +178,37 @@ def test_bf16_training_on_a_cpu_runs_attention_eagerly_and_scoring_keeps_sdpa(pr
     assert lm.config._attn_implementation == "sdpa"
 
 
-def test_eager_attention_only_within_its_memory_budget_and_sdpa_back_after_an_error(monkeypatch):
-    lm = tiny_llama(64)
+@switches_attention
+def test_eager_attention_only_where_it_helps_within_its_budget_and_sdpa_back_after_an_error(monkeypatch):
+    lm = tiny_llama(64).train()
     rows = torch.zeros(4, 32, dtype=torch.long)
-    inside = []
-    for limit, expected in ((devices.EAGER_BYTES, "eager"), (4 * 2 * 32 * 32 * 8 * 2 - 1, "sdpa")):
-        monkeypatch.setattr(devices, "EAGER_BYTES", limit)  # the tiny Llama: 2 heads, 2 layers
-        with devices.training_attention(lm, CPU, "bf16", rows):
-            inside.append(lm.config._attn_implementation)
-    with torch.no_grad(), devices.training_attention(lm, CPU, "bf16", rows):
-        inside.append(lm.config._attn_implementation)
-    assert inside == ["eager", "sdpa", "sdpa"]
-    monkeypatch.setattr(devices, "EAGER_BYTES", 1 << 30)
+
+    def inside(precision="bf16", limit=1 << 30):
+        monkeypatch.setattr(devices, "EAGER_BYTES", limit)
+        with devices.training_attention(lm, CPU, precision, rows):
+            return lm.config._attn_implementation
+    assert inside() == "eager" and lm.config._attn_implementation == "sdpa"
+    assert devices.eager_attention_bytes(4, 32, 2, 2) == 4 * 2 * 32 * 32 * 8 * 2  # the tiny Llama: 2 heads, 2 layers
+    assert inside(limit=devices.eager_attention_bytes(4, 32, 2, 2)) == "eager"
+    assert inside(limit=devices.eager_attention_bytes(4, 32, 2, 2) - 1) == "sdpa"
+    assert inside("fp32") == "sdpa"
+    with torch.no_grad():
+        assert inside() == "sdpa"  # no backward: nothing to gain
+    lm.eval()
+    assert inside() == "sdpa"
+    lm.train()
+    lm.gradient_checkpointing_enable()  # its backward reruns the forward after the context: it would differ
+    assert inside() == "sdpa"
+    lm.gradient_checkpointing_disable()
     with pytest.raises(RuntimeError), devices.training_attention(lm, CPU, "bf16", rows):
         assert lm.config._attn_implementation == "eager"
         raise RuntimeError("a failed step")
     assert lm.config._attn_implementation == "sdpa"
-    lm.set_attn_implementation("eager")  # a model loaded eager stays so
-    with devices.training_attention(lm, CPU, "bf16", rows):
-        assert lm.config._attn_implementation == "eager"
-    assert lm.config._attn_implementation == "eager"
+    lm.set_attn_implementation("eager")  # a model set to eager stays so
+    assert inside() == "eager" and lm.config._attn_implementation == "eager"
 
 
+@switches_attention
 def test_the_online_learner_trains_bf16_on_a_cpu_with_eager_attention():
     lm = tiny_llama(64)
     seen = attention_seen(lm)

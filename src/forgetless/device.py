@@ -32,7 +32,7 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
 
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-EAGER_BYTES = 1 << 30  # the most attention weights (8 bytes an entry, every layer) eager attention keeps for a backward
+EAGER_BYTES = 1 << 30  # the most attention weights eager attention may keep for a backward (eager_attention_bytes)
 
 
 def autocast(device: torch.device, precision: str):
@@ -45,17 +45,20 @@ def autocast(device: torch.device, precision: str):
 
 @contextmanager
 def training_attention(model, device: torch.device, precision: str, rows: torch.Tensor):
-    """A training forward of `rows` (B, T) in bf16 on a CPU, on a transformers model whose attention is SDPA: eager
-    attention while its weights for the backward (B, heads, T, T) in every layer stay under EAGER_BYTES, the model's
-    own after. PyTorch's CPU flash attention is slow in bf16's backward: SmolLM2-135M LoRA steps on the real preset's
-    dbpedia batches took 1.20x as long with SDPA as eagerly (benchmarks/bench_arm.py --attention 32); fp32 steps and
-    forwards without gradients were no faster eagerly (checks not kept)."""
+    """A training forward of `rows` (B, T) in bf16 on a CPU (`eager_training`), on a transformers model whose
+    attention is SDPA and that switches it: eager attention while what it keeps for the backward stays under
+    EAGER_BYTES, SDPA after. PyTorch's CPU flash attention is slow in bf16's backward: SmolLM2-135M LoRA steps on the
+    real preset's dbpedia batches took 1.20x as long with SDPA as eagerly (benchmarks/bench_arm.py --attention 32,
+    docs/results/speed.md); fp32 steps and forwards without gradients were no faster eagerly (checks not kept).
+    Not with gradient checkpointing (its backward reruns the forward, after this context) nor on a model with
+    sub-models (each has its own attention setting)."""
     config = getattr(model, "config", None)
     heads, layers = getattr(config, "num_attention_heads", None), getattr(config, "num_hidden_layers", None)
-    swap = (device.type == "cpu" and resolve_precision(precision, device)[0] == "bf16" and torch.is_grad_enabled()
-            and getattr(config, "_attn_implementation", None) == "sdpa" and heads and layers
-            and rows.shape[0] * heads * rows.shape[-1] ** 2 * 8 * layers <= EAGER_BYTES
-            and getattr(model, "_can_set_attn_implementation", lambda: False)())
+    swap = (eager_training(device, precision) and model.training and torch.is_grad_enabled() and heads and layers
+            and getattr(config, "_attn_implementation", None) == "sdpa" and not getattr(config, "sub_configs", None)
+            and eager_attention_bytes(*rows.shape, heads, layers) <= EAGER_BYTES
+            and getattr(model, "_can_set_attn_implementation", lambda: False)()
+            and not any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()))
     if swap:
         model.set_attn_implementation("eager")
     try:
@@ -63,6 +66,19 @@ def training_attention(model, device: torch.device, precision: str, rows: torch.
     finally:
         if swap:
             model.set_attn_implementation("sdpa")
+
+
+def eager_training(device: torch.device, precision: str) -> bool:
+    """Whether training on `device` in `precision` runs short rows' attention eagerly (`training_attention`): bf16
+    on a CPU (measured where the CPU has AVX-512 BF16; where bf16 is emulated, not measured)."""
+    return device.type == "cpu" and resolve_precision(precision, device)[0] == "bf16"
+
+
+def eager_attention_bytes(rows: int, tokens: int, heads: int, layers: int) -> int:
+    """What eager attention keeps for the backward: per query head and (query, key) pair of every layer, the fp32
+    softmax and its bf16 copy (6 bytes; 9 with attention dropout) and room for the keys and values it repeats per
+    head: 8 bytes."""
+    return rows * heads * tokens ** 2 * 8 * layers
 
 
 def resolve_precision(precision: str, device: torch.device) -> tuple[str, str]:

@@ -29,11 +29,12 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from forgetless.device import EAGER_BYTES, eager_attention_bytes, eager_training
 from forgetless.errors import ForgetlessError
 
 # Bytes autograd saves per token per decoder layer, as coefficients of (width d, FFN width, key/value width, query
 # heads, 1): counted with torch.autograd.graph.saved_tensors_hooks on transformers' Llama decoder layer (SDPA
-# attention, which saves no (T, T) matrix), exact for every width tried (tests/test_memory.py counts them again).
+# attention, which saves no (T, T) matrix; eager attention's is a part of its own), exact for every width tried (tests/test_memory.py counts them again).
 # fp32: fp32 weights and compute; amp: fp32 weights under bf16/fp16 autocast (the residual stream stays fp32, each
 # linear saves its own half-precision copy of its input); half: bf16/fp16 weights. TRAINED: every weight trains;
 # FROZEN: no weight of the layer trains (a frozen linear keeps no input: its backward needs only its weight), and a
@@ -60,6 +61,7 @@ class Setting:
     precision: str = "fp32"  # autocast: fp32 (none), bf16, fp16
     checkpointing: bool = False
     quantize: str = "none"
+    eager: bool = False  # bf16 on a CPU: attention runs eagerly within device.EAGER_BYTES (training_attention)
     every_position: bool = False  # the model's own forward (Adapted's, Trainer's) makes logits at every position and
     # its output holds them (counted as held through the backward, as by a loop that keeps `out`); forgetless's own
     # loop runs the head only at scored positions (loss.training_loss) and drops them after the loss
@@ -124,6 +126,8 @@ def estimate(model: nn.Module, method, s: Setting) -> Estimate:
     else:
         saved = layers * per_layer + own
     parts["activations"] = rows * s.tokens * (saved + d * (8 + e))  # + the final norm and the head's input
+    if s.eager and not s.checkpointing and eager_attention_bytes(rows, s.tokens, heads, layers) <= EAGER_BYTES:
+        parts["eager attention"] = eager_attention_bytes(rows, s.tokens, heads, layers)
     from forgetless.loss import CHUNK_BYTES
     if s.every_position:  # the output's logits of every position, alive through the backward, and the loss over them
         logits = s.batch * s.tokens * vocab
@@ -183,7 +187,8 @@ def setting(spec: str, method, cfg, device: torch.device, tokens: int):
     saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     return config, Setting(cfg.adapt.batch_size, tokens, mix=method.training_config(cfg.adapt).mix,
                            dtype=resolve_dtype(cfg.load.dtype, saved, device), precision=cfg.adapt.precision,
-                           checkpointing=cfg.load.gradient_checkpointing != "off", quantize=cfg.load.quantize)
+                           checkpointing=cfg.load.gradient_checkpointing != "off", quantize=cfg.load.quantize,
+                           eager=eager_training(device, cfg.adapt.precision))
 
 
 def per_method(spec: str, cfg, device: torch.device, tokens: int) -> list[tuple[str, Estimate | str]]:
