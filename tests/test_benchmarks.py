@@ -160,6 +160,9 @@ def test_bench_arm_quick_bf16_against_fp32_and_the_attention_steps():
     line = json.loads(run.stdout.strip().splitlines()[-1])
     assert line["bench"] == "arm attention" and line["steps"] == 2 and line["ran"] == {"sdpa": ["sdpa"],
                                                                                       "eager": ["eager"]}
+    run = subprocess.run(bench + ["--attention", "2", "--precisions", "fp32"], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode != 0 and "--attention compares bf16 training steps" in run.stderr
 
 
 def test_bench_memory_counts_the_terms_state_over_what_trains(tmp_path):
