@@ -48,8 +48,8 @@ def training_attention(model, device: torch.device, precision: str, rows: torch.
     """A training forward of `rows` (B, T) in bf16 on a CPU (`eager_training`), on a transformers model whose
     attention is SDPA and that switches it: eager attention while what it keeps for the backward stays under
     EAGER_BYTES, SDPA after. PyTorch's CPU flash attention is slow in bf16's backward: SmolLM2-135M LoRA steps on the
-    real preset's dbpedia batches took 1.20x as long with SDPA as eagerly (benchmarks/bench_arm.py --attention 32,
-    docs/results/speed.md); fp32 steps and forwards without gradients were no faster eagerly (checks not kept).
+    real preset's dbpedia batches took 1.17-1.20x as long with SDPA as eagerly (benchmarks/bench_arm.py --attention
+    32, docs/results/speed.md); fp32 steps and forwards without gradients were no faster eagerly (checks not kept).
     Not with gradient checkpointing (its backward reruns the forward, after this context) nor on a model with
     sub-models (each has its own attention setting)."""
     config = getattr(model, "config", None)
