@@ -11,6 +11,7 @@ import torch
 
 from forgetless import distributed
 from forgetless.errors import ForgetlessError
+from forgetless.models.gpt import checkpointed
 
 
 def resolve_device(name: str | torch.device = "auto") -> torch.device:
@@ -58,7 +59,7 @@ def training_attention(model, device: torch.device, precision: str, rows: torch.
             and getattr(config, "_attn_implementation", None) == "sdpa" and not getattr(config, "sub_configs", None)
             and eager_attention_bytes(*rows.shape, heads, layers) <= EAGER_BYTES
             and getattr(model, "_can_set_attn_implementation", lambda: False)()
-            and not any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()))
+            and not checkpointed(model))
     if swap:
         model.set_attn_implementation("eager")
     try:

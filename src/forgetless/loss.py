@@ -21,7 +21,8 @@ from torch.utils.checkpoint import checkpoint
 
 from forgetless.data.splits import Batch
 from forgetless.distributed import is_shard
-from forgetless.models.gpt import cache_of, forward_takes, last_logits_only, logits_of, takes_logits_to_keep
+from forgetless.models.gpt import (cache_of, checkpointed, forward_takes, last_logits_only, logits_of,
+                                   takes_logits_to_keep)
 from forgetless.side import aux_loss
 
 CHUNK_BYTES = 64 << 20  # fp32 bytes of one chunk of (positions, V) logits in the loss and the KL
@@ -73,9 +74,8 @@ def shared_prompt(model: nn.Module, batch: Batch) -> int:
             is_shard(next(model.parameters())) or model.training and any(
                 isinstance(p := getattr(config, key, 0), (int, float)) and p > 0 for key in DROPOUT_KEYS):
         return 0
-    for m in model.modules():
-        if getattr(m, "gradient_checkpointing", False) is True or model.training and isinstance(m, nn.Dropout) and m.p:
-            return 0
+    if checkpointed(model) or model.training and any(isinstance(m, nn.Dropout) and m.p for m in model.modules()):
+        return 0
     return n
 
 
