@@ -11,7 +11,6 @@ import torch
 
 from forgetless import distributed
 from forgetless.errors import ForgetlessError
-from forgetless.models.gpt import checkpointed
 
 
 def resolve_device(name: str | torch.device = "auto") -> torch.device:
@@ -67,6 +66,12 @@ def training_attention(model, device: torch.device, precision: str, rows: torch.
     finally:
         if swap:
             model.set_attn_implementation("sdpa")
+
+
+def checkpointed(model: torch.nn.Module) -> bool:
+    """Whether some module of `model` runs under gradient checkpointing (transformers' flag): its backward reruns
+    the forward."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def eager_training(device: torch.device, precision: str) -> bool:

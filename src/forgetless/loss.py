@@ -20,9 +20,9 @@ from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
 from forgetless.data.splits import Batch
+from forgetless.device import checkpointed
 from forgetless.distributed import is_shard
-from forgetless.models.gpt import (cache_of, checkpointed, forward_takes, last_logits_only, logits_of,
-                                   takes_logits_to_keep)
+from forgetless.models.gpt import cache_of, forward_takes, last_logits_only, logits_of, takes_logits_to_keep
 from forgetless.side import aux_loss
 
 CHUNK_BYTES = 64 << 20  # fp32 bytes of one chunk of (positions, V) logits in the loss and the KL

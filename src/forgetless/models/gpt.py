@@ -225,12 +225,6 @@ def windowed(model: nn.Module) -> bool:
                 any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or []))
 
 
-def checkpointed(model: nn.Module) -> bool:
-    """Whether some module of `model` runs under gradient checkpointing (transformers' flag): its backward reruns
-    the forward."""
-    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
-
-
 def forward_takes(model: nn.Module, name: str) -> bool:
     """Whether the forward of the outermost transformers model in `model` (a PEFT or forgetless wrapper's
     inner model too) has the parameter `name`."""
