@@ -18,12 +18,18 @@ def pytest_configure(config):
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))  # -n: this is one of that many test processes
-    torch.set_num_threads(max(1, 2 // workers))
+    threads = max(1, min(2, cores()) // workers)
+    torch.set_num_threads(threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # its subprocesses too: no more threads than cores
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: one test process per core, at most 4 (each holds its own torch, models and fixtures)."""
-    return min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    return min(4, cores())
 
 
 @pytest.fixture(autouse=True)
