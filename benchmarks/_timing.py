@@ -45,12 +45,14 @@ def parse_args(doc: str) -> argparse.Namespace:
 
 
 def provenance(**packages: str) -> dict:
-    """What produced a benchmark's numbers: forgetless version, git commit, code fingerprint, torch, threads,
-    and the versions of `packages` (label -> distribution name) where installed."""
+    """What produced a benchmark's numbers: forgetless version, git commit, code fingerprint, torch, threads, the
+    machine (CPU model, cores, how it runs bf16) and the versions of `packages` (label -> distribution name) where
+    installed."""
     from importlib.metadata import PackageNotFoundError, version
 
     import forgetless
     from forgetless.config import code_fingerprint, git_commit
+    from forgetless.device import machine_text
 
     def installed(name: str) -> str | None:
         try:
@@ -58,7 +60,7 @@ def provenance(**packages: str) -> dict:
         except PackageNotFoundError:
             return None
     return {"forgetless": forgetless.__version__, "git_commit": git_commit(), "code": code_fingerprint(),
-            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": machine_text(),
             **{label: installed(name) for label, name in packages.items()}}
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from forgetless.config import code_fingerprint
+from forgetless.device import machine_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,6 +27,7 @@ def test_bench_harness_splits_a_cold_run_into_phases(tmp_path, text_file):
     assert abs(sum(phases.values()) - total) < 0.05 * total  # every second counted once
     assert line["candidate_ms"] > 0  # the plan's estimate was caught
     assert line["provenance"]["torch"] == torch.__version__ and line["provenance"]["code"] == code_fingerprint()
+    assert line["provenance"]["machine"] == machine_text()  # the CPU and how it runs bf16, beside the numbers
 
 
 def bench_real(*args: str) -> subprocess.CompletedProcess:
