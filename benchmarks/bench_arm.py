@@ -15,8 +15,8 @@ medians are compared; `--bf16-against-fp32`: only old in fp32 and new in bf16. E
 without the untrained model's scores (`without_base_s`): a run of N arms (`forgetless study`, old and new alike)
 scores the untrained model once for all, so an arm's share of it is 1/N; without it is the limit of many arms.
 The headline is the whole arm's wall time. The metric check compares new's first run with old's first run
-(bench_precision.metric_check: R cells and general PPL after each task, in sampling errors). New trains bf16 on a CPU with eager attention
-(device.training_attention), old with the model's SDPA.
+(bench_precision.metric_check: R cells and general PPL after each task, in sampling errors). New trains bf16 on a
+CPU with eager attention (device.training_attention), old with the model's SDPA.
 
     python benchmarks/bench_arm.py [--precisions fp32,bf16 | --bf16-against-fp32] [--repeats 1] [--new-first]
         [--tasks dbpedia,amazon,yahoo,agnews] [--steps 32] [--train-examples 256] [--test-rows 50] [--held-out FOMC]

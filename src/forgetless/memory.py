@@ -34,7 +34,8 @@ from forgetless.errors import ForgetlessError
 
 # Bytes autograd saves per token per decoder layer, as coefficients of (width d, FFN width, key/value width, query
 # heads, 1): counted with torch.autograd.graph.saved_tensors_hooks on transformers' Llama decoder layer (SDPA
-# attention, which saves no (T, T) matrix; eager attention's is a part of its own), exact for every width tried (tests/test_memory.py counts them again).
+# attention, which saves no (T, T) matrix; eager attention's is a part of its own), exact for every width tried
+# (tests/test_memory.py counts them again).
 # fp32: fp32 weights and compute; amp: fp32 weights under bf16/fp16 autocast (the residual stream stays fp32, each
 # linear saves its own half-precision copy of its input); half: bf16/fp16 weights. TRAINED: every weight trains;
 # FROZEN: no weight of the layer trains (a frozen linear keeps no input: its backward needs only its weight), and a
